@@ -1,0 +1,45 @@
+# Sluice: `make serve` starts the server on the embedded default model, `make test` runs the suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# The CPU wheel of torch lies on this machine's disk; pinning it keeps pip from pulling a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast lint bench model clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+model: install  ## fetch and cache the default model (SmolLM2-135M-Instruct)
+	$(BIN)/python -c "from service.model_loader import ensure_default_model; print(ensure_default_model())"
+
+serve: model
+	$(BIN)/sluice serve $(ARGS)
+
+# pytest exits 5 when it collects no tests: that must fail CI, never pass silently.
+test: install
+	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+test-fast: install  ## everything but the tests that need the real SmolLM2
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check service scheduling kvcache metrics tests
+
+bench: model
+	$(BIN)/sluice bench offline --standard --output bench/results.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,179 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool, prefix lookup and swap bookkeeping."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvcache.block import KVCacheBlock
+from kvcache.block_pool import BlockPool
+from kvcache.hashing import BlockHash
+from kvcache.swap_space import SwapSpace
+
+
+class CacheableRequest(Protocol):
+    """What the manager needs to know about a request (scheduling.Request satisfies it)."""
+
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates and frees a request's blocks; lookup always precedes allocation, block tables only grow."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.swap_space = SwapSpace(num_host_blocks)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the prefix cache
+        self.req_host_blocks: dict[str, list[int]] = {}
+        # Cumulative prefix-cache counters, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks in the pool."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks no request references (cached prefixes included)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks in use, 0..1."""
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: CacheableRequest) -> list[KVCacheBlock]:
+        """Longest run of cached blocks matching the request's prefix; the last token is never a hit."""
+        if not self.enable_prefix_caching:
+            return []
+        # The last known token must be recomputed: its logits give the next token.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request: CacheableRequest,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Reserve slots for `num_new_tokens` after the computed prefix; None (and no change) if they don't fit."""
+        computed = new_computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(num_required - len(blocks) - len(computed), 0)
+        # Hits on free cached blocks leave the free queue too, so they count against what is free.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
+            return None
+
+        if request.num_computed_tokens == 0:  # first admission (or after recompute preemption)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed) * self.block_size
+        self.pool.touch(computed)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed)
+        blocks.extend(new_blocks)
+        if request.request_id not in self.req_num_cached:
+            self.req_num_cached[request.request_id] = len(computed)
+        # Registered now, before the forward fills them, so requests batched in the same step can share them;
+        # the scheduler never preempts a request scheduled in the current step, so they will be filled.
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: CacheableRequest, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks[rid]
+        start = self.req_num_cached.get(rid, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.req_num_cached[rid] = max(start, end)
+
+    def free(self, request: CacheableRequest, uncache: bool = False) -> None:
+        """Release the request's device blocks (tail first, so its prefix stays cached longest) and host slots.
+
+        `uncache` forgets the hashes of its blocks: for a failed step whose blocks were never filled.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, [])
+        self.req_num_cached.pop(rid, None)
+        if uncache:
+            for block in blocks:
+                self.pool.uncache_block(block)
+        self.pool.free_blocks(reversed(blocks))
+        host = self.req_host_blocks.pop(rid, None)
+        if host:
+            self.swap_space.free(host)
+
+    # --- swap ---------------------------------------------------------------------------------
+
+    def num_blocks_to_swap(self, request: CacheableRequest) -> int:
+        """Blocks holding the request's computed tokens."""
+        return cdiv(request.num_computed_tokens, self.block_size)
+
+    def can_swap_out(self, request: CacheableRequest) -> bool:
+        """Whether the host pool can take the request's computed blocks."""
+        return self.num_blocks_to_swap(request) <= self.swap_space.num_free_blocks
+
+    def swap_out(self, request: CacheableRequest) -> list[tuple[int, int]]:
+        """Move the request's computed blocks to host slots; returns (device_block, host_block) copies to do."""
+        rid = request.request_id
+        n = self.num_blocks_to_swap(request)
+        blocks = self.req_blocks[rid]
+        host = self.swap_space.allocate(n)
+        copies = [(blocks[i].block_id, host[i]) for i in range(n)]
+        self.req_host_blocks[rid] = host
+        self.req_blocks.pop(rid)
+        self.req_num_cached.pop(rid, None)
+        self.pool.free_blocks(reversed(blocks))
+        return copies
+
+    def can_swap_in(self, request: CacheableRequest, num_extra_tokens: int = 0) -> bool:
+        """Whether the device has room for the request's swapped blocks plus `num_extra_tokens` more."""
+        need = cdiv(request.num_computed_tokens + num_extra_tokens, self.block_size)
+        return need <= self.pool.num_free_blocks
+
+    def swap_in(self, request: CacheableRequest) -> list[tuple[int, int]]:
+        """Bring the request's blocks back into fresh device blocks; returns (host_block, device_block) copies."""
+        rid = request.request_id
+        host = self.req_host_blocks.pop(rid)
+        blocks = self.pool.get_new_blocks(len(host))
+        self.req_blocks[rid] = blocks
+        self.req_num_cached[rid] = 0
+        self._cache_full_blocks(request, request.num_computed_tokens)
+        self.swap_space.free(host)
+        return [(h, b.block_id) for h, b in zip(host, blocks, strict=True)]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes (only when idle)."""
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,101 @@
+"""What the scheduler hands the model runner, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduling.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's slice of a step: compute `token_ids` at positions `start_pos`, `start_pos + 1`, …"""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens to run this step (a prefill chunk, or 1 for a decode)
+    start_pos: int  # num_computed_tokens before this step: position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table, covering start_pos + len(token_ids) tokens
+    sample: bool  # this chunk reaches the last known token: sample the next token from its logits
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated before this step (seeds per-token generators deterministically)
+    output_token_ids: list[int] = field(default_factory=list)  # generated so far (penalties, min_tokens)
+    eos_token_id: int | None = None
+    min_tokens_pending: bool = False  # min_tokens not yet reached: EOS / stop_token_ids must not be sampled
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed for this request in this step."""
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One engine step: the batch to run, plus block copies to perform before the forward."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    # (host_block, device_block) copies to do first, then (device_block, host_block) copies, then the forward.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop per-request state
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to compute and nothing to copy."""
+        return not (self.scheduled or self.swap_in or self.swap_out)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens for the requests whose `sample` flag was set."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """State after one engine step, for gauges and counters (counters are this step's increments)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_swapped: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0  # 0..1, cached-but-free blocks count as free
+    num_free_host_blocks: int = 0
+    num_total_host_blocks: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
+    num_generation_tokens: int = 0  # tokens sampled this step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # of which found cached
+    num_batched_tokens: int = 0
+    num_scheduled_requests: int = 0
+    step_duration_s: float = 0.0

@@ -1,0 +1,134 @@
+"""A request as the scheduler sees it: tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from kvcache.hashing import BlockHash, hash_block_tokens
+from scheduling.sampling_params import SamplingParams
+
+_arrival_seq = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    """WAITING → RUNNING → (PREEMPTED | SWAPPED) → … → FINISHED_*; PREEMPTED requests wait again."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # recompute: KV dropped, back in the waiting queue
+    SWAPPED = 3  # KV copied to host memory, in the swapped list
+    FINISHED_STOPPED = 10  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 11  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 12  # client went away or asked to cancel
+    FINISHED_ERROR = 13  # the engine step that held it failed
+
+    @property
+    def finished(self) -> bool:
+        """True for every terminal status."""
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a terminal status (None while unfinished)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence being generated. `num_computed_tokens` is the single measure of progress."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "sampling_params",
+        "eos_token_id",
+        "priority",
+        "arrival_time",
+        "arrival_seq",
+        "status",
+        "num_computed_tokens",
+        "block_hashes",
+        "num_preemptions",
+        "stop_reason",
+        "first_scheduled_time",
+        "first_token_time",
+        "num_cached_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_seq = next(_arrival_seq)  # breaks arrival-time ties deterministically
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.num_cached_tokens = -1  # prefix-cache hit tokens at first admission (-1: not yet admitted)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens known so far."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached a terminal status."""
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record a sampled token."""
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend the hash chain over every newly full block of known tokens."""
+        hashes = self.block_hashes
+        while (len(hashes) + 1) * block_size <= len(self.all_token_ids):
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + block_size]))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, priority={self.priority})"
+        )

@@ -1,0 +1,317 @@
+"""The scheduler: decides each step which requests compute how many tokens, within budgets and KV memory."""
+
+from __future__ import annotations
+
+import bisect
+
+from kvcache.manager import KVCacheManager, cdiv
+from scheduling.config import SchedulerConfig
+from scheduling.output import (
+    ModelRunnerOutput,
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from scheduling.request import Request, RequestStatus
+from scheduling.request_queue import create_request_queue, fcfs_key, priority_key
+
+
+class Scheduler:
+    """Three phases per step: resume swapped, continue running, admit waiting (vLLM's order).
+
+    `running` and `swapped` stay sorted best-first by the policy's key, so the preemption victim (lowest
+    priority, latest arrival) is always the last element and never one already scheduled in this step.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        config.validate()
+        self.config = config
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        # A sequence longer than the whole cache could never be scheduled, not even alone.
+        self.max_model_len = min(max_model_len, kv_cache_manager.num_blocks * self.block_size)
+        self.policy = config.scheduling_policy
+        self.key = priority_key if self.policy == "priority" else fcfs_key
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # ended since the last schedule(): the runner drops their state
+        self._stats = SchedulerStats()
+        self._prefix_counts_reported = (0, 0)
+
+    # --- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        request.update_block_hashes(self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests wherever they are (abort, stop string) and free their blocks now."""
+        assert status.finished
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+
+    def _release(self, request: Request, uncache: bool = False) -> None:
+        self.kv.free(request, uncache=uncache)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests waiting, running or swapped."""
+        return len(self.requests)
+
+    # --- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch; allocates KV slots and records swap copies."""
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        self._stats = SchedulerStats()
+        num_scheduled: dict[str, int] = {}
+        budget = self.config.max_num_batched_tokens
+
+        if self.policy == "priority":
+            self._preempt_for_waiting_priority(out)
+        self._resume_swapped(out)
+        budget, preempted = self._schedule_running(out, num_scheduled, budget)
+        if not preempted and self._may_admit_waiting():
+            budget = self._schedule_waiting(num_scheduled, budget)
+
+        for request in self.running:
+            n = num_scheduled.get(request.request_id)
+            if n is None:
+                continue
+            start = request.num_computed_tokens
+            out.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + n],
+                    start_pos=start,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    sample=start + n == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens,
+                    eos_token_id=request.eos_token_id,
+                    min_tokens_pending=request.num_output_tokens < request.sampling_params.min_tokens,
+                )
+            )
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
+        assert len(out.scheduled) <= self.config.max_num_seqs
+        return out
+
+    def _num_new_tokens(self, request: Request, num_hit_tokens: int, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _resume_swapped(self, out: SchedulerOutput) -> None:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            if self._waiting_outranks(request):
+                break
+            remaining = request.num_tokens - request.num_computed_tokens
+            if not self.kv.can_swap_in(request, remaining):
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(self.kv.swap_in(request))
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self.key)
+
+    def _schedule_running(
+        self, out: SchedulerOutput, num_scheduled: dict[str, int], budget: int
+    ) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, 0, budget)
+            assert n > 0, f"{request} has nothing to compute"
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                num_scheduled[request.request_id] = n
+                budget -= n
+                i += 1
+        return budget, preempted
+
+    def _may_admit_waiting(self) -> bool:
+        # Swapped requests resume before anything new is admitted (unless a waiting one strictly outranks them).
+        return not self.swapped or (
+            self.policy == "priority"
+            and bool(self.waiting)
+            and self.waiting.peek().priority < self.swapped[0].priority
+        )
+
+    def _waiting_outranks(self, request: Request) -> bool:
+        return (
+            self.policy == "priority"
+            and bool(self.waiting)
+            and self.waiting.peek().priority < request.priority
+        )
+
+    def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            num_hit = len(computed) * self.block_size
+            n = self._num_new_tokens(request, num_hit, budget)
+            if self.kv.allocate_slots(request, n, computed) is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self.key)
+            num_scheduled[request.request_id] = n
+            budget -= n
+        return budget
+
+    def _preempt_for_waiting_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy: a waiting request of strictly higher priority evicts lower-priority running ones."""
+        while self.waiting and self.running:
+            head, victim = self.waiting.peek(), self.running[-1]
+            if head.priority >= victim.priority:
+                return
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            if not seats_full and self._fits(head):
+                return
+            self._preempt(victim, out)
+
+    def _fits(self, request: Request) -> bool:
+        computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+        num_hit = len(computed) * self.block_size
+        n = self._num_new_tokens(request, num_hit, self.config.max_num_batched_tokens)
+        needed = cdiv(request.num_computed_tokens + num_hit + n, self.block_size) - len(computed)
+        needed += sum(1 for b in computed if b.ref_cnt == 0)
+        return needed <= self.kv.num_free_blocks
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        out.preempted_ids.append(victim.request_id)
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
+            out.swap_out.extend(self.kv.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, victim, key=self.key)
+            self._stats.num_preemptions_swap += 1
+        else:  # recompute, or swap space exhausted: fall back to recompute
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(victim)
+            self._stats.num_preemptions_recompute += 1
+
+    # --- results -------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Advance progress, append sampled tokens, finish requests that stopped, free their blocks."""
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        for sched in out.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None:
+                continue  # ended while the step ran
+            request.num_computed_tokens += sched.num_tokens
+            if request.num_output_tokens == 0:
+                self._stats.num_prompt_tokens += sched.num_tokens
+            token = runner_output.sampled.get(sched.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token)
+            request.update_block_hashes(self.block_size)
+            self._stats.num_generation_tokens += 1
+            status = self._check_stop(request, token)
+            logprobs = runner_output.logprobs.get(sched.request_id)
+            if status is not None:
+                request.status = status
+                any_finished = True
+                self.kv.free(request)
+                del self.requests[request.request_id]
+                self._finished_ids.append(request.request_id)
+            outputs.append(self._make_output(request, [token], [logprobs] if logprobs else []))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def fail_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """End every request of a step whose forward failed; their blocks were never filled, so uncache them."""
+        outputs = []
+        for sched in out.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None:
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request, uncache=True)
+            outputs.append(self._make_output(request, [], []))
+        self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    @staticmethod
+    def _make_output(request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # --- observability -------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges after the step plus this step's counter increments."""
+        s = self._stats
+        s.num_waiting = len(self.waiting)
+        s.num_running = len(self.running)
+        s.num_swapped = len(self.swapped)
+        s.num_free_blocks = self.kv.num_free_blocks
+        s.num_total_blocks = self.kv.num_blocks
+        s.kv_cache_usage = self.kv.usage
+        s.num_free_host_blocks = self.kv.swap_space.num_free_blocks
+        s.num_total_host_blocks = self.kv.swap_space.num_blocks
+        queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
+        s.prefix_cache_queries = queries - self._prefix_counts_reported[0]
+        s.prefix_cache_hits = hits - self._prefix_counts_reported[1]
+        self._prefix_counts_reported = (queries, hits)
+        return s

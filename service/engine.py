@@ -1,0 +1,302 @@
+"""LLMEngine: the synchronous engine core — scheduler, model runner and detokenizers, one step at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvcache.manager import KVCacheManager
+from scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
+from scheduling.request import Request, RequestStatus
+from scheduling.sampling_params import SamplingParams
+from scheduling.scheduler import Scheduler
+from service.config import SluiceConfig
+from service.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("sluice.engine")
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """One step's news for one request."""
+
+    request_id: str
+    text: str  # new text since the previous output (stop strings cut, no broken UTF-8)
+    token_ids: list[int]  # new token ids
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished offline generation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
+
+    def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
+        from service.model_loader import eos_token_ids, load_model, resolve_device_dtype
+        from service.model_runner import ModelRunner
+
+        self.config = config = config or SluiceConfig()
+        config.validate()
+        self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
+        if model is None:
+            model, tokenizer = load_model(
+                config.model.model, self.device, self.dtype, cache_dir=config.model.cache_dir or None
+            )
+        elif tokenizer is None:
+            raise ValueError("a tokenizer must accompany an explicitly given model")
+        self.model, self.tokenizer = model, tokenizer
+        self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
+        self.vocab_size = int(model.config.vocab_size)
+
+        sched = config.scheduler
+        self.runner = ModelRunner(
+            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs
+        )
+        block_size = config.cache.block_size
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self.kv_cache_bytes = self.runner.kv_cache_bytes
+        # A request longer than the whole cache could never run: cap the context at what the cache holds.
+        model_len = sched.max_model_len or _model_context_length(model)
+        self.max_model_len = min(model_len, self.num_kv_blocks * block_size)
+        self.kv_manager = KVCacheManager(
+            self.num_kv_blocks, block_size, config.cache.enable_prefix_caching, self.runner.num_host_blocks
+        )
+        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
+
+        eos_ids = eos_token_ids(model, tokenizer)
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self._extra_eos_ids = list(eos_ids[1:])
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending_outputs: list[EngineOutput] = []  # abort notices delivered by the next step()
+        self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests inject step failures here
+        self.last_stats = self.scheduler.make_stats()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt; ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> int:
+        """Queue a request; returns its prompt length. ValueError for prompts that can never run."""
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
+            )
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids]
+            )
+        request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time)
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            skip_special_tokens=True,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.scheduler.add_request(request)
+        return len(token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request now (its blocks are freed at once); a final 'abort' output follows on next step()."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self._detokenizers.pop(request_id, None)
+        self._pending_outputs.append(
+            EngineOutput(
+                request_id,
+                "",
+                [],
+                [],
+                True,
+                "abort",
+                request.num_prompt_tokens,
+                request.num_output_tokens,
+                max(request.num_cached_tokens, 0),
+            )
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything waits, runs, is swapped, or has an undelivered output."""
+        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose KV sits in host memory."""
+        return len(self.scheduler.swapped)
+
+    def kv_stats(self) -> dict:
+        """Free/total device and host blocks and usage, for health and tests."""
+        kv = self.kv_manager
+        return {
+            "free_blocks": kv.num_free_blocks,
+            "total_blocks": kv.num_blocks,
+            "usage": kv.usage,
+            "free_host_blocks": kv.swap_space.num_free_blocks,
+            "total_host_blocks": kv.swap_space.num_blocks,
+        }
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        """One iteration: schedule, forward, sample, update, detokenize. Never raises for a model failure."""
+        start = time.perf_counter()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched_out = self.scheduler.schedule()
+        if not sched_out.is_empty or sched_out.finished_ids:
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(sched_out)
+                runner_out = self.runner.execute(sched_out)
+            except Exception as exc:  # one bad step fails its own requests, not the engine
+                logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))
+                for ro in self.scheduler.fail_step(sched_out):
+                    self._detokenizers.pop(ro.request_id, None)
+                    outputs.append(
+                        EngineOutput(
+                            ro.request_id,
+                            "",
+                            [],
+                            [],
+                            True,
+                            "error",
+                            ro.num_prompt_tokens,
+                            ro.num_output_tokens,
+                            ro.num_cached_tokens,
+                            error=f"engine step failed: {type(exc).__name__}",
+                        )
+                    )
+            else:
+                for ro in self.scheduler.update_from_output(sched_out, runner_out):
+                    outputs.append(self._detokenize(ro))
+        stats = self.last_stats = self.scheduler.make_stats()
+        stats.num_batched_tokens = sched_out.num_batched_tokens
+        stats.num_scheduled_requests = len(sched_out.scheduled)
+        stats.step_duration_s = time.perf_counter() - start
+        for stat_logger in self.stat_loggers:
+            stat_logger(stats)
+        return outputs
+
+    def _detokenize(self, ro) -> EngineOutput:
+        detok = self._detokenizers[ro.request_id]
+        text = detok.update(ro.new_token_ids)
+        finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
+        if detok.stop_hit is not None and not finished:
+            self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
+            finished, reason, stop_reason = True, "stop", detok.stop_hit
+        if finished:
+            self._detokenizers.pop(ro.request_id, None)
+        return EngineOutput(
+            ro.request_id,
+            text,
+            ro.new_token_ids,
+            ro.logprobs,
+            finished,
+            reason,
+            ro.num_prompt_tokens,
+            ro.num_output_tokens,
+            ro.num_cached_tokens,
+            stop_reason=stop_reason,
+        )
+
+    # --- offline entry point -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        params = params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [f"gen-{next(_gen_ids)}" for _ in prompts]
+        results: dict[str, Completion] = {}
+        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            n = self.add_request(rid, prompt, per_prompt[i], priorities[i] if priorities else 0)
+            results[rid] = Completion(rid, list(self.scheduler.requests[rid].prompt_token_ids[:n]))
+        while self.has_unfinished_requests():
+            for out in self.step():
+                done = results.get(out.request_id)
+                if done is None:
+                    continue
+                done.token_ids.extend(out.token_ids)
+                done.text += out.text
+                done.logprobs.extend(out.logprobs)
+                if out.finished:
+                    done.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]
+
+
+_gen_ids = itertools.count()
+
+
+def _model_context_length(model) -> int:
+    cfg = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _default_served_name(model: str) -> str:
+    if model in ("", "default"):
+        return "SmolLM2-135M-Instruct"
+    return model.rstrip("/").split("/")[-1].removesuffix(".gguf")
