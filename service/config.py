@@ -37,6 +37,9 @@ class ServerConfig:
     max_queued_requests: int = knob(256, "Requests allowed to wait before new ones get 429.")
     shutdown_timeout: float = knob(30.0, "Seconds in-flight requests may take to finish after SIGTERM.")
     max_request_body_bytes: int = knob(1 << 20, "Largest accepted request body in bytes (larger: 413).")
+    max_stream_buffer: int = knob(
+        4096, "Outputs buffered for a client that stops reading its stream; past this its request is aborted."
+    )
     log_level: str = knob("info", "Log level: debug, info, warning, error.")
 
 

@@ -235,7 +235,7 @@ class LLMEngine:
 
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]
-        text = detok.update(ro.new_token_ids)
+        text = detok.update(ro.new_token_ids, finished=ro.finished)
         finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
         if detok.stop_hit is not None and not finished:
             self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)

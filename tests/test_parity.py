@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -78,13 +79,22 @@ def make_engine(model, mode: str, num_blocks: int, block_size: int = 16, budget:
     return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
 
 
+MAX_NEW = 20
+
+
+@functools.cache
+def reference_case(arch: str):
+    """The reference outputs are computed once per architecture and shared by both preemption modes."""
+    reference, ours = build_pair(arch)
+    prompts = mixed_prompts()
+    return ours, prompts, [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
-    reference, ours = build_pair(arch)
-    prompts = mixed_prompts()
-    max_new = 24
-    expected = [hf_greedy(reference, p, max_new) for p in prompts]
+    ours, prompts, expected = reference_case(arch)
+    max_new = MAX_NEW
 
     engine = make_engine(ours, mode, num_blocks=24)
     preemptions = {"recompute": 0, "swap": 0}
@@ -142,7 +152,7 @@ def test_smollm2_parity(smollm2):
     for mode in ("recompute", "swap"):
         engine = LLMEngine(_smollm_config(mode, cfg_blocks), model=model_ours, tokenizer=tokenizer)
         preempted = []
-        engine.stat_loggers.append(lambda s: preempted.append(s.num_preemptions_recompute + s.num_preemptions_swap))
+        engine.stat_loggers.append(lambda s, p=preempted: p.append(s.num_preemptions_recompute + s.num_preemptions_swap))
         results = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0))
         for i, (got, want) in enumerate(zip(results, expected, strict=True)):
             assert got.token_ids == want, f"{mode}: prompt {i} diverged"

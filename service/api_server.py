@@ -1,0 +1,444 @@
+"""The OpenAI-compatible HTTP API: thin aiohttp handlers; request ids, auth and error shape are middlewares."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hmac
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from service.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, QueueFullError
+from service.config import SluiceConfig
+from service.openapi import openapi_spec
+from service.protocol import GenerateRequest, RequestError, parse_chat, parse_completion, resolve_params
+
+logger = logging.getLogger("sluice.api")
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # reachable without the API key (probes, scrapers)
+_SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the handlers share: the config, and the engine once it is loaded."""
+
+    config: SluiceConfig
+    engine: AsyncEngine | None = None  # None while the model loads
+    draining: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("state", ServerState)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sluice")
+    except Exception:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+# ---- middlewares ----------------------------------------------------------------------------------
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    """Echo a sane X-Request-Id or make one; it tags the logs of this request and its response."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _SAFE_REQUEST_ID.fullmatch(rid):
+        rid = uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    request_id_var.set(rid)  # the handler task's own context: no reset needed
+    return await handler(request)
+
+
+async def _add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Request-Id"] = request.get(REQUEST_ID) or uuid.uuid4().hex
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every error leaves as OpenAI's {"error": {...}}; internals stay in the log."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        level = logging.DEBUG if request.path in OPEN_PATHS else logging.INFO  # probes 503 while loading
+        logger.log(level, "%s %s -> %d: %s", request.method, request.path, e.status, e.message)
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(_from_http_exception(request, e))
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(RequestError(
+            f"internal server error (request id {request[REQUEST_ID]})", status=500, type="server_error",
+            code="internal_error"))
+
+
+def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestError:
+    if e.status == 404:
+        return RequestError(f"no such endpoint: {request.method} {request.path}", status=404, code="not_found")
+    if e.status == 405:
+        allowed = ", ".join(sorted(getattr(e, "allowed_methods", ()) or ()))
+        return RequestError(f"method {request.method} not allowed on {request.path}", status=405,
+                            code="method_not_allowed", headers={"Allow": allowed})
+    if e.status == 413:
+        limit = request.app[STATE].config.server.max_request_body_bytes
+        return RequestError(f"request body too large (limit {limit} bytes)", status=413, code="request_too_large")
+    return RequestError(e.reason or "bad request", status=e.status)
+
+
+def error_response(e: RequestError) -> web.Response:
+    """OpenAI's error body with the error's status (and its headers: Retry-After, Allow, ...)."""
+    return web.Response(status=e.status, body=orjson.dumps(e.to_dict()), content_type="application/json",
+                        headers=e.headers)
+
+
+def auth_middleware(api_key: str):
+    """When an API key is set, everything but the probes needs `Authorization: Bearer <key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                raise RequestError("invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                                   status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return middleware
+
+
+# ---- probes and metadata --------------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 while loading or serving, 503 once the engine loop has died; with engine counters."""
+    state = request.app[STATE]
+    engine = state.engine
+    if engine is None:
+        return _json({"status": "loading"})
+    if not engine.is_alive:
+        raise RequestError("the engine is dead", status=503, type="server_error", code="engine_dead")
+    s = engine.stats
+    return _json({
+        "status": "draining" if state.draining else "ok",
+        "kv_free_blocks": s.get("free_blocks"), "kv_total_blocks": s.get("total_blocks"),
+        "running": s.get("running"), "waiting": s.get("waiting"), "swapped": s.get("swapped"),
+        "open_streams": engine.num_open_streams,
+    })
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 only with the model loaded, the engine running and the server not draining."""
+    state = request.app[STATE]
+    if state.engine is None or state.draining or not state.engine.is_alive:
+        why = "loading" if state.engine is None else "draining" if state.draining else "dead"
+        raise RequestError(f"not ready: {why}", status=503, type="server_error", code=why)
+    return _json({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus exposition of the default registry."""
+    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def version(request: web.Request) -> web.Response:
+    """The Sluice version."""
+    return _json({"version": _version()})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """OpenAPI 3 description of the completion endpoints."""
+    return _json(openapi_spec(_version()))
+
+
+async def models(request: web.Request) -> web.Response:
+    """The one served model."""
+    engine = _engine(request.app[STATE]).engine
+    return _json({"object": "list", "data": [{
+        "id": engine.served_model_name, "object": "model", "created": request.app[STATE].started,
+        "owned_by": "sluice", "max_model_len": engine.max_model_len,
+    }]})
+
+
+def _json(payload, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _engine(state: ServerState) -> AsyncEngine:
+    if state.draining:
+        raise RequestError("the server is shutting down", status=503, type="server_error", code="draining")
+    if state.engine is None:
+        raise RequestError("the model is still loading", status=503, type="server_error", code="loading")
+    return state.engine
+
+
+# ---- completions ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice's output as it accumulates."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    text_offset: int = 0  # characters sent so far: completions logprobs' text_offset
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    return await _generate(request, parse_completion(await _body(request)))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    return await _generate(request, parse_chat(await _body(request)))
+
+
+async def _body(request: web.Request) -> dict:
+    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise RequestError("the request body is not valid JSON") from None
+
+
+async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
+    state = request.app[STATE]
+    aengine = _engine(state)
+    engine = aengine.engine
+    if req.model is not None and req.model != engine.served_model_name:
+        raise RequestError(f"the model '{req.model}' does not exist", "model", status=404, code="model_not_found")
+    prompts = [_chat_prompt_ids(engine.tokenizer, req.messages)] if req.chat else [
+        engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts
+    ]
+    vocab = getattr(engine, "vocab_size", None) or len(engine.tokenizer)
+    prefix = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+    batch, choices = [], {}
+    for p, ids in enumerate(prompts):
+        params = resolve_params(req, ids, engine.max_model_len, vocab)
+        for i in range(req.n):
+            index = p * req.n + i
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            batch.append((f"{prefix}-{index}", ids, seeded))
+            choices[f"{prefix}-{index}"] = _Choice(index, p)
+    logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
+                "chat" if req.chat else "completion", len(prompts), req.n, [len(x) for x in prompts],
+                batch[0][2].max_tokens, req.stream)
+    try:
+        stream = await aengine.add_requests(batch, req.priority)
+    except ValueError as e:  # the engine's word on a prompt that can never run
+        raise RequestError(str(e), "messages" if req.chat else "prompt") from None
+    except QueueFullError as e:
+        raise RequestError(f"{e}; retry shortly", status=429, type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+    except EngineDrainingError:
+        raise RequestError("the server is shutting down", status=503, type="server_error", code="draining") from None
+    except EngineDeadError:
+        raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead") from None
+    fmt = _Format(req, prefix, engine.served_model_name, engine.tokenizer)
+    async with stream:
+        if req.stream:
+            return await _stream(request, stream, choices, fmt)
+        return await _collect(stream, choices, fmt)
+
+
+def _chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Render the model's chat template; its special tokens are in the text, so none are added again."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja raises for what the template refuses (role order, missing template, ...)
+        raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _record(choice: _Choice, out) -> None:
+    # Counters are cumulative; keep the largest seen (an abort notice may carry zeros).
+    choice.num_prompt_tokens = max(choice.num_prompt_tokens, out.num_prompt_tokens)
+    choice.num_output_tokens = max(choice.num_output_tokens, out.num_output_tokens)
+    choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+    if out.finished:
+        choice.finish_reason = out.finish_reason
+
+
+def _usage(choices: dict[str, _Choice]) -> dict:
+    prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}  # n samples share one prompt
+    cached = {c.prompt_index: c.num_cached_tokens for c in choices.values()}
+    completion = sum(c.num_output_tokens for c in choices.values())
+    return {"prompt_tokens": sum(prompt.values()), "completion_tokens": completion,
+            "total_tokens": sum(prompt.values()) + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+
+def _error_of(out) -> RequestError:
+    """The client-facing error for a request that ended badly (details are in the server log)."""
+    if out.finish_reason == "abort":
+        return RequestError(out.error or "the request was aborted", status=503, type="server_error",
+                            code="aborted")
+    logger.error("generation failed: %s", out.error)
+    return RequestError(f"generation failed (request id {request_id_var.get()})", status=500, type="server_error",
+                        code="internal_error")
+
+
+async def _collect(stream, choices: dict[str, _Choice], fmt: _Format) -> web.Response:
+    async for out in stream:
+        choice = choices[out.request_id]
+        if out.error:
+            raise _error_of(out)
+        choice.text.append(out.text)
+        choice.logprobs.extend(out.logprobs)
+        _record(choice, out)
+    ordered = sorted(choices.values(), key=lambda c: c.index)
+    return _json(fmt.response(ordered, _usage(choices)))
+
+
+async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt: _Format) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+        for choice in sorted(choices.values(), key=lambda c: c.index):
+            if fmt.req.chat:  # OpenAI opens each chat choice with the role
+                await _send(resp, fmt.chunk(choice, "", None, role=True))
+        async for out in stream:
+            choice = choices[out.request_id]
+            if out.error:
+                await _send(resp, _error_of(out).to_dict())
+                break
+            _record(choice, out)
+            if out.text or out.logprobs or out.finished:
+                await _send(resp, fmt.chunk(choice, out.text, out.finish_reason if out.finished else None,
+                                            logprobs=out.logprobs))
+                choice.text_offset += len(out.text)
+        else:
+            if fmt.req.include_usage:
+                await _send(resp, fmt.usage_chunk(_usage(choices)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:  # the client left: `async with stream` aborts the rest
+        logger.info("client disconnected mid-stream")
+    except Exception:  # headers are out: the error can only be an event
+        logger.exception("stream failed")
+        err = RequestError(f"internal server error (request id {request[REQUEST_ID]})", status=500,
+                           type="server_error", code="internal_error")
+        try:
+            await _send(resp, err.to_dict())
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            pass
+    return resp
+
+
+async def _send(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+class _Format:
+    """OpenAI's response and chunk shapes for one request (text completion or chat)."""
+
+    __slots__ = ("req", "id", "model", "tokenizer", "created")
+
+    def __init__(self, req: GenerateRequest, response_id: str, model: str, tokenizer):
+        self.req, self.id, self.model, self.tokenizer = req, response_id, model, tokenizer
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, choice: _Choice, text: str, finish_reason: str | None, role: bool = False,
+              logprobs=()) -> dict:
+        """One SSE chunk for one choice."""
+        want = self.req.params.logprobs is not None and not role
+        lp = self._logprobs(logprobs, choice.text_offset) if want else None
+        if self.req.chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+            body = {**self._head("chat.completion.chunk"), "choices": [
+                {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
+        else:
+            body = {**self._head("text_completion"), "choices": [
+                {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The last chunk when stream_options.include_usage is set: no choices, just usage."""
+        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+    def response(self, choices: list[_Choice], usage: dict) -> dict:
+        """The non-streaming response body."""
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            lp = self._logprobs(c.logprobs, 0) if self.req.params.logprobs is not None else None
+            if self.req.chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": out,
+                "usage": usage}
+
+    def _logprobs(self, items, text_offset: int) -> dict:
+        """Chat: {"content": [...]} entries; completions: the legacy parallel arrays."""
+        decode = self._token_text
+        if self.req.chat:
+            return {"content": [{
+                "token": decode(t.token_id), "logprob": max(t.logprob, _MIN_LOGPROB),
+                "bytes": list(decode(t.token_id).encode()),
+                "top_logprobs": [{"token": decode(i), "logprob": max(lp, _MIN_LOGPROB), "bytes": list(decode(i).encode())}
+                                 for i, lp in t.top],
+            } for t in items]}
+        tokens = [decode(t.token_id) for t in items]
+        offsets = []
+        for tok in tokens:
+            offsets.append(text_offset)
+            text_offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [max(t.logprob, _MIN_LOGPROB) for t in items],
+                "top_logprobs": [{decode(i): max(lp, _MIN_LOGPROB) for i, lp in t.top} for t in items],
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+# ---- the app --------------------------------------------------------------------------------------
+
+def create_app(config: SluiceConfig) -> web.Application:
+    """The aiohttp application; set `app[STATE].engine` once the model is loaded."""
+    middlewares = [request_id_middleware, error_middleware]
+    if config.server.api_key:
+        middlewares.append(auth_middleware(config.server.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_body_bytes)
+    app[STATE] = ServerState(config)
+    app.on_response_prepare.append(_add_request_id_header)
+    app.add_routes([
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat_completions),
+        web.get("/v1/models", models),
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/metrics", metrics),
+        web.get("/version", version),
+        web.get("/openapi.json", openapi),
+    ])
+    return app

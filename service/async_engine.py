@@ -1,0 +1,276 @@
+"""AsyncEngine: the asyncio face of the sync LLMEngine — one worker thread steps, per-request queues stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from scheduling.sampling_params import SamplingParams
+from service.config import SluiceConfig
+from service.engine import EngineOutput, LLMEngine
+
+logger = logging.getLogger("sluice.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; nothing more will be served."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are already waiting for their first token."""
+
+
+@dataclass(slots=True, eq=False)  # identity semantics: groups live in sets
+class _Group:
+    """The engine requests of one API call (n samples, several prompts) and their shared output queue."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    unfinished: set[str] = field(default_factory=set)  # as seen by the dispatcher
+
+
+class RequestStream:
+    """Outputs of one API call's engine requests; `async with` it so leaving early aborts the rest."""
+
+    __slots__ = ("_engine", "_group", "_remaining")
+
+    def __init__(self, engine: AsyncEngine, group: _Group, count: int):
+        self._engine, self._group, self._remaining = engine, group, count
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        if self._remaining == 0:
+            raise StopAsyncIteration
+        out = await self._group.queue.get()
+        if out.finished:
+            self._remaining -= 1
+        return out
+
+    async def aclose(self) -> None:
+        """Abort whatever has not finished (client gone, handler failed); idempotent."""
+        self._engine._release(self._group)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncEngine:
+    """Runs LLMEngine.step() in one dedicated thread; every engine call goes through that thread, in order."""
+
+    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
+                 executor: ThreadPoolExecutor | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.max_stream_buffer = max_stream_buffer
+        # One worker: add, abort and step never overlap, and FIFO order means an abort queued after an
+        # add always finds the request.
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
+        self._owner: dict[str, _Group] = {}  # unfinished engine request id -> its group
+        self._no_output: set[str] = set()  # admitted, no output yet: what the queue limit counts
+        self._groups: set[_Group] = set()  # groups whose stream is still open
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.dead: BaseException | None = None
+        self.draining = False
+        self.stats: dict = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    @classmethod
+    async def load(cls, config: SluiceConfig) -> AsyncEngine:
+        """Build the LLMEngine (loading the model) in the worker thread that will run its steps."""
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
+        engine = await asyncio.get_running_loop().run_in_executor(executor, LLMEngine, config)
+        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor)
+
+    def start(self) -> None:
+        """Start the background loop; call from the event loop."""
+        self.stats = self._read_stats()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sluice-engine-loop")
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the loop has died (or was never started)."""
+        return self.dead is None and self._task is not None and not self._task.done()
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; let in-flight requests finish for up to `timeout` s, then abort them with an error."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("shutdown timeout: aborting %d in-flight requests", len(self._owner))
+            for group in set(self._owner.values()):
+                self._fail(group, "abort", "the server is shutting down")
+            try:  # the handlers write their error events and return
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except asyncio.TimeoutError:
+                logger.warning("%d streams still open after the shutdown timeout", len(self._groups))
+
+    async def shutdown(self) -> None:
+        """Stop the loop and the worker thread."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests that have produced nothing yet (queued or prefilling)."""
+        return len(self._no_output)
+
+    @property
+    def num_open_streams(self) -> int:
+        """API calls whose output stream is still open."""
+        return len(self._groups)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the engine's running batch after the last step."""
+        return self.stats.get("running", 0)
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Admit one request; the returned stream yields its outputs. ValueError: the prompt can never run."""
+        return await self.add_requests([(request_id, prompt, params)], priority)
+
+    async def add_requests(
+        self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0
+    ) -> RequestStream:
+        """Admit several requests atomically (all or none) with one stream of their outputs."""
+        if self.dead is not None or self._task is None:
+            raise EngineDeadError("the engine is not running")
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down")
+        if self.num_waiting + len(requests) > self.max_queued_requests:
+            raise QueueFullError(f"more than {self.max_queued_requests} requests are waiting")
+        ids = [rid for rid, _, _ in requests]
+        if len(set(ids)) != len(ids) or any(rid in self._owner for rid in ids):
+            raise ValueError("duplicate request id")
+        group = _Group(unfinished=set(ids))
+        # Registered before the add job runs, so the step that follows cannot emit unclaimed outputs.
+        for rid in ids:
+            self._owner[rid] = group
+        self._no_output.update(ids)
+        self._groups.add(group)
+        self._idle.clear()
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority)
+        except BaseException:  # ValueError, or the handler cancelled: the add may still run, abort after it
+            self._release(group)
+            raise
+        self._wakeup.set()
+        return RequestStream(self, group, len(ids))
+
+    def _add_in_worker(self, requests, priority: int) -> None:
+        added = []
+        try:
+            for rid, prompt, params in requests:
+                self.engine.add_request(rid, prompt, params, priority)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+
+    def _release(self, group: _Group) -> None:
+        """Forget a group; abort its unfinished requests in the worker (after any add still queued there)."""
+        self._groups.discard(group)
+        self._abort(self._detach(group))
+        if not self._groups:
+            self._idle.set()
+
+    def _detach(self, group: _Group) -> list[str]:
+        """Stop routing outputs to a group; returns its unfinished request ids."""
+        left = [rid for rid in group.unfinished if self._owner.get(rid) is group]
+        for rid in left:
+            del self._owner[rid]
+            self._no_output.discard(rid)
+        group.unfinished.clear()
+        return left
+
+    def _abort(self, ids: list[str]) -> None:
+        """Queue aborts behind whatever the worker has queued; the next step returns their blocks."""
+        if not ids:
+            return
+        try:
+            self._executor.submit(self._abort_in_worker, ids)
+        except RuntimeError:  # the executor is shut down: the process is exiting
+            return
+        self._wakeup.set()
+
+    def _abort_in_worker(self, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+
+    def _fail(self, group: _Group, reason: str, message: str) -> None:
+        """End every unfinished request of a group with a terminal error output (stream stays open)."""
+        left = self._detach(group)  # a second failure finds nothing left
+        for rid in left:
+            group.queue.put_nowait(EngineOutput(rid, "", [], [], True, reason, 0, 0, 0, error=message))
+        self._abort(left)
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                # Cleared before the step is queued: an add that completes later sets it again.
+                self._wakeup.clear()
+                outputs, busy, self.stats = await loop.run_in_executor(self._executor, self._step)
+                self._dispatch(outputs)
+                if not busy:
+                    await self._wakeup.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # step() only raises for what it cannot contain: the engine is gone
+            logger.exception("engine loop died")
+            self.dead = exc
+            for group in set(self._owner.values()):
+                self._fail(group, "error", "the engine failed")
+
+    def _step(self) -> tuple[list[EngineOutput], bool, dict]:
+        """Worker thread: one step if there is work, then the state the loop needs."""
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return outputs, self.engine.has_unfinished_requests(), self._read_stats()
+
+    def _read_stats(self) -> dict:
+        e = self.engine
+        return {"waiting": e.num_waiting, "running": e.num_running, "swapped": e.num_swapped, **e.kv_stats()}
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        """Hand outputs to their streams; a stream whose reader fell too far behind is cut off."""
+        for out in outputs:
+            group = self._owner.get(out.request_id)
+            if group is None:  # its stream was closed: this is the abort notice, or a late straggler
+                continue
+            self._no_output.discard(out.request_id)
+            if group.queue.qsize() >= self.max_stream_buffer:
+                logger.warning("request %s: client not reading, %d outputs buffered; aborting",
+                               out.request_id, group.queue.qsize())
+                self._fail(group, "error", "the client did not read the stream fast enough")
+                continue
+            if out.finished:
+                group.unfinished.discard(out.request_id)
+                del self._owner[out.request_id]
+            group.queue.put_nowait(out)

@@ -1,0 +1,193 @@
+"""The `sluice` command: `sluice serve [flags]`, flags generated from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+
+from service.config import SluiceConfig
+
+logger = logging.getLogger("sluice")
+ENV_PREFIX = "SLUICE_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _sections() -> list[tuple[str, type]]:
+    """(name, dataclass) of each config section of SluiceConfig."""
+    return [(f.name, f.default_factory) for f in dataclasses.fields(SluiceConfig)]
+
+
+def _from_env(name: str, kind: type, raw: str):
+    if kind is bool:
+        if raw.strip().lower() not in _TRUE | _FALSE:
+            raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
+        return raw.strip().lower() in _TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field: `--field-name`, default from env `SLUICE_FIELD_NAME`, then the field's."""
+    seen: set[str] = set()
+    for section, cls in _sections():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            assert f.name not in seen, f"config field {f.name} appears in two sections"
+            seen.add(f.name)
+            kind, env = type(f.default), ENV_PREFIX + f.name.upper()
+            default = f.default
+            if env in os.environ:
+                try:
+                    default = _from_env(env, kind, os.environ[env])
+                except ValueError as e:
+                    parser.error(str(e))
+            text = f.metadata.get("help", "").replace("%", "%%") + f" [env {env}] (default: %(default)s)"
+            kw = {"dest": f"{section}__{f.name}", "default": default, "help": text}
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            if kind is bool:
+                if flag.startswith("--no-"):  # e.g. enable_prefix_caching -> --no-prefix-caching
+                    group.add_argument(flag, action="store_false", **kw)
+                else:
+                    group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            else:
+                choices = f.metadata.get("choices")
+                group.add_argument(flag, type=kind, choices=choices, metavar=None if choices else f.name.upper(), **kw)
+
+
+def config_from_args(args: argparse.Namespace) -> SluiceConfig:
+    """Assemble the SluiceConfig from parsed flags."""
+    parts = {}
+    for section, cls in _sections():
+        parts[section] = cls(**{f.name: getattr(args, f"{section}__{f.name}") for f in dataclasses.fields(cls)})
+    return SluiceConfig(**parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`sluice` and its subcommands (others, such as `sluice bench`, add their subparsers here)."""
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: an OpenAI-compatible streaming LLM server.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="Start the HTTP server.", description=(
+        "Serve the OpenAI-compatible API. Every flag can also be set with the environment variable shown."))
+    add_config_flags(serve)
+    serve.set_defaults(func=_serve_command)
+    # `sluice bench ...`: service/bench/cli.py adds its subparsers (each sets `func(args) -> exit code`).
+    if importlib.util.find_spec("service.bench.cli") is not None:
+        importlib.import_module("service.bench.cli").add_subcommands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `sluice` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    try:
+        config.validate()
+        if config.server.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"unknown log level {config.server.log_level!r}")
+    except ValueError as e:
+        print(f"sluice serve: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(config.server.log_level)
+    try:
+        import uvloop
+    except ImportError:  # Windows: plain asyncio
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))
+
+
+class _RequestIdFilter(logging.Filter):
+    """Stamps every record with the request id of the handler that logged it ('-' outside requests)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from service.api_server import request_id_var
+
+        record.request_id = request_id_var.get()
+        return True
+
+
+def setup_logging(level: str) -> None:
+    """One stderr handler; records carry the request id."""
+    handler = logging.StreamHandler()
+    handler.addFilter(_RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+async def serve(config: SluiceConfig) -> int:
+    """Bind first (so /health answers while loading), load the model, serve until SIGTERM, then drain."""
+    from aiohttp import web
+
+    from service.api_server import STATE, create_app
+    from service.async_engine import AsyncEngine
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    srv = config.server
+    app = create_app(config)
+    state = app[STATE]
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its requests.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log_format='%a "%r" %s %b %Tfs')
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, srv.host, srv.port).start()
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", srv.host, srv.port, e)
+        await runner.cleanup()
+        return 1
+    url = f"http://{srv.host}:{srv.port}"
+    logger.info("listening on %s; loading model %s", url, config.model.model)
+
+    load = asyncio.ensure_future(AsyncEngine.load(config))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # SIGTERM while loading: nothing in flight, and the loader thread cannot be stopped
+        logger.info("stopped while loading")
+        logging.shutdown()
+        os._exit(0)
+    if load.exception() is not None:
+        logger.error("failed to load the model: %s", load.exception(), exc_info=load.exception())
+        await runner.cleanup()
+        return 1
+    engine = load.result()
+    engine.start()
+    state.engine = engine
+    e = engine.engine
+    logger.info(
+        "Sluice ready: model %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB KV cache), max_model_len %d, "
+        "serving %s", e.served_model_name, e.device, str(e.dtype).removeprefix("torch."), e.num_kv_blocks,
+        config.cache.block_size, e.kv_cache_bytes / 2**20, e.max_model_len, url)
+
+    await stopped
+    logger.info("shutting down: draining for up to %.0fs", srv.shutdown_timeout)
+    state.draining = True
+    await engine.drain(srv.shutdown_timeout)
+    await runner.cleanup()
+    await engine.shutdown()
+    logger.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

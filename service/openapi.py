@@ -1,0 +1,165 @@
+"""A hand-written OpenAPI 3 description of the completion endpoints, kept in step with service/protocol.py."""
+
+from __future__ import annotations
+
+from service.protocol import (
+    CHAT_ROLES,
+    INT32,
+    INT64,
+    MAX_LOGPROBS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP,
+    MAX_STOP_LEN,
+    MAX_STOP_TOKEN_IDS,
+)
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32 - 1}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
+
+
+def _num(lo: float, hi: float, default: float, doc: str) -> dict:
+    return {"type": "number", "minimum": lo, "maximum": hi, "default": default, "nullable": True, "description": doc}
+
+
+def _int(lo: int, hi: int, doc: str, default: int | None = None) -> dict:
+    s = {"type": "integer", "minimum": lo, "maximum": hi, "nullable": True, "description": doc}
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+def _zero(doc: str) -> dict:
+    return {"type": "number", "minimum": 0, "maximum": 0, "nullable": True, "description": doc + " Only 0 is supported."}
+
+
+_SAMPLING = {
+    "model": {"type": "string", "nullable": True, "description": "The served model name (see /v1/models); optional."},
+    "temperature": _num(0, 2, 1, "Sampling temperature; 0 is greedy."),
+    "top_p": {**_num(0, 1, 1, "Nucleus sampling mass, in (0, 1]."), "exclusiveMinimum": True},
+    "top_k": _int(-1, INT32, "Keep the k most likely tokens; 0 or -1 disables.", 0),
+    "min_p": _num(0, 1, 0, "Drop tokens below min_p times the top probability."),
+    "seed": _int(-INT64, INT64 - 1, "Seed for reproducible sampling; choice i of n uses seed + i."),
+    "stop": {"nullable": True, "description": "Stop strings: the output ends before the first one (not included).",
+             "oneOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+                       {"type": "array", "maxItems": MAX_STOP,
+                        "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}}]},
+    "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": _TOKEN_ID, "nullable": True,
+                       "description": "Token ids that end the output."},
+    "include_stop_str_in_output": {"type": "boolean", "nullable": True, "default": False},
+    "ignore_eos": {"type": "boolean", "nullable": True, "default": False, "description": "Keep going past EOS."},
+    "min_tokens": _int(0, INT32, "Tokens to generate before EOS or stop token ids may end the output.", 0),
+    "n": _int(1, MAX_N, "Independent samples of the prompt (they share its KV cache blocks).", 1),
+    "best_of": _int(1, MAX_N, "Must equal n when given."),
+    "stream": {"type": "boolean", "nullable": True, "default": False, "description": "Stream Server-Sent Events."},
+    "stream_options": {"type": "object", "nullable": True, "description": "Only with stream: true.",
+                       "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
+    "priority": _int(-INT32, INT32 - 1, "Scheduling priority under --scheduling-policy priority: lower is served "
+                     "first; FCFS among equals.", 0),
+    "user": {"type": "string", "nullable": True, "description": "End-user id (accepted, not used)."},
+    "presence_penalty": _zero("Presence penalty."),
+    "frequency_penalty": _zero("Frequency penalty."),
+    "logit_bias": {"type": "object", "nullable": True, "maxProperties": 0, "description": "Not supported."},
+}
+
+_COMPLETION_REQUEST = {
+    "type": "object", "required": ["prompt"], "additionalProperties": True,
+    "properties": {
+        "prompt": {"description": "A string, a list of strings, a list of token ids or a list of lists of them.",
+                   "oneOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                              "items": {"type": "string", "minLength": 1}},
+                             _TOKEN_IDS,
+                             {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": _TOKEN_IDS}]},
+        "max_tokens": _int(1, INT32, "Most tokens to generate; prompt + max_tokens must fit the context.", 16),
+        "logprobs": _int(0, MAX_LOGPROBS, "Return the sampled token's logprob and this many alternatives."),
+        "echo": {"type": "boolean", "nullable": True, "enum": [False, None], "description": "Only false."},
+        "suffix": {"type": "string", "nullable": True, "enum": [None], "description": "Not supported."},
+        **_SAMPLING,
+    },
+}
+
+_CONTENT = {"nullable": True, "oneOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
+]}
+
+_CHAT_REQUEST = {
+    "type": "object", "required": ["messages"], "additionalProperties": True,
+    "properties": {
+        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": {
+            "type": "object", "required": ["role"],
+            "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)}, "content": _CONTENT,
+                           "name": {"type": "string", "nullable": True}},
+            "description": "content is required except for assistant messages."}},
+        "max_tokens": _int(1, INT32, "Most tokens to generate (default: what the context leaves)."),
+        "max_completion_tokens": _int(1, INT32, "Same as max_tokens; takes precedence."),
+        "logprobs": {"type": "boolean", "nullable": True, "default": False},
+        "top_logprobs": _int(0, MAX_LOGPROBS, "Alternatives per token; needs logprobs: true."),
+        **_SAMPLING,
+    },
+}
+
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}},
+}
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}
+
+
+def _response(obj: str, choice: dict) -> dict:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": [obj]}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": _USAGE}}
+
+
+_FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", None]}
+_COMPLETION_RESPONSE = _response("text_completion", {"type": "object", "properties": {
+    "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+    "logprobs": {"type": "object", "nullable": True}}})
+_CHAT_RESPONSE = _response("chat.completion", {"type": "object", "properties": {
+    "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": {"type": "object", "nullable": True},
+    "message": {"type": "object", "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}})
+
+_ERRORS = {
+    "400": "Invalid parameters, or a prompt longer than the context or the KV cache can ever hold.",
+    "401": "Missing or wrong 'Authorization: Bearer <key>' (when the server has an API key).",
+    "404": "Unknown model.",
+    "413": "Request body over --max-request-body-bytes.",
+    "429": "More than --max-queued-requests are waiting; see Retry-After.",
+    "503": "The server is loading or shutting down.",
+    "500": "Internal error; the server log has the details under the X-Request-Id.",
+}
+
+
+def _operation(summary: str, request: dict, response: dict) -> dict:
+    responses = {"200": {
+        "description": "The completion; with stream: true, Server-Sent Events of chunks ending in 'data: [DONE]'.",
+        "content": {"application/json": {"schema": response}, "text/event-stream": {"schema": {"type": "string"}}}}}
+    for status, doc in _ERRORS.items():
+        responses[status] = {"description": doc, "content": {"application/json": {"schema": _ERROR}}}
+    return {"post": {"summary": summary, "requestBody": {
+        "required": True, "content": {"application/json": {"schema": request}}}, "responses": responses,
+        "parameters": [{"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+                        "description": "Echoed in the response and the server log (generated when absent)."}]}}
+
+
+def openapi_spec(version: str) -> dict:
+    """The document served at /openapi.json."""
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "Sluice", "version": version,
+                 "description": "OpenAI-compatible completions with SSE streaming, served by Sluice."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}, {}],
+        "paths": {
+            "/v1/completions": _operation("Text completion", _COMPLETION_REQUEST, _COMPLETION_RESPONSE),
+            "/v1/chat/completions": _operation("Chat completion", _CHAT_REQUEST, _CHAT_RESPONSE),
+        },
+    }

