@@ -1,0 +1,258 @@
+"""Paged attention over packed variable-length sequences, in plain torch (flash-attn on CUDA when it fits).
+
+Query i of a sequence with kv length L and q length Q sees kv positions j <= L - Q + i (and, with a sliding
+window W, j > L - Q + i - W). Decodes (Q == 1) are batched into one gather + one SDPA call; prefill chunks run
+one SDPA call per sequence. Everything that depends only on the step's metadata (gather indices, masks) is built
+once per step in `AttentionMetadata` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional CUDA kernel; the torch path below is the reference
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_varlen_func = None
+
+# flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
+FLASH_BLOCK_MULTIPLE = 256
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The q_len == 1 sequences of a step, attended together over their gathered blocks."""
+
+    rows: torch.Tensor | slice  # their token rows in the packed batch
+    block_ids: torch.Tensor  # [n * num_blocks] flattened, padded block tables
+    num_seqs: int
+    padded_len: int  # num_blocks * block_size
+    seq_lens: torch.Tensor  # [n] long, device
+    masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence with q_len > 1 (a prompt chunk, maybe on top of cached context)."""
+
+    start: int  # its rows in the packed batch: start .. start + q_len
+    q_len: int
+    kv_len: int
+    block_ids: torch.Tensor  # the blocks holding kv positions 0 .. kv_len - 1
+    masks: dict = field(default_factory=dict)  # sliding_window -> [q_len, kv_len] bool, or None (plain causal)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's new K/V go, and which cached K/V each sequence attends over."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32, device
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_seqs] int32: kv length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    block_size: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    decode: DecodeBatch | None
+    prefills: list[PrefillSeq]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Metadata for sequences packed in order; lengths are host lists so planning needs no device sync."""
+        device = block_tables.device
+        cu_q = [0]
+        for n in query_lens:
+            cu_q.append(cu_q[-1] + n)
+        cu_k = [0]
+        for n in seq_lens:
+            cu_k.append(cu_k[-1] + n)
+        decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
+        decode = _plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size) if decode_idx else None
+        prefills = [
+            PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
+            for i, n in enumerate(query_lens)
+            if n > 1
+        ]
+        return cls(
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            block_size=block_size,
+            max_seqlen_q=max(query_lens, default=0),
+            max_seqlen_k=max(seq_lens, default=0),
+            decode=decode,
+            prefills=prefills,
+        )
+
+
+def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tables, block_size) -> DecodeBatch:
+    """Gather indices for all decodes at once; rows stay a slice when the decodes are packed contiguously."""
+    device = block_tables.device
+    first, last = cu_q[idx[0]], cu_q[idx[-1]]
+    rows = slice(first, last + 1) if last - first == len(idx) - 1 else torch.tensor(
+        [cu_q[i] for i in idx], device=device
+    )
+    num_blocks = -(-max(seq_lens[i] for i in idx) // block_size)
+    seq_index = slice(idx[0], idx[-1] + 1) if isinstance(rows, slice) else torch.tensor(idx, device=device)
+    tables = block_tables[seq_index, :num_blocks]
+    return DecodeBatch(
+        rows=rows,
+        block_ids=tables.reshape(-1).long(),
+        num_seqs=len(idx),
+        padded_len=num_blocks * block_size,
+        seq_lens=torch.tensor([seq_lens[i] for i in idx], device=device),
+    )
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache, value_cache, slot_mapping) -> None:
+    """Store the step's new keys/values [num_tokens, num_kv_heads, head_dim] into their slots."""
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend: query [T, H, D] → output [T, H, D]."""
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if _can_use_flash(query, meta):
+        return _flash_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
+    num_tokens = query.shape[0]
+    decode, prefills = meta.decode, meta.prefills
+    if decode is not None and not prefills and decode.num_seqs == num_tokens:
+        return _decode_attention(query, key_cache, value_cache, decode, scale, sliding_window, softcap)
+    if decode is None and len(prefills) == 1 and prefills[0].q_len == num_tokens:
+        return _prefill_attention(query, key, value, key_cache, value_cache, prefills[0], scale, sliding_window, softcap)
+    out = torch.empty_like(query)
+    if decode is not None:
+        q = query[decode.rows]
+        out[decode.rows] = _decode_attention(q, key_cache, value_cache, decode, scale, sliding_window, softcap)
+    for seq in prefills:
+        rows = slice(seq.start, seq.start + seq.q_len)
+        out[rows] = _prefill_attention(
+            query[rows], key[rows], value[rows], key_cache, value_cache, seq, scale, sliding_window, softcap
+        )
+    return out
+
+
+def _decode_attention(query, key_cache, value_cache, decode: DecodeBatch, scale, window, softcap) -> torch.Tensor:
+    """One query token per sequence: query [n, H, D] against each sequence's gathered blocks."""
+    n, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    # [n, L, Hkv, D] viewed as [n, Hkv, L, D]; strided, but SDPA reads it without another copy.
+    k = key_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    # Grouped heads become the query-length axis, so GQA needs no repeated K/V and the mask broadcasts.
+    q = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    mask = decode.masks.get(window, False)
+    if mask is False:
+        mask = decode.masks[window] = _decode_mask(decode, window)
+    out = _attend(q, k, v, mask, False, scale, softcap)
+    return out.reshape(n, num_heads, head_dim)
+
+
+def _decode_mask(decode: DecodeBatch, window: int | None) -> torch.Tensor:
+    """[n, 1, 1, L] True where kv position j < seq_len (and j > seq_len - 1 - window)."""
+    pos = torch.arange(decode.padded_len, device=decode.seq_lens.device)
+    lens = decode.seq_lens[:, None]
+    mask = pos < lens
+    if window is not None:
+        mask &= pos > lens - 1 - window
+    return mask[:, None, None, :]
+
+
+def _prefill_attention(query, key, value, key_cache, value_cache, seq: PrefillSeq, scale, window, softcap):
+    """One sequence's chunk: query [Q, H, D]; the new key/value [Q, Hkv, D] are already in the cache."""
+    if seq.kv_len == seq.q_len:
+        k, v = key, value  # no cached context: attend over the new tokens directly, no gather
+    else:
+        head_shape = key_cache.shape[2:]
+        k = key_cache.index_select(0, seq.block_ids).view(-1, *head_shape)[: seq.kv_len]
+        v = value_cache.index_select(0, seq.block_ids).view(-1, *head_shape)[: seq.kv_len]
+    mask = seq.masks.get(window, False)
+    if mask is False:
+        mask = seq.masks[window] = _prefill_mask(seq, window, query.device)
+    out = _attend(query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, mask is None,
+                  scale, softcap)
+    return out[0].transpose(0, 1)
+
+
+def _prefill_mask(seq: PrefillSeq, window: int | None, device) -> torch.Tensor | None:
+    """[Q, L] bottom-right causal mask (plus window); None when SDPA's own causal flag is exact."""
+    if seq.kv_len == seq.q_len and (window is None or window >= seq.kv_len):
+        return None
+    pos_q = torch.arange(seq.kv_len - seq.q_len, seq.kv_len, device=device)[:, None]
+    pos_k = torch.arange(seq.kv_len, device=device)[None, :]
+    mask = pos_k <= pos_q
+    if window is not None:
+        mask &= pos_k > pos_q - window
+    return mask
+
+
+def _attend(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention with q [B, H, Q, D] and k/v [B, Hkv, L, D], H a multiple of Hkv; mask True = visible."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    # SDPA has no softcap; this eager path is only taken by models that need one (e.g. Gemma 2).
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def _can_use_flash(query: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """flash-attn's paged kernel: CUDA, fp16/bf16, and a block size it accepts."""
+    return (
+        flash_attn_varlen_func is not None
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and meta.block_size % FLASH_BLOCK_MULTIPLE == 0
+    )
+
+
+def _flash_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale, window, softcap):
+    """flash-attn varlen over the paged cache; its causal mask is bottom-right aligned, as needed here."""
+    return flash_attn_varlen_func(
+        query,
+        key_cache,
+        value_cache,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(window - 1, 0) if window else (-1, -1),
+        softcap=softcap or 0.0,
+        block_table=meta.block_tables,
+    )

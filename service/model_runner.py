@@ -1,0 +1,115 @@
+"""Runs one engine step on the model: block swaps, one packed forward over every scheduled request, sampling."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from kvcache.config import CacheConfig
+from kvcache.kv_tensors import KVTensors, num_blocks_for_budget
+from kvcache.paged_attention import AttentionMetadata
+from scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from service.attention_backend import ATTN_IMPLEMENTATION, ForwardContext, register, set_forward_context
+from service.sampler import sample
+
+GiB = 1 << 30
+
+
+class ModelRunner:
+    """Owns the paged KV tensors and turns a SchedulerOutput into sampled tokens."""
+
+    def __init__(
+        self,
+        model,
+        cache_config: CacheConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ):
+        self.model = model
+        # Idempotent: a caller-built model (tests, embedding apps) may still be on sdpa/eager.
+        model.set_attn_implementation(register())
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                             "AttentionInterface, so it cannot use the paged KV cache")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.block_size = cache_config.block_size
+        config = model.config.get_text_config()
+        num_layers = config.num_hidden_layers
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (num_layers, num_kv_heads, head_dim, self.block_size, dtype)
+        self.num_kv_blocks = cache_config.num_kv_blocks or num_blocks_for_budget(
+            cache_config.kv_cache_memory * GiB, *shape
+        )
+        if self.num_kv_blocks < 1:
+            raise ValueError("KV cache budget too small for a single block; raise kv_cache_memory")
+        self.num_host_blocks = num_blocks_for_budget(cache_config.swap_space * GiB, *shape)
+        self.kv = KVTensors(
+            self.num_kv_blocks, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
+            num_host_blocks=self.num_host_blocks,
+        )
+        self.kv_cache_bytes = self.kv.num_bytes
+        # Models whose forward lacks logits_to_keep get full logits, sliced afterwards (correct, just slower).
+        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Swap in, swap out, then run the scheduled tokens and sample for requests flagged `sample`."""
+        self.kv.swap_in(out.swap_in)
+        self.kv.swap_out(out.swap_out)
+        if not out.scheduled:
+            return ModelRunnerOutput()
+        input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
+        with set_forward_context(ForwardContext(meta, self.kv.layers)):
+            logits = self._forward(input_ids, positions, sample_rows)
+        to_sample = [r for r in out.scheduled if r.sample]
+        if not to_sample:
+            return ModelRunnerOutput()
+        result = sample(logits.float(), to_sample)
+        return ModelRunnerOutput(
+            sampled={r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)},
+            logprobs={r.request_id: lp for r, lp in zip(to_sample, result.logprobs, strict=True) if lp is not None},
+        )
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):
+        """Packed input ids, positions, attention metadata and the rows whose logits are needed."""
+        query_lens = [r.num_tokens for r in scheduled]
+        seq_lens = [r.start_pos + r.num_tokens for r in scheduled]
+        input_ids = torch.tensor([t for r in scheduled for t in r.token_ids], dtype=torch.long)
+        width = max(len(r.block_ids) for r in scheduled)
+        block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in scheduled],
+                                    dtype=torch.int32)
+        q_lens = torch.tensor(query_lens)
+        cu_q = torch.zeros(len(scheduled) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=cu_q[1:])
+        # position of token t = start_pos of its sequence + (t - first row of its sequence)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)
+        starts = torch.tensor([r.start_pos for r in scheduled])
+        positions = torch.arange(len(input_ids)) + (starts - cu_q[:-1])[seq_of_token]
+        blocks = block_tables[seq_of_token, positions // self.block_size].long()
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        sample_rows = (cu_q[1:] - 1)[torch.tensor([r.sample for r in scheduled])]
+        to_device = self.device.type != "cpu"
+        if to_device:
+            input_ids, positions, slot_mapping, block_tables, sample_rows = (
+                t.to(self.device, non_blocking=True)
+                for t in (input_ids, positions, slot_mapping, block_tables, sample_rows)
+            )
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size)
+        return input_ids, positions, meta, sample_rows
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+        """One forward over the packed batch (as a single sequence of batch 1); logits [len(sample_rows), V]."""
+        if self._has_logits_to_keep:
+            output = self.model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=sample_rows
+            )
+            return output.logits[0]
+        output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return output.logits[0, sample_rows]

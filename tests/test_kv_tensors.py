@@ -1,0 +1,64 @@
+"""KV tensor layout, budget sizing and host swapping."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.kv_tensors import KVTensors, kv_block_bytes, num_blocks_for_budget
+
+
+def make(num_blocks=8, num_host_blocks=6, dtype=torch.float32):
+    return KVTensors(num_blocks, num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=dtype,
+                     device="cpu", num_host_blocks=num_host_blocks)
+
+
+def test_layout_and_per_layer_views():
+    kv = make()
+    assert kv.kv.shape == (2, 3, 8, 4, 2, 4)
+    assert kv.host_kv.shape == (2, 3, 6, 4, 2, 4)
+    key_cache, value_cache = kv.layers[1]
+    assert key_cache.shape == (8, 4, 2, 4)
+    key_cache[5, 2] = 7.0  # views share storage with the big tensor
+    assert kv.kv[0, 1, 5, 2].eq(7.0).all() and kv.kv[1].eq(0).all()
+    assert kv.num_bytes == 8 * kv_block_bytes(3, 2, 4, 4, torch.float32)
+
+
+def test_budget_sizing():
+    per_block = kv_block_bytes(30, 3, 64, 16, torch.bfloat16)
+    assert per_block == 2 * 30 * 16 * 3 * 64 * 2
+    assert num_blocks_for_budget(10 * per_block, 30, 3, 64, 16, torch.bfloat16) == 10
+    assert num_blocks_for_budget(10 * per_block - 1, 30, 3, 64, 16, torch.bfloat16) == 9
+    assert num_blocks_for_budget(2**30, 30, 3, 64, 16, torch.float32) == 2**30 // (per_block * 2)
+    assert num_blocks_for_budget(0, 30, 3, 64, 16, torch.float32) == 0
+
+
+def test_swap_out_then_in_restores_every_layer():
+    kv = make()
+    torch.manual_seed(0)
+    kv.kv.copy_(torch.randn_like(kv.kv))
+    original = kv.kv.clone()
+    kv.swap_out([(1, 4), (6, 0), (3, 2)])
+    assert torch.equal(kv.host_kv[:, :, 4], original[:, :, 1])
+    assert torch.equal(kv.host_kv[:, :, 0], original[:, :, 6])
+    kv.kv.zero_()  # the device blocks get reused by someone else
+    kv.swap_in([(4, 7), (0, 0), (2, 3)])  # back into different device blocks, in a different order
+    assert torch.equal(kv.kv[:, :, 7], original[:, :, 1])
+    assert torch.equal(kv.kv[:, :, 0], original[:, :, 6])
+    assert torch.equal(kv.kv[:, :, 3], original[:, :, 3])
+    assert kv.kv[:, :, [1, 2, 4, 5, 6]].eq(0).all()  # nothing else touched
+
+
+def test_empty_swaps_and_no_host_pool():
+    kv = make(num_host_blocks=0)
+    kv.swap_in([])
+    kv.swap_out([])
+    assert kv.host_num_bytes == 0
+
+
+def test_bfloat16_roundtrip_is_exact():
+    kv = make(dtype=torch.bfloat16)
+    kv.kv.copy_(torch.randn(kv.kv.shape))
+    block = kv.kv[:, :, 2].clone()
+    kv.swap_out([(2, 5)])
+    kv.swap_in([(5, 0)])
+    assert torch.equal(kv.kv[:, :, 0], block)

@@ -1,0 +1,146 @@
+"""Batched sampling: support restrictions, seeded reproducibility, min_tokens and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scheduling.output import ScheduledRequest
+from scheduling.sampling_params import SamplingParams
+from service.sampler import row_seed, sample
+
+V = 50
+
+
+def req(num_output_tokens=0, eos=None, pending=False, **params) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id="r", token_ids=[1], start_pos=0, block_ids=[0], sample=True,
+        sampling_params=SamplingParams(**params), num_output_tokens=num_output_tokens,
+        eos_token_id=eos, min_tokens_pending=pending,
+    )
+
+
+def logits_from_probs(probs: list[float]) -> torch.Tensor:
+    row = torch.full((V,), -1e9)
+    row[: len(probs)] = torch.tensor(probs).log()
+    return row
+
+
+def draw_support(params: dict, probs: list[float], n: int = 2000) -> set[int]:
+    logits = logits_from_probs(probs).repeat(n, 1)
+    return set(sample(logits, [req(**params)] * n).token_ids)
+
+
+def test_greedy_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(7, V)
+    requests = [req(temperature=0.0), req(top_k=1, temperature=1.5)] * 3 + [req(temperature=0.0, seed=3)]
+    assert sample(logits, requests).token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params, support",
+    [
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.7}, {0, 1}),
+        ({"top_p": 0.8}, {0, 1}),  # the mass before token 2 is 0.8: not strictly below top_p
+        ({"top_p": 0.81}, {0, 1, 2}),
+        ({"min_p": 0.5}, {0, 1}),  # threshold 0.25
+        ({"min_p": 0.2}, {0, 1, 2}),  # threshold 0.1
+        ({"top_k": 3, "top_p": 0.99}, {0, 1, 2}),
+        ({}, {0, 1, 2, 3}),
+    ],
+)
+def test_filters_restrict_support(params, support):
+    assert draw_support(params, [0.5, 0.3, 0.15, 0.05]) == support
+
+
+def test_top_k_rows_differ_in_one_batch():
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1]).repeat(600, 1)
+    requests = [req(top_k=1 + i % 3, temperature=1.0) for i in range(600)]
+    tokens = sample(logits, requests).token_ids
+    assert all(t < 1 + i % 3 for i, t in enumerate(tokens))
+    assert {t for i, t in enumerate(tokens) if i % 3 == 2} == {0, 1, 2}
+
+
+def test_frequencies_follow_the_distribution():
+    probs = [0.5, 0.3, 0.15, 0.05]
+    n = 20000
+    tokens = torch.tensor(sample(logits_from_probs(probs).repeat(n, 1), [req()] * n).token_ids)
+    freq = torch.bincount(tokens, minlength=4)[:4].float() / n
+    assert torch.allclose(freq, torch.tensor(probs), atol=0.015)
+
+
+def test_temperature_sharpens():
+    probs = [0.6, 0.4]
+    n = 8000
+    tokens = torch.tensor(sample(logits_from_probs(probs).repeat(n, 1), [req(temperature=0.5)] * n).token_ids)
+    expected = 0.6**2 / (0.6**2 + 0.4**2)  # p^(1/T), renormalised
+    assert abs((tokens == 0).float().mean().item() - expected) < 0.02
+
+
+def test_seeded_rows_are_reproducible_across_batches():
+    torch.manual_seed(1)
+    row = torch.randn(V)
+    seeded = dict(seed=1234, temperature=1.0, top_p=0.9)
+    alone = [sample(row[None], [req(num_output_tokens=k, **seeded)]).token_ids[0] for k in range(20)]
+    for k in range(20):  # the same row amid other rows, at another batch position, with other seeds around
+        other = torch.randn(5, V)
+        batch = torch.cat([other[:3], row[None], other[3:]])
+        requests = [req(), req(seed=9), req(temperature=0.0), req(num_output_tokens=k, **seeded), req(top_k=5)]
+        assert sample(batch, requests).token_ids[3] == alone[k]
+    assert len(set(alone)) > 1, "the output position must feed the seed"
+    different_seed = [sample(row[None], [req(num_output_tokens=k, **{**seeded, "seed": 99})]).token_ids[0]
+                      for k in range(20)]
+    assert different_seed != alone
+
+
+def test_row_seed_mixes_inputs():
+    seeds = {row_seed(s, k) for s in (-1, 0, 1, 2**63) for k in range(50)}
+    assert len(seeds) == 200 and all(0 <= s < 2**64 for s in seeds)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.zeros(3, V)
+    logits[:, 7] = 100.0  # EOS dominates
+    logits[:, 9] = 90.0  # then a stop token
+    requests = [
+        req(eos=7, pending=True, temperature=0.0, stop_token_ids=[9]),
+        req(eos=7, pending=False, temperature=0.0),
+        req(eos=7, pending=True, temperature=1.0, stop_token_ids=[9]),
+    ]
+    tokens = sample(logits, requests).token_ids
+    assert tokens[0] not in (7, 9) and tokens[1] == 7 and tokens[2] not in (7, 9)
+    assert logits[0, 7] == 100.0  # the caller's logits are not modified
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    torch.manual_seed(2)
+    logits = torch.randn(3, V)
+    requests = [req(temperature=0.0, logprobs=3), req(temperature=0.0), req(temperature=0.7, logprobs=0, seed=5)]
+    out = sample(logits, requests)
+    expected = torch.log_softmax(logits, -1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    assert math.isclose(first.logprob, expected[0, first.token_id].item(), rel_tol=1e-5)
+    top = expected[0].topk(3)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert all(math.isclose(lp, want, rel_tol=1e-5) for (_, lp), want in zip(first.top, top.values.tolist(), strict=True))
+    assert out.logprobs[1] is None
+    third = out.logprobs[2]
+    assert third.top == [] and math.isclose(third.logprob, expected[2, out.token_ids[2]].item(), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("vocab, slope", [(4000, 2e-3), (10000, 1e-5)])
+def test_wide_nucleus_matches_sorted_reference(vocab, slope):
+    """Nuclei wider than the first candidate pools (and than the second) must still be exact."""
+    logits = -torch.arange(vocab, dtype=torch.float32) * slope
+    probs = torch.softmax(logits, -1)
+    mass_before = probs.cumsum(-1) - probs
+    nucleus = int((mass_before < 0.6).sum())
+    assert nucleus > 256
+    n = 400
+    tokens = sample(logits.repeat(n, 1), [req(top_p=0.6, seed=i) for i in range(n)]).token_ids
+    assert max(tokens) < nucleus and max(tokens) > nucleus // 2
