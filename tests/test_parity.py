@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 
@@ -40,7 +41,8 @@ def build_pair(arch: str):
     cfg = tiny_config(arch)
     torch.manual_seed(1234)
     reference = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    ours = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    # A config of its own: the runner switches its model's config to paged attention.
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
     ours.load_state_dict(reference.state_dict())
     return reference, ours
 
