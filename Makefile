@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint bench model clean
+.PHONY: install serve test test-fast lint bench model clean prometheus-check k8s-manifests k8s-check scaling
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,15 @@ bench: model
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+prometheus-check: install  ## every dashboard/alert query on a real Prometheus scraping a real `sluice serve`
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_prometheus_rules.py tests/test_prometheus_real.py
+
+k8s-manifests: install  ## regenerate k8s/base/{grafana-dashboard,prometheusrule}.yaml from metrics/
+	$(BIN)/python -m metrics.gen_k8s
+
+k8s-check: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_k8s.py
+
+scaling: install  ## one replica at rising request rates; start `make serve` first
+	$(BIN)/python -m metrics.measure_scaling $(ARGS)

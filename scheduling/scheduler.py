@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 
 from kvcache.manager import KVCacheManager, cdiv
 from scheduling.config import SchedulerConfig
@@ -180,6 +181,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, n, computed) is None:
                 break
             self.waiting.pop()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens += num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcache.manager import KVCacheManager
+from metrics.prometheus import SluiceMetrics
 from scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
 from scheduling.request import Request, RequestStatus
 from scheduling.sampling_params import SamplingParams
@@ -92,6 +93,9 @@ class LLMEngine:
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests inject step failures here
         self.last_stats = self.scheduler.make_stats()
+        self.metrics = SluiceMetrics(self.served_model_name)
+        self.stat_loggers.append(self.metrics.observe_step)
+        self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -139,6 +143,7 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.scheduler.add_request(request)
+        self.metrics.track(request)
         return len(token_ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -231,6 +236,9 @@ class LLMEngine:
         stats.step_duration_s = time.perf_counter() - start
         for stat_logger in self.stat_loggers:
             stat_logger(stats)
+        now = time.monotonic()
+        for out in outputs:
+            self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
         return outputs
 
     def _detokenize(self, ro) -> EngineOutput:

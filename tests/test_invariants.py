@@ -63,7 +63,7 @@ workload = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(__import__("os").environ.get("SLUICE_HYPOTHESIS_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload)
 def test_random_workloads_keep_invariants_and_outputs(w):
     bs = w["block_size"]
