@@ -16,6 +16,7 @@ from scheduling.request import Request, RequestStatus
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler import Scheduler
 from service.config import SluiceConfig
+from service.cpu import configure_torch_threads
 from service.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("sluice.engine")
@@ -60,6 +61,8 @@ class LLMEngine:
         self.config = config = config or SluiceConfig()
         config.validate()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
+        if self.device.type == "cpu":
+            configure_torch_threads()
         if model is None:
             model, tokenizer = load_model(
                 config.model.model, self.device, self.dtype, cache_dir=config.model.cache_dir or None
