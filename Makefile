@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint bench model clean prometheus-check k8s-manifests k8s-check scaling
+.PHONY: install serve test test-fast lint bench model clean prometheus-check k8s-manifests k8s-check scaling soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,3 +55,8 @@ k8s-check: install
 
 scaling: install  ## one replica at rising request rates; start `make serve` first
 	$(BIN)/python -m metrics.measure_scaling $(ARGS)
+
+SOAK_ARGS ?=
+soak: model  ## a few minutes past capacity on SmolLM2: nothing lost, nothing leaked (report: soak.json)
+	$(BIN)/python -m service.soak --duration 180 --concurrency 32 --request-timeout 300 --output soak.json \
+	  --serve-flags "--max-model-len 256 --num-kv-blocks 48 --swap-space 0.005" $(SOAK_ARGS)

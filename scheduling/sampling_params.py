@@ -25,7 +25,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 (vLLM's epsilon) logits / temperature overflows float32: treat it as argmax.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message when a field is out of range."""

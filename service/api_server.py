@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import hmac
 import logging
 import re
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from metrics.prometheus import record_rejection, render_latest
 from service.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, QueueFullError
 from service.config import SluiceConfig
 from service.openapi import openapi_spec
@@ -73,18 +75,28 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except RequestError as e:
+        _count_rejection(request, e)
         level = logging.DEBUG if request.path in OPEN_PATHS else logging.INFO  # probes 503 while loading
         logger.log(level, "%s %s -> %d: %s", request.method, request.path, e.status, e.message)
         return error_response(e)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(_from_http_exception(request, e))
+        err = _from_http_exception(request, e)
+        _count_rejection(request, err)
+        return error_response(err)
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
         return error_response(RequestError(
             f"internal server error (request id {request[REQUEST_ID]})", status=500, type="server_error",
             code="internal_error"))
+
+
+def _count_rejection(request: web.Request, e: RequestError) -> None:
+    """Count a refused API call in sluice_requests_rejected_total (probes and unknown paths are not API calls)."""
+    engine = request.app[STATE].engine
+    if engine is not None and request.path.startswith("/v1/"):
+        record_rejection(engine.engine.served_model_name, e.status, e.code)
 
 
 def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestError:
@@ -136,8 +148,9 @@ async def health(request: web.Request) -> web.Response:
     return _json({
         "status": "draining" if state.draining else "ok",
         "kv_free_blocks": s.get("free_blocks"), "kv_total_blocks": s.get("total_blocks"),
+        "kv_free_host_blocks": s.get("free_host_blocks"), "kv_total_host_blocks": s.get("total_host_blocks"),
         "running": s.get("running"), "waiting": s.get("waiting"), "swapped": s.get("swapped"),
-        "open_streams": engine.num_open_streams,
+        "open_streams": engine.num_open_streams, "preemptions": s.get("preemptions"),
     })
 
 
@@ -152,7 +165,8 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus exposition of the default registry."""
-    return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    body, content_type = render_latest()
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -314,6 +328,12 @@ async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt
     resp = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
+    _bound_send_buffer(request, request.app[STATE].config.server.stream_send_buffer)
+    timeout = request.app[STATE].config.server.stream_write_timeout
+
+    async def _send(resp: web.StreamResponse, payload: dict) -> None:
+        await _write(request, resp, b"data: " + orjson.dumps(payload) + b"\n\n", timeout)
+
     try:
         for choice in sorted(choices.values(), key=lambda c: c.index):
             if fmt.req.chat:  # OpenAI opens each chat choice with the role
@@ -331,7 +351,7 @@ async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt
         else:
             if fmt.req.include_usage:
                 await _send(resp, fmt.usage_chunk(_usage(choices)))
-        await resp.write(b"data: [DONE]\n\n")
+        await _write(request, resp, b"data: [DONE]\n\n", timeout)
         await resp.write_eof()
     except ConnectionError:  # the client left: `async with stream` aborts the rest
         logger.info("client disconnected mid-stream")
@@ -341,14 +361,34 @@ async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt
                            type="server_error", code="internal_error")
         try:
             await _send(resp, err.to_dict())
-            await resp.write(b"data: [DONE]\n\n")
+            await _write(request, resp, b"data: [DONE]\n\n", timeout)
         except ConnectionError:
             pass
     return resp
 
 
-async def _send(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+def _bound_send_buffer(request: web.Request, size: int) -> None:
+    """Cap the kernel's send buffer for this stream: loopback autotuning lets it reach megabytes, so a client
+    that stops reading would otherwise stall its write (and so the abort) only after minutes of output."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None and size > 0 else None
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        except (OSError, AttributeError):  # not a TCP socket (a test transport): nothing to bound
+            pass
+
+
+async def _write(request: web.Request, resp: web.StreamResponse, data: bytes, timeout: float) -> None:
+    """Write one SSE event; a client that leaves it unread past `timeout` s is cut off (ConnectionError)."""
+    try:
+        await asyncio.wait_for(resp.write(data), timeout)
+    except asyncio.TimeoutError:
+        # Its socket buffers are full and it reads nothing: drop the connection so this handler (and the
+        # engine requests behind it, aborted on the way out) do not wait on it forever.
+        logger.warning("client stopped reading its stream for %.1fs; dropping the connection", timeout)
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("client stopped reading") from None
 
 
 class _Format:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from scheduling.sampling_params import SamplingParams
 from service.config import SluiceConfig
 from service.engine import EngineOutput, LLMEngine
+from service.faults import install_from_env
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -32,6 +33,7 @@ class _Group:
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)  # as seen by the dispatcher
+    size: int = 1  # engine requests in the group: each step may queue one output for every one of them
 
 
 class RequestStream:
@@ -85,6 +87,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.draining = False
         self.stats: dict = {}
+        self._preemptions = {"swap": 0, "recompute": 0}  # since start; written by the worker thread only
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -93,6 +96,7 @@ class AsyncEngine:
         """Build the LLMEngine (loading the model) in the worker thread that will run its steps."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, LLMEngine, config)
+        install_from_env(engine)
         return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor)
 
     def start(self) -> None:
@@ -162,7 +166,7 @@ class AsyncEngine:
         ids = [rid for rid, _, _ in requests]
         if len(set(ids)) != len(ids) or any(rid in self._owner for rid in ids):
             raise ValueError("duplicate request id")
-        group = _Group(unfinished=set(ids))
+        group = _Group(unfinished=set(ids), size=len(ids))
         # Registered before the add job runs, so the step that follows cannot emit unclaimed outputs.
         for rid in ids:
             self._owner[rid] = group
@@ -251,12 +255,19 @@ class AsyncEngine:
 
     def _step(self) -> tuple[list[EngineOutput], bool, dict]:
         """Worker thread: one step if there is work, then the state the loop needs."""
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            last = getattr(self.engine, "last_stats", None)  # per-step counts: summed here for /health
+            if last is not None:
+                self._preemptions["swap"] += last.num_preemptions_swap
+                self._preemptions["recompute"] += last.num_preemptions_recompute
         return outputs, self.engine.has_unfinished_requests(), self._read_stats()
 
     def _read_stats(self) -> dict:
         e = self.engine
-        return {"waiting": e.num_waiting, "running": e.num_running, "swapped": e.num_swapped, **e.kv_stats()}
+        return {"waiting": e.num_waiting, "running": e.num_running, "swapped": e.num_swapped, **e.kv_stats(),
+                "preemptions": dict(self._preemptions)}
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         """Hand outputs to their streams; a stream whose reader fell too far behind is cut off."""
@@ -265,7 +276,8 @@ class AsyncEngine:
             if group is None:  # its stream was closed: this is the abort notice, or a late straggler
                 continue
             self._no_output.discard(out.request_id)
-            if group.queue.qsize() >= self.max_stream_buffer:
+            # The bound is per request: a 64-choice call fills 64 slots in one step even for a fast reader.
+            if group.queue.qsize() >= self.max_stream_buffer * group.size:
                 logger.warning("request %s: client not reading, %d outputs buffered; aborting",
                                out.request_id, group.queue.qsize())
                 self._fail(group, "error", "the client did not read the stream fast enough")

@@ -79,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Serve the OpenAI-compatible API. Every flag can also be set with the environment variable shown."))
     add_config_flags(serve)
     serve.set_defaults(func=_serve_command)
-    # `sluice bench ...`: service/bench/cli.py adds its subparsers (each sets `func(args) -> exit code`).
-    if importlib.util.find_spec("service.bench.cli") is not None:
-        importlib.import_module("service.bench.cli").add_subcommands(commands)
+    # `sluice bench ...`, `sluice soak`: modules that add their subparsers (each sets `func(args) -> exit code`).
+    for module, hook in (("service.bench.cli", "add_bench_subcommands"), ("service.soak", "add_soak_subcommand")):
+        if importlib.util.find_spec(module) is not None:
+            getattr(importlib.import_module(module), hook)(commands)
     return parser
 
 

@@ -38,7 +38,13 @@ class ServerConfig:
     shutdown_timeout: float = knob(30.0, "Seconds in-flight requests may take to finish after SIGTERM.")
     max_request_body_bytes: int = knob(1 << 20, "Largest accepted request body in bytes (larger: 413).")
     max_stream_buffer: int = knob(
-        4096, "Outputs buffered for a client that stops reading its stream; past this its request is aborted."
+        4096, "Outputs buffered per request for a client that stops reading its stream; past this it is aborted."
+    )
+    stream_write_timeout: float = knob(
+        30.0, "Seconds one SSE write may wait on a client that stopped reading; then its connection is dropped."
+    )
+    stream_send_buffer: int = knob(
+        262144, "Kernel send buffer in bytes per SSE stream: bounds what a client that stops reading holds (0: OS)."
     )
     log_level: str = knob("info", "Log level: debug, info, warning, error.")
 

@@ -232,7 +232,7 @@ class LLMEngine:
                     )
             else:
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
-                    outputs.append(self._detokenize(ro))
+                    outputs.append(self._detokenize_or_fail(ro))
         stats = self.last_stats = self.scheduler.make_stats()
         stats.num_batched_tokens = sched_out.num_batched_tokens
         stats.num_scheduled_requests = len(sched_out.scheduled)
@@ -243,6 +243,20 @@ class LLMEngine:
         for out in outputs:
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
         return outputs
+
+    def _detokenize_or_fail(self, ro) -> EngineOutput:
+        """Detokenize; a tokenizer failure ends that one request with an error instead of the engine loop."""
+        try:
+            return self._detokenize(ro)
+        except Exception as exc:
+            logger.exception("detokenizing request %s failed", ro.request_id)
+            if not ro.finished:
+                self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_ABORTED)
+            self._detokenizers.pop(ro.request_id, None)
+            return EngineOutput(
+                ro.request_id, "", [], [], True, "error", ro.num_prompt_tokens, ro.num_output_tokens,
+                ro.num_cached_tokens, error=f"detokenizing failed: {type(exc).__name__}",
+            )
 
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]

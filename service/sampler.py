@@ -103,7 +103,10 @@ def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> to
     total = cdf[:, -1:]
     # Strictly below the total, the first cdf entry above the target always belongs to a positive-prob token.
     target = torch.minimum((uniforms * total).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    ids = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # A row whose probabilities under/overflowed has no valid CDF: fall back to its argmax.
+    bad = ~torch.isfinite(total[:, 0]) | (total[:, 0] <= 0)
+    return torch.where(bad, logits.argmax(dim=-1), ids)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -131,7 +134,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
         rows = logits if pending.numel() == len(top_p) else logits[pending]
         values = rows.topk(k, dim=-1).values
         probs = (values - log_norm[pending, None]).exp()
-        kept = ((probs.cumsum(dim=-1) - probs) < top_p_t[pending, None]).sum(dim=-1)  # the best always stays
+        kept = ((probs.cumsum(dim=-1) - probs) < top_p_t[pending, None]).sum(dim=-1).clamp_(min=1)  # the best always stays
         closed = (kept < k) | (k == vocab)  # the nucleus ends inside this pool
         threshold[pending[closed]] = values[closed].gather(1, (kept[closed] - 1)[:, None])[:, 0]
         pending = pending[~closed]

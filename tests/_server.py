@@ -1,0 +1,84 @@
+"""A `sluice serve` subprocess for the reliability, security and fuzz tests (extra env, SIGKILL, RSS)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tests.test_api_server import MODEL, _free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """`sluice serve` on a tiny model and a loopback port; `env` adds variables such as SLUICE_FAULT_INJECT."""
+
+    def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
+                 name: str = "sluice"):
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
+        full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+        full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
+               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16", *flags]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+
+def is_idle(h: dict) -> bool:
+    """Nothing queued, running, swapped or streaming; every device and host block free."""
+    return (h["running"] == h["waiting"] == h["swapped"] == h["open_streams"] == 0
+            and h["kv_free_blocks"] == h["kv_total_blocks"]
+            and h["kv_free_host_blocks"] == h["kv_total_host_blocks"])
+
+
+async def wait_idle(srv: Server, timeout: float = 20) -> dict:
+    """Poll /health until idle; fail with the last figures."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = await asyncio.to_thread(srv.health)
+        if is_idle(h):
+            return h
+        assert time.monotonic() < deadline, f"engine not idle: {h}"
+        await asyncio.sleep(0.05)
