@@ -179,7 +179,8 @@ async def test_stuck_reader_is_cut_off_and_others_keep_pace(roomy):
           f"{stuck * 1e3:.2f} ms with a stuck one (ratio {ratio:.2f})")
     assert ratio < 1.5
     log = roomy.log()
-    assert "client not reading" in log and "client stopped reading" in log
+    # Whichever bound trips first cuts it off: the per-request output buffer, or the stalled-write timeout.
+    assert "client not reading" in log or "client stopped reading" in log
     await good_request(roomy.url)
 
 
