@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib
-import importlib.util
 import logging
 import os
 import signal
@@ -80,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(serve)
     serve.set_defaults(func=_serve_command)
     # `sluice bench ...`, `sluice soak`: modules that add their subparsers (each sets `func(args) -> exit code`).
-    for module, hook in (("service.bench.cli", "add_bench_subcommands"), ("service.soak", "add_soak_subcommand")):
-        if importlib.util.find_spec(module) is not None:
-            getattr(importlib.import_module(module), hook)(commands)
+    from service.bench import add_bench_subcommands
+    from service.soak import add_soak_subcommand
+
+    add_bench_subcommands(commands)
+    add_soak_subcommand(commands)
     return parser
 
 

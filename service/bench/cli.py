@@ -1,0 +1,174 @@
+"""The `sluice bench` subcommands: flags, and the functions that run them."""
+
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+
+def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
+    """Add `bench` (with serve / offline / scheduler) to the `sluice` subparsers; returns the bench parser."""
+    bench = subparsers.add_parser("bench", help="Benchmark a server or the engine.", description=(
+        "Throughput and latency benchmarks: `serve` loads any OpenAI-compatible server over HTTP, `offline` runs "
+        "the engine in-process next to transformers' generate / generate_batch and the raw forward."))
+    commands = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+
+    serve = commands.add_parser("serve", help="Load-test an OpenAI-compatible server (Sluice, vLLM, llama.cpp).")
+    _add_workload_flags(serve)
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server root URL (default: %(default)s).")
+    serve.add_argument("--endpoint", default="/v1/completions",
+                       help="/v1/completions or /v1/chat/completions (default: %(default)s).")
+    serve.add_argument("--model", default="", help="Model name to send (default: the first of GET /v1/models).")
+    serve.add_argument("--tokenizer", default="",
+                       help="HF tokenizer dir/id ('default': Sluice's embedded model) for token-exact random prompts; "
+                            "without one, prompts are random words.")
+    serve.add_argument("--api-key", default="", help="Bearer token, if the server wants one.")
+    serve.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                       help="Let requests stop at EOS (default: ignore_eos=true, so outputs have the set length).")
+    serve.add_argument("--extra-body", default="{}", help="JSON merged into every request body.")
+    serve.add_argument("--num-warmups", type=int, default=0, help="Untimed requests sent first (default: 0).")
+    serve.add_argument("--timeout", type=float, default=3600.0, help="Per-request timeout in seconds.")
+    serve.add_argument("--result-file", default="", help="Write the figures as JSON here.")
+    serve.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
+    serve.set_defaults(func=_serve_command)
+
+    offline = commands.add_parser("offline", help="Run the engine without HTTP, next to transformers' baselines.",
+                                  description="Engine flags below are the same as `sluice serve`'s.")
+    _add_workload_flags(offline)
+    offline.add_argument("--standard", action="store_true",
+                         help="Run the standard workloads (A, B, C, issue 2) with targets, profile and scheduler "
+                              "micro-benchmark; workload flags are ignored.")
+    offline.add_argument("--profile", action="store_true",
+                         help="Only profile decode steps at batch 1 and 64 (phases and top torch ops).")
+    offline.add_argument("--baselines", default="ceiling,generate,generate_batch",
+                         help="Comma list of ceiling, generate, generate_batch, or 'none' (default: %(default)s).")
+    offline.add_argument("--generate-batch-max-prompts", type=int, default=-1,
+                         help="Time generate_batch on the first N prompts only (0: all; default: all, or 32 with "
+                              "--standard, where the full run would not fit the time budget).")
+    offline.add_argument("--threads", type=int, default=0,
+                         help="torch threads for the engine and the baselines alike (0: leave torch's choice).")
+    offline.add_argument("--output", default="", help="Write results JSON here (and a .md table next to it).")
+    from service.cli import add_config_flags
+
+    add_config_flags(offline)
+    offline.set_defaults(func=_offline_command)
+
+    sched = commands.add_parser("scheduler", help="Scheduler + KV manager cost per step, model-free.")
+    sched.add_argument("--sizes", default="64,256,1024", help="Running-request counts (default: %(default)s).")
+    sched.add_argument("--steps", type=int, default=30, help="Timed steps per size (default: %(default)s).")
+    sched.set_defaults(func=_scheduler_command)
+    return bench
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=64, help="Requests to send (default: %(default)s).")
+    g.add_argument("--input-len", type=int, default=100, help="Prompt tokens, shared prefix included (default: %(default)s).")
+    g.add_argument("--output-len", type=int, default=128, help="Output tokens per request (default: %(default)s).")
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="Draw lengths uniformly from [len*(1-r), len*(1+r)] (default: fixed).")
+    g.add_argument("--prefix-len", type=int, default=0, help="Leading tokens shared by every prompt.")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Requests per second, Poisson arrivals (default: inf, all at once).")
+    g.add_argument("--max-concurrency", type=int, default=0, help="Requests in flight at most (0: no limit).")
+    g.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: %(default)s).")
+    g.add_argument("--name", default="custom", help="Workload label in the output.")
+
+
+def _workload(args):
+    from service.bench.workloads import Workload
+
+    return Workload(args.name, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
+                    args.prefix_len, args.max_concurrency, args.request_rate, args.seed)
+
+
+def _serve_command(args) -> int:
+    import asyncio
+
+    import orjson
+
+    from service.bench.report import result_lines, write_json
+    from service.bench.serve import ServeConfig, run_serve, serve_report
+
+    try:
+        extra = orjson.loads(args.extra_body)
+        cfg = ServeConfig(_workload(args), args.base_url, args.endpoint, args.model, args.tokenizer, args.api_key,
+                          args.ignore_eos, extra, args.timeout, args.num_warmups, args.progress)
+        cfg.workload.validate()
+    except (ValueError, orjson.JSONDecodeError) as e:
+        print(f"sluice bench serve: error: {e}", file=sys.stderr)
+        return 2
+    result = asyncio.run(run_serve(cfg))
+    print("\n".join(result_lines(result)))
+    if args.result_file:
+        write_json(args.result_file, serve_report(cfg, result))
+    return 0 if result.completed else 1
+
+
+def _offline_command(args) -> int:
+    from pathlib import Path
+
+    from service.bench.offline import warmup
+    from service.bench.report import markdown, to_jsonable, write_json
+    from service.bench.suite import BASELINES, Suite, _loadavg, meta
+    from service.cli import config_from_args
+    from service.engine import LLMEngine
+
+    baselines = () if args.baselines == "none" else tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    unknown = set(baselines) - set(BASELINES)
+    try:
+        if unknown:
+            raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
+        config = config_from_args(args)
+        config.validate()
+        workload = _workload(args)
+        workload.validate()
+    except ValueError as e:
+        print(f"sluice bench offline: error: {e}", file=sys.stderr)
+        return 2
+    suite = Suite(LLMEngine(config))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    suite.log(f"engine ready: {suite.engine.served_model_name}, {suite.engine.num_kv_blocks} KV blocks; warming up")
+    warmup(suite.engine)
+    if args.standard:
+        from service.bench.standard import GENERATE_BATCH_PROMPTS, run_standard
+
+        gb = GENERATE_BATCH_PROMPTS if args.generate_batch_max_prompts < 0 else args.generate_batch_max_prompts
+        results = run_standard(suite, gb)
+    else:
+        results = {"meta": meta(suite.engine), "workloads": {}}
+        if args.profile:
+            from service.bench.profile import profile_decode
+
+            batches = sorted({1, min(64, config.scheduler.max_num_seqs)})
+            results["profile"] = [profile_decode(suite.engine, b) for b in batches]
+        else:
+            gb = max(args.generate_batch_max_prompts, 0)
+            _, results["workloads"][workload.name] = suite.evaluate(workload, baselines, gb)
+        results["meta"]["loadavg_end"] = _loadavg()
+        results["meta"]["elapsed_s"] = time.perf_counter() - suite.start
+    results = to_jsonable(results)
+    text = markdown(results)
+    print(text)
+    if args.output:
+        path = write_json(args.output, results)
+        Path(path).with_suffix(".md").write_text(text)
+        suite.log(f"wrote {path} and {Path(path).with_suffix('.md')}")
+    return 0
+
+
+def _scheduler_command(args) -> int:
+    from service.bench.sched_micro import scheduler_scaling
+
+    points = scheduler_scaling(tuple(int(s) for s in args.sizes.split(",")), args.steps)
+    print(f"{'running':>8} {'schedule us':>12} {'update us':>10} {'step us':>10} {'us/request':>11}")
+    for p in points:
+        print(f"{p.num_running:>8} {p.schedule_us:>12.0f} {p.update_us:>10.0f} {p.step_us:>10.0f} {p.us_per_request:>11.1f}")
+    return 0
