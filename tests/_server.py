@@ -1,4 +1,4 @@
-"""A `sluice serve` subprocess for the reliability, security and fuzz tests (extra env, SIGKILL, RSS)."""
+"""The suite's one way to run `sluice serve` in a test: a subprocess on a tiny model and a free loopback port."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +14,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.test_api_server import MODEL, _free_port
-
 ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"  # the served name of the tiny test model
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Server:
@@ -23,7 +30,7 @@ class Server:
 
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
                  name: str = "sluice"):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}

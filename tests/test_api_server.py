@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest
 
+from tests._server import MODEL, Server
 from tests._tiny import save_tiny_model
 from tests._tiny import tokenizer as tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = "tiny"
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 
@@ -29,55 +21,6 @@ TIMEOUT = aiohttp.ClientTimeout(total=60)
 @pytest.fixture(scope="module")
 def anyio_backend():
     return "asyncio"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A `sluice serve` subprocess on a free loopback port."""
-
-    def __init__(self, model_dir: str, log_dir: Path, *flags: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"sluice-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
-        env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")  # no hub downloads, ever
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16", *flags]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"server not ready after {timeout}s:\n{self.log()[-4000:]}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import pytest
 
 from metrics import promql_check as pc
 from metrics.prometheus import CONTENT_TYPE
+from tests._server import MODEL as MODEL_NAME
+from tests._server import Server
 from tests._tiny import save_tiny_model
-from tests.test_api_server import MODEL as MODEL_NAME
-from tests.test_api_server import Server  # the suite's one way to run `sluice serve` in a test
 
 pytestmark = pytest.mark.timeout(600)  # generous for a first-run apt-get; the check itself takes ~30 s
 

@@ -24,12 +24,13 @@ def target(name: str, value: float | None, goal: float, at_most: bool = False) -
     return {"name": name, "value": value, "target": f"{'<=' if at_most else '>='} {goal:g}", "met": met}
 
 
-# transformers' generate_batch on CPU runs A in ~7 minutes on this 2-core machine: too slow for the ~15-minute
-# budget on two workloads, so the standard run times it on the first half of the same prompts.
-GENERATE_BATCH_PROMPTS = 32
+# transformers' generate_batch on CPU attends over every cached token of the whole batch, so it needs ~7 minutes
+# for A's 64 requests on this 2-core machine. A is where the target is checked, so it gets all 64 prompts;
+# issue 2's near-identical workload times it on the first half, to stay near the ~15-minute budget.
+ISSUE2_GENERATE_BATCH_PROMPTS = 32
 
 
-def run_standard(suite: Suite, gb_max_prompts: int = GENERATE_BATCH_PROMPTS, profile: bool = True) -> dict:
+def run_standard(suite: Suite, issue2_gb_prompts: int = ISSUE2_GENERATE_BATCH_PROMPTS, profile: bool = True) -> dict:
     """Every standard workload, baselines, targets, profile and scheduler micro-benchmark; the results dict."""
     from service.engine import LLMEngine
 
@@ -37,11 +38,11 @@ def run_standard(suite: Suite, gb_max_prompts: int = GENERATE_BATCH_PROMPTS, pro
     results: dict = {"meta": meta(engine), "workloads": {}}
     wl = results["workloads"]
 
-    _, wl["A"] = suite.evaluate(A, ("ceiling", "generate_batch"), gb_max_prompts)
+    _, wl["A"] = suite.evaluate(A, ("ceiling", "generate_batch"))
     if profile:  # right after A, whose prompts are cached: the profile's own prefill costs next to nothing
         suite.log("profile: batch 64 and batch 1 decode steps")
         results["profile"] = [profile_decode(engine, 1), profile_decode(engine, 64)]
-    _, wl["issue2"] = suite.evaluate(ISSUE2, ("generate", "generate_batch"), gb_max_prompts)
+    _, wl["issue2"] = suite.evaluate(ISSUE2, ("generate", "generate_batch"), issue2_gb_prompts)
     run_b, wl["B"] = suite.evaluate(B, ())
     suite.log("B: raw batch-1 references")
     wl["B"]["raw"] = suite.raw_single_stream(run_b)
