@@ -43,7 +43,8 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                          help="Run the standard workloads (A, B, C, issue 2) with targets, profile and scheduler "
                               "micro-benchmark; workload flags are ignored.")
     offline.add_argument("--profile", action="store_true",
-                         help="Only profile decode steps at batch 1 and 64 (phases and top torch ops).")
+                         help="Only profile decode steps at batch 1 and 64, prompts of --input-len tokens "
+                              "(phases and top torch ops).")
     offline.add_argument("--baselines", default="ceiling,generate,generate_batch",
                          help="Comma list of ceiling, generate, generate_batch, or 'none' (default: %(default)s).")
     offline.add_argument("--generate-batch-max-prompts", type=int, default=-1,
@@ -148,7 +149,7 @@ def _offline_command(args) -> int:
             from service.bench.profile import profile_decode
 
             batches = sorted({1, min(64, config.scheduler.max_num_seqs)})
-            results["profile"] = [profile_decode(suite.engine, b) for b in batches]
+            results["profile"] = [profile_decode(suite.engine, b, args.input_len) for b in batches]
         else:
             gb = max(args.generate_batch_max_prompts, 0)
             _, results["workloads"][workload.name] = suite.evaluate(workload, baselines, gb)

@@ -104,7 +104,8 @@ def profile_decode(
                 rows.append(phases(raw, step))
                 steps.append(step)
     if not rows:
-        raise RuntimeError(f"no steady decode steps at batch {batch} (is max_num_seqs below {batch}?)")
+        raise RuntimeError(f"no steady decode steps at batch {batch}: max_num_seqs below {batch}, or a KV cache "
+                           f"too small for {batch} x {input_len + w.output_len} tokens (preemptions)?")
     rows, steps = rows[1:] or rows, steps[1:] or steps  # the first decode step after prefill pays warm-up costs
     mean = {name: 1000 * statistics.fmean(r[name] for r in rows) for name in PHASES}
     step_ms = 1000 * statistics.fmean(steps)
