@@ -23,3 +23,17 @@ def smollm2(smollm2_dir):
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
     ours = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
     return reference.eval(), ours.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def anyio_backend():
+    """The async integration tests run on asyncio only."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny random-weight model and tokenizer on disk, written once for every server-starting test."""
+    from tests._tiny import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))

@@ -11,21 +11,10 @@ import aiohttp
 import pytest
 
 from tests._server import MODEL, Server
-from tests._tiny import save_tiny_model
 from tests._tiny import tokenizer as tiny_tokenizer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 TIMEOUT = aiohttp.ClientTimeout(total=60)
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 # Each server takes seconds to import torch and load the model, so there are only two, started in parallel.

@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 
 from tests._server import Server, is_idle, wait_idle
-from tests._tiny import save_tiny_model
 from tests.test_api_server import MODEL, check_error, parse_sse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -23,13 +22,7 @@ STATS = {"hand_written": 0, "generated": 0, "failures": []}  # reported by the l
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+def server(model_dir, tmp_path_factory):
     # A short context keeps the generated-but-valid requests cheap.
     srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64", "--max-model-len", "40",
                  "--max-num-seqs", "64").wait_ready()

@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 
 from tests._server import Server, wait_idle
-from tests._tiny import save_tiny_model
 from tests.test_api_server import MODEL, TIMEOUT, check_error, finish_reasons, good_request, parse_sse, post
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -25,16 +24,6 @@ TIGHT = ["--num-kv-blocks", "8", "--max-num-seqs", "3", "--preemption-mode", "sw
 # roomy: a small stream buffer and a short write timeout, so a stuck reader is cut off within seconds.
 ROOMY = ["--num-kv-blocks", "512", "--max-model-len", "256", "--max-num-seqs", "80", "--max-stream-buffer", "16",
          "--stream-write-timeout", "1", "--stream-send-buffer", "32768"]
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="module")

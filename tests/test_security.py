@@ -14,7 +14,6 @@ import pytest
 from service.api_server import OPEN_PATHS, create_app
 from service.config import SluiceConfig
 from tests._server import Server, wait_idle
-from tests._tiny import save_tiny_model
 from tests.test_api_server import MODEL, TIMEOUT, check_error, good_request, parse_sse
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -24,13 +23,7 @@ SECRET_PROMPT = "zebra quokka marmalade 9731"  # distinctive: must never reach t
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+def server(model_dir, tmp_path_factory):
     srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--api-key", KEY, "--num-kv-blocks", "128",
                  "--max-model-len", "256", "--max-request-body-bytes", "65536").wait_ready()
     yield srv
