@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvcache.config import knob
+
+# Auto token budget. On an accelerator a step of 2048 tokens takes milliseconds. On CPU it takes seconds (about
+# 4.5 s on 2 cores for SmolLM2-135M), and every running request's next token waits for it: 128 tokens per core
+# keeps a step near half a second, and matmuls are already compute-bound at a few hundred rows.
+GPU_BATCHED_TOKENS = 2048
+CPU_BATCHED_TOKENS_PER_CORE = 128
+CPU_BATCHED_TOKENS_MIN = 256
+
+
+def auto_batched_tokens(device_type: str, cpus: int) -> int:
+    """The step token budget `max_num_batched_tokens=0` stands for on this device."""
+    if device_type != "cpu":
+        return GPU_BATCHED_TOKENS
+    return min(GPU_BATCHED_TOKENS, max(CPU_BATCHED_TOKENS_MIN, CPU_BATCHED_TOKENS_PER_CORE * cpus))
 
 
 @dataclass(slots=True)
@@ -13,7 +28,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = knob(64, "Most requests running in one engine step.")
     max_num_batched_tokens: int = knob(
-        2048, "Token budget of one engine step; longer prefills are split into chunks of at most this size."
+        0,
+        "Token budget of one engine step; longer prefills are split into chunks of at most this size "
+        "(0: auto, 2048 on GPU, 128 per core within 256..2048 on CPU).",
     )
     max_model_len: int = knob(
         0, "Longest prompt + output a request may reach (0: the model's own context length)."
@@ -36,9 +53,15 @@ class SchedulerConfig:
         """Raise ValueError on an inconsistent configuration."""
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_batched_tokens must be >= 1, or 0 for auto")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
+
+    def resolved(self, device_type: str, cpus: int) -> SchedulerConfig:
+        """A copy with the auto (0) token budget replaced by this device's value."""
+        if self.max_num_batched_tokens:
+            return self
+        return dataclasses.replace(self, max_num_batched_tokens=auto_batched_tokens(device_type, cpus))

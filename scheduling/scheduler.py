@@ -27,6 +27,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
         config.validate()
+        assert config.max_num_batched_tokens > 0, "resolve the auto token budget first (SchedulerConfig.resolved)"
         self.config = config
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size

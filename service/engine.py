@@ -58,11 +58,13 @@ class LLMEngine:
         from service.model_loader import eos_token_ids, load_model, resolve_device_dtype
         from service.model_runner import ModelRunner
 
-        self.config = config = config or SluiceConfig()
+        config = config or SluiceConfig()
         config.validate()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
-        if self.device.type == "cpu":
-            configure_torch_threads()
+        threads = configure_torch_threads() if self.device.type == "cpu" else 0
+        # From here on the config holds what the engine really runs with (the auto budget resolved).
+        sched = config.scheduler.resolved(self.device.type, threads)
+        self.config = config = dataclasses.replace(config, scheduler=sched)
         if model is None:
             model, tokenizer = load_model(
                 config.model.model, self.device, self.dtype, cache_dir=config.model.cache_dir or None
@@ -73,7 +75,6 @@ class LLMEngine:
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)
 
-        sched = config.scheduler
         self.runner = ModelRunner(
             model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs
         )

@@ -20,6 +20,7 @@ def make_scheduler(
 ) -> tuple[Scheduler, FakeRunner]:
     """A scheduler over a fresh KV manager, plus a fake runner of the same geometry."""
     kv = KVCacheManager(num_blocks, block_size, prefix_caching, num_host_blocks)
+    sched_kwargs.setdefault("max_num_batched_tokens", 2048)
     scheduler = Scheduler(SchedulerConfig(**sched_kwargs), kv, max_model_len)
     return scheduler, FakeRunner(num_blocks, block_size, num_host_blocks)
 

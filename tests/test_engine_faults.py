@@ -63,3 +63,13 @@ def test_a_failure_after_the_forward_fails_only_its_request(engine):
     assert outs["bad"][-1].finish_reason == "error"
     assert outs["good"][-1].finish_reason == "length"
     assert engine.kv_stats()["free_blocks"] == 64
+
+
+def test_engine_runs_with_the_auto_token_budget_resolved(engine):
+    import torch
+
+    from scheduling.config import auto_batched_tokens
+
+    budget = engine.config.scheduler.max_num_batched_tokens
+    assert budget == auto_batched_tokens("cpu", torch.get_num_threads())
+    assert engine.scheduler.config.max_num_batched_tokens == budget == engine.runner.max_num_batched_tokens

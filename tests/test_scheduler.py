@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from scheduling.config import SchedulerConfig, auto_batched_tokens
 from scheduling.request import RequestStatus
 from scheduling.request_queue import FCFSQueue, PriorityQueue
 from tests.fake_runner import reference_output
@@ -252,3 +253,14 @@ def test_stop_conditions():
     assert finals["ign"] == ("length", 6, None)
     assert finals["min"][0] == "length"  # eos at position 0 is ignored before min_tokens
     assert next_token(p) == ref[0]
+
+
+def test_auto_token_budget_follows_the_device():
+    assert auto_batched_tokens("cuda", 0) == 2048
+    assert [auto_batched_tokens("cpu", n) for n in (1, 2, 4, 8, 64)] == [256, 256, 512, 1024, 2048]
+    assert SchedulerConfig().resolved("cpu", 2).max_num_batched_tokens == 256
+    assert SchedulerConfig(max_num_batched_tokens=100).resolved("cuda", 0).max_num_batched_tokens == 100
+    with pytest.raises(ValueError, match="or 0 for auto"):
+        SchedulerConfig(max_num_batched_tokens=-1).validate()
+    with pytest.raises(AssertionError, match="auto token budget"):
+        make_scheduler(max_num_batched_tokens=0)

@@ -78,8 +78,11 @@ def profile_decode(
     engine, batch: int, input_len: int = 100, output_len: int = 24, seed: int = 0, op_steps: int = 3
 ) -> StepProfile:
     """Run `batch` requests and profile the steps where all of them decode (no prefill in the batch)."""
-    w = Workload(f"profile-b{batch}", num_prompts=batch, input_len=input_len, output_len=output_len + op_steps,
-                 seed=seed)
+    # With a small step budget the batch fills over several steps; requests must outlive that ramp.
+    budget = engine.config.scheduler.max_num_batched_tokens
+    ramp = -(-batch * input_len // max(1, budget - batch)) + 2
+    w = Workload(f"profile-b{batch}", num_prompts=batch, input_len=input_len,
+                 output_len=ramp + output_len + op_steps, seed=seed)
     prompts = token_prompts(w, engine.vocab_size, frozenset(engine.tokenizer.all_special_ids))
     params = SamplingParams(max_tokens=w.output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
