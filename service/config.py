@@ -25,6 +25,11 @@ class ModelConfig:
     cache_dir: str = knob(
         "", "Where the default model is unpacked and cached (default: $SLUICE_CACHE_DIR or ~/.cache/sluice)."
     )
+    prepack_weights: bool = knob(
+        True,
+        "CPU fp32: keep Linear weights prepacked for oneDNN (1.2-2.5x faster matmuls at engine batch sizes).",
+        flag="--no-prepack-weights",
+    )
 
 
 @dataclass(slots=True)

@@ -57,6 +57,7 @@ class LLMEngine:
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
         from service.model_loader import eos_token_ids, load_model, resolve_device_dtype
         from service.model_runner import ModelRunner
+        from service.prepack import can_prepack, prepack_linears
 
         config = config or SluiceConfig()
         config.validate()
@@ -71,6 +72,8 @@ class LLMEngine:
             )
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
+        if config.model.prepack_weights and can_prepack(self.device, self.dtype):
+            prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)

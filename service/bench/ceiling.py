@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from service.bench.offline import OfflineRun
+from service.prepack import unpack_linears
 
 
 @dataclass(slots=True)
@@ -33,9 +34,13 @@ class Ceiling:
     prefill_groups: int = 0
 
 
-def sdpa_copy(model):
-    """A copy of the engine's model on transformers' own sdpa attention, for the baselines."""
+def sdpa_copy(model, plain_linears: bool = False):
+    """A copy of the engine's model on transformers' own sdpa attention. With plain_linears, oneDNN-prepacked
+    linears go back to torch's own: what transformers' generate runs. Without, the copy keeps the engine's
+    kernels, so the raw-forward ceiling measures the same matmuls minus the engine."""
     twin = copy.deepcopy(model)
+    if plain_linears:
+        unpack_linears(twin)
     twin.set_attn_implementation("sdpa")
     return twin.eval()
 

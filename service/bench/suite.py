@@ -34,16 +34,16 @@ class Suite:
 
     @property
     def hf_model(self):
-        """The engine's model on transformers' sdpa attention (a copy: the engine keeps its own)."""
+        """The engine's model as transformers alone runs it: sdpa attention, torch's own linears (a copy)."""
         if self._hf_model is None:
-            self._hf_model = sdpa_copy(self.engine.model)
+            self._hf_model = sdpa_copy(self.engine.model, plain_linears=True)
         return self._hf_model
 
     @property
     def raw(self) -> RawForward:
-        """Raw-forward timer over hf_model."""
+        """Raw-forward timer over an sdpa copy that keeps the engine's linear kernels."""
         if self._raw is None:
-            self._raw = RawForward(self.hf_model)
+            self._raw = RawForward(sdpa_copy(self.engine.model))
         return self._raw
 
     def log(self, message: str) -> None:
