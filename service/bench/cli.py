@@ -40,16 +40,15 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                                   description="Engine flags below are the same as `sluice serve`'s.")
     _add_workload_flags(offline)
     offline.add_argument("--standard", action="store_true",
-                         help="Run the standard workloads (A, B, C, issue 2) with targets, profile and scheduler "
+                         help="Run the standard workloads (A, B, C) with targets, profile and scheduler "
                               "micro-benchmark; workload flags are ignored.")
     offline.add_argument("--profile", action="store_true",
                          help="Only profile decode steps at batch 1 and 64, prompts of --input-len tokens "
                               "(phases and top torch ops).")
     offline.add_argument("--baselines", default="ceiling,generate,generate_batch",
                          help="Comma list of ceiling, generate, generate_batch, or 'none' (default: %(default)s).")
-    offline.add_argument("--generate-batch-max-prompts", type=int, default=-1,
-                         help="Time generate_batch on the first N prompts only (0: all; default: all, but 32 for "
-                              "--standard's issue-2 workload, to fit the time budget).")
+    offline.add_argument("--generate-batch-max-prompts", type=int, default=0,
+                         help="Time generate_batch on the first N prompts only (0: all; default: %(default)s).")
     offline.add_argument("--threads", type=int, default=0,
                          help="torch threads for the engine and the baselines alike (0: leave torch's choice).")
     offline.add_argument("--output", default="", help="Write results JSON here (and a .md table next to it).")
@@ -139,10 +138,9 @@ def _offline_command(args) -> int:
     suite.log(f"engine ready: {suite.engine.served_model_name}, {suite.engine.num_kv_blocks} KV blocks; warming up")
     warmup(suite.engine)
     if args.standard:
-        from service.bench.standard import ISSUE2_GENERATE_BATCH_PROMPTS, run_standard
+        from service.bench.standard import run_standard
 
-        gb = ISSUE2_GENERATE_BATCH_PROMPTS if args.generate_batch_max_prompts < 0 else args.generate_batch_max_prompts
-        results = run_standard(suite, gb)
+        results = run_standard(suite)
     else:
         results = {"meta": meta(suite.engine), "workloads": {}}
         if args.profile:
@@ -151,8 +149,7 @@ def _offline_command(args) -> int:
             batches = sorted({1, min(64, config.scheduler.max_num_seqs)})
             results["profile"] = [profile_decode(suite.engine, b, args.input_len) for b in batches]
         else:
-            gb = max(args.generate_batch_max_prompts, 0)
-            _, results["workloads"][workload.name] = suite.evaluate(workload, baselines, gb)
+            _, results["workloads"][workload.name] = suite.evaluate(workload, baselines, args.generate_batch_max_prompts)
         results["meta"]["loadavg_end"] = _loadavg()
         results["meta"]["elapsed_s"] = time.perf_counter() - suite.start
     results = to_jsonable(results)

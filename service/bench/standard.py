@@ -1,4 +1,4 @@
-"""`bench offline --standard`: issue 5's workloads A, B, C and issue 2's, their targets, profile and scheduler scaling."""
+"""`bench offline --standard`: issue 5's workloads A, B and C, their targets, profile and scheduler scaling."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ A = Workload("A", num_prompts=64, input_len=100, output_len=128, seed=0)
 B = Workload("B", num_prompts=8, input_len=100, output_len=128, max_concurrency=1, seed=1)
 C = Workload("C", num_prompts=64, input_len=400, output_len=64, max_concurrency=16, seed=2)
 C_PREFIX = dataclasses.replace(C, name="C-prefix", prefix_len=300, seed=3)
-ISSUE2 = Workload("issue2", num_prompts=64, input_len=130, output_len=128, seed=4)
 
 
 def target(name: str, value: float | None, goal: float, at_most: bool = False) -> dict:
@@ -24,13 +23,7 @@ def target(name: str, value: float | None, goal: float, at_most: bool = False) -
     return {"name": name, "value": value, "target": f"{'<=' if at_most else '>='} {goal:g}", "met": met}
 
 
-# transformers' generate_batch on CPU attends over every cached token of the whole batch, so it needs ~7 minutes
-# for A's 64 requests on this 2-core machine. A is where the target is checked, so it gets all 64 prompts;
-# issue 2's near-identical workload times it on the first half, to stay near the ~15-minute budget.
-ISSUE2_GENERATE_BATCH_PROMPTS = 32
-
-
-def run_standard(suite: Suite, issue2_gb_prompts: int = ISSUE2_GENERATE_BATCH_PROMPTS, profile: bool = True) -> dict:
+def run_standard(suite: Suite, profile: bool = True) -> dict:
     """Every standard workload, baselines, targets, profile and scheduler micro-benchmark; the results dict."""
     from service.engine import LLMEngine
 
@@ -42,7 +35,6 @@ def run_standard(suite: Suite, issue2_gb_prompts: int = ISSUE2_GENERATE_BATCH_PR
     if profile:  # right after A, whose prompts are cached: the profile's own prefill costs next to nothing
         suite.log("profile: batch 64 and batch 1 decode steps")
         results["profile"] = [profile_decode(engine, 1), profile_decode(engine, 64)]
-    _, wl["issue2"] = suite.evaluate(ISSUE2, ("generate", "generate_batch"), issue2_gb_prompts)
     run_b, wl["B"] = suite.evaluate(B, ())
     suite.log("B: raw batch-1 references")
     wl["B"]["raw"] = suite.raw_single_stream(run_b)
@@ -68,7 +60,6 @@ def targets(results: dict) -> list[dict]:
     out = [
         target("A: Sluice / raw-forward ceiling (tok/s)", a["ratios"].get("vs_ceiling"), 0.60),
         target("A: Sluice / generate_batch (tok/s)", a["ratios"].get("vs_generate_batch"), 3.0),
-        target("issue 2: Sluice / generate_batch (tok/s)", wl["issue2"]["ratios"].get("vs_generate_batch"), 3.0),
     ]
     raw = b["raw"]
     out.append(target("B: TPOT p50 / raw decode step at batch 1", _div(b["sluice"].tpot_ms.p50, raw["decode_step_ms"]),
