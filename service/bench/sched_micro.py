@@ -65,7 +65,19 @@ def measure(num_running: int, steps: int = 30, prompt_len: int = 100, block_size
     return SchedulerPoint(num_running, steps, s, u, s + u, (s + u) / num_running)
 
 
-def scheduler_scaling(sizes: tuple[int, ...] = (64, 256, 1024), steps: int = 30) -> list[SchedulerPoint]:
-    """One point per size; compare us_per_request across sizes to see the growth (flat = linear)."""
+def scheduler_scaling(
+    sizes: tuple[int, ...] = (64, 256, 1024), steps: int = 30, repeats: int = 3
+) -> list[SchedulerPoint]:
+    """One point per size; compare us_per_request across sizes to see the growth (flat = linear).
+
+    Each size keeps its fastest of `repeats` runs, taken in turns: a sub-millisecond step on a shared machine
+    swings by 2x from one run to the next, and the minimum is the stable estimate of what the code costs.
+    """
     measure(16, steps=3)  # warm the interpreter's caches before the first timed size
-    return [measure(n, steps) for n in sizes]
+    best: dict[int, SchedulerPoint] = {}
+    for _ in range(repeats):
+        for n in sizes:
+            point = measure(n, steps)
+            if n not in best or point.step_us < best[n].step_us:
+                best[n] = point
+    return [best[n] for n in sizes]
