@@ -17,6 +17,20 @@ from torch import nn
 PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
 
 
+def padded_rows(m: int) -> int:
+    """Row count rounded up to one of a few sizes (1, 2, 4, 8, 16, then multiples of 16, 64, 256).
+
+    oneDNN builds and caches a kernel for every distinct input shape, about half a MiB each; a step's token
+    count takes hundreds of values, so unpadded the cache would grow by hundreds of MiB, evict, and rebuild.
+    Padding keeps it to a few dozen kernels; the common shapes (decode batches of 1, 16, 64, full token
+    budgets) need no padding at all.
+    """
+    if m <= 16:
+        return 1 << max(0, m - 1).bit_length()
+    step = 16 if m <= 128 else 64 if m <= 512 else 256
+    return -(-m // step) * step
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN prepacking applies to fp32 on CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT)."""
     return (
@@ -41,7 +55,13 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Same result as nn.Linear.forward, via oneDNN."""
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
+        pad = padded_rows(m) - m
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
+        return out[:m].view(*x.shape[:-1], self.out_features)
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear with the same weights."""

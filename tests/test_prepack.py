@@ -48,3 +48,13 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_unpack_exactly():
 def test_prepack_only_where_onednn_applies():
     assert not can_prepack(torch.device("cpu"), torch.bfloat16)
     assert not can_prepack(torch.device("cuda"), torch.float32)
+
+
+def test_row_counts_are_padded_to_a_few_shapes():
+    from service.prepack import padded_rows
+
+    sizes = [padded_rows(m) for m in range(1, 2049)]
+    assert all(padded_rows(m) >= m for m in range(1, 2049))
+    assert sizes == sorted(sizes)
+    assert len(set(sizes)) <= 24  # one cached oneDNN kernel per shape and linear size, not one per token count
+    assert [padded_rows(m) for m in (1, 16, 64, 256, 2048)] == [1, 16, 64, 256, 2048]  # the common shapes: exact
