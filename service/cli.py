@@ -177,8 +177,9 @@ async def serve(config: SluiceConfig) -> int:
     e = engine.engine
     logger.info(
         "Sluice ready: model %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB KV cache), max_model_len %d, "
-        "serving %s", e.served_model_name, e.device, str(e.dtype).removeprefix("torch."), e.num_kv_blocks,
-        config.cache.block_size, e.kv_cache_bytes / 2**20, e.max_model_len, url)
+        "step budget %d tokens / %d seqs, serving %s", e.served_model_name, e.device,
+        str(e.dtype).removeprefix("torch."), e.num_kv_blocks, config.cache.block_size, e.kv_cache_bytes / 2**20,
+        e.max_model_len, e.config.scheduler.max_num_batched_tokens, e.config.scheduler.max_num_seqs, url)
 
     await stopped
     logger.info("shutting down: draining for up to %.0fs", srv.shutdown_timeout)

@@ -73,7 +73,9 @@ class LLMEngine:
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
         if config.model.prepack_weights and can_prepack(self.device, self.dtype):
-            prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
+            packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
+            if packed:
+                logger.info("prepacked %d linear layers for oneDNN", packed)
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)
