@@ -86,7 +86,21 @@ def prepack_linears(model: nn.Module) -> int:
     for name, linear in targets:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(linear))
+    if targets:
+        _copy_out_of_file_mappings(model)
     return len(targets)
+
+
+def _copy_out_of_file_mappings(model: nn.Module) -> None:
+    # Weights loaded from safetensors are views of one memory map of the file, and the map stays while any of
+    # them lives: the embedding and norms would keep every page that packing read resident (+540 MiB RSS for
+    # SmolLM2). Copies of the remaining tensors let it go.
+    with torch.no_grad():
+        seen: set[int] = set()
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensor.data = tensor.data.clone()
 
 
 def unpack_linears(model: nn.Module) -> nn.Module:

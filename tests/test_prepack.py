@@ -26,9 +26,12 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_unpack_exactly():
     model = Tiny().eval()
     ids = torch.randint(0, 50, (1, 7))
     plain_proj = model.proj.weight.detach().clone()
+    embed_ptr = model.embed.weight.data_ptr()
     with torch.inference_mode():
         want = model(ids)
         assert prepack_linears(model) == 2
+        # the rest is copied, so a safetensors memory map behind the original weights can be released
+        assert model.embed.weight.data_ptr() != embed_ptr and model.head.packed is not None
         assert prepack_linears(model) == 0  # idempotent: nothing left to pack
         assert isinstance(model.proj, PackedLinear) and isinstance(model.head, PackedLinear)
         assert "proj.weight" not in model.state_dict()  # the plain weight is gone, not kept beside the packed one
