@@ -21,6 +21,12 @@ class CacheConfig:
     enable_prefix_caching: bool = knob(
         True, "Reuse KV blocks of identical prompt prefixes across requests.", flag="--no-prefix-caching"
     )
+    cpu_decode_kernel: bool = knob(
+        True,
+        "CPU fp32: decode attention in a small C kernel that reads the paged cache in place (built on first use "
+        "with the system C compiler; the torch path when none is found).",
+        flag="--no-cpu-decode-kernel",
+    )
 
     def validate(self) -> None:
         """Raise ValueError on an inconsistent configuration."""

@@ -9,6 +9,7 @@ once per step in `AttentionMetadata` and reused by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ try:  # optional CUDA kernel; the torch path below is the reference
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
+
+if TYPE_CHECKING:
+    from kvcache.cpu_kernel import DecodeKernel
 
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256
@@ -31,6 +35,8 @@ class DecodeBatch:
     num_seqs: int
     padded_len: int  # num_blocks * block_size
     seq_lens: torch.Tensor  # [n] long, device
+    lens: list[int] = field(default_factory=list)  # the same, on the host
+    kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
 
 
@@ -68,6 +74,7 @@ class AttentionMetadata:
         block_tables: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_size: int,
+        decode_kernel: DecodeKernel | None = None,
     ) -> AttentionMetadata:
         """Metadata for sequences packed in order; lengths are host lists so planning needs no device sync."""
         device = block_tables.device
@@ -79,6 +86,8 @@ class AttentionMetadata:
             cu_k.append(cu_k[-1] + n)
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
         decode = _plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size) if decode_idx else None
+        if decode is not None:
+            decode.kernel = decode_kernel
         prefills = [
             PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
             for i, n in enumerate(query_lens)
@@ -108,12 +117,14 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
     num_blocks = -(-max(seq_lens[i] for i in idx) // block_size)
     seq_index = slice(idx[0], idx[-1] + 1) if isinstance(rows, slice) else torch.tensor(idx, device=device)
     tables = block_tables[seq_index, :num_blocks]
+    lens = [seq_lens[i] for i in idx]
     return DecodeBatch(
         rows=rows,
         block_ids=tables.reshape(-1).long(),
         num_seqs=len(idx),
         padded_len=num_blocks * block_size,
-        seq_lens=torch.tensor([seq_lens[i] for i in idx], device=device),
+        seq_lens=torch.tensor(lens, device=device),
+        lens=lens,
     )
 
 
@@ -160,6 +171,10 @@ def paged_attention(
 def _decode_attention(query, key_cache, value_cache, decode: DecodeBatch, scale, window, softcap) -> torch.Tensor:
     """One query token per sequence: query [n, H, D] against each sequence's gathered blocks."""
     n, num_heads, head_dim = query.shape
+    kernel = decode.kernel
+    if kernel is not None and window is None and not softcap and kernel.supports(query, key_cache):
+        tables = decode.block_ids.view(n, -1)
+        return kernel(query, key_cache, value_cache, tables, decode.seq_lens, decode.lens, scale)
     num_kv_heads = key_cache.shape[2]
     # [n, L, Hkv, D] viewed as [n, Hkv, L, D]; strided, but SDPA reads it without another copy.
     k = key_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)

@@ -7,6 +7,7 @@ import inspect
 import torch
 
 from kvcache.config import CacheConfig
+from kvcache.cpu_kernel import load as load_decode_kernel
 from kvcache.kv_tensors import KVTensors, num_blocks_for_budget
 from kvcache.paged_attention import AttentionMetadata
 from scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -55,6 +56,9 @@ class ModelRunner:
             num_host_blocks=self.num_host_blocks,
         )
         self.kv_cache_bytes = self.kv.num_bytes
+        self.decode_kernel = None
+        if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype == torch.float32:
+            self.decode_kernel = load_decode_kernel()
         # Models whose forward lacks logits_to_keep get full logits, sliced afterwards (correct, just slower).
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -101,7 +105,8 @@ class ModelRunner:
                 t.to(self.device, non_blocking=True)
                 for t in (input_ids, positions, slot_mapping, block_tables, sample_rows)
             )
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size)
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size,
+                                       self.decode_kernel)
         return input_ids, positions, meta, sample_rows
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
+from kvcache import cpu_kernel
 from kvcache.paged_attention import AttentionMetadata, paged_attention
+
+
+def decode_kernel():
+    kernel = cpu_kernel.load()
+    if kernel is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler?)")
+    return kernel
 
 
 def reference_attention(q, k, v, scale, window=None, softcap=None):
@@ -30,7 +38,7 @@ def reference_attention(q, k, v, scale, window=None, softcap=None):
 
 
 def run_case(seqs, block_size, num_heads=8, num_kv_heads=2, head_dim=16, window=None, softcap=None, seed=0,
-             dtype=torch.float32):
+             dtype=torch.float32, kernel=None):
     """seqs: (context_len, q_len) per sequence, packed in that order. Returns (max error, output)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -58,7 +66,7 @@ def run_case(seqs, block_size, num_heads=8, num_kv_heads=2, head_dim=16, window=
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     meta = AttentionMetadata.build(
-        [q for _, q in seqs], [c + q for c, q in seqs], block_tables, torch.tensor(slots), block_size
+        [q for _, q in seqs], [c + q for c, q in seqs], block_tables, torch.tensor(slots), block_size, kernel
     )
     scale = head_dim**-0.5
     queries, keys, values = ([t.to(dtype) for t in ts] for ts in (queries, keys, values))
@@ -88,15 +96,43 @@ MIXES = {
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
-def test_matches_dense_reference(block_size, mix, heads):
-    err, _ = run_case(MIXES[mix], block_size, num_heads=heads[0], num_kv_heads=heads[1])
+@pytest.mark.parametrize("decodes", ["torch", "c_kernel"])
+def test_matches_dense_reference(block_size, mix, heads, decodes):
+    kernel = decode_kernel() if decodes == "c_kernel" else None
+    err, _ = run_case(MIXES[mix], block_size, num_heads=heads[0], num_kv_heads=heads[1], kernel=kernel)
     assert err < 1e-4
+
+
+def test_c_kernel_spreads_a_large_batch_over_threads_and_matches_torch():
+    kernel = decode_kernel()
+    rng = random.Random(5)
+    seqs = [(rng.randrange(0, 300), 1) for _ in range(48)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # three uneven slices, two of them on pool threads
+        err_c, out_c = run_case(seqs, 16, num_heads=9, num_kv_heads=3, head_dim=64, kernel=kernel)
+    finally:
+        torch.set_num_threads(threads)
+    err_t, out_t = run_case(seqs, 16, num_heads=9, num_kv_heads=3, head_dim=64)
+    assert err_c < 1e-4 and err_t < 1e-4
+    torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
+
+
+def test_split_balances_work_by_length():
+    assert cpu_kernel._split([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert cpu_kernel._split([100, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert cpu_kernel._split([5], 4) == [(0, 1)]
+    ranges = cpu_kernel._split([7, 3, 9, 2, 8, 1, 4], 3)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 7 and len(ranges) == 3
+    assert all(a < b and b == c for (a, b), (c, _) in zip(ranges, ranges[1:], strict=False))
 
 
 @pytest.mark.parametrize("mix", ["mixed", "chunk_with_context", "prefill_only"])
 @pytest.mark.parametrize("window", [1, 8])
 def test_sliding_window(mix, window):
     err, _ = run_case(MIXES[mix], 4, window=window)
+    assert err < 1e-4
+    err, _ = run_case(MIXES[mix], 4, window=window, kernel=decode_kernel())  # the kernel defers to torch here
     assert err < 1e-4
 
 
@@ -125,3 +161,13 @@ def test_random_mixes(seed):
 def test_bfloat16_close_to_reference():
     err, out = run_case(MIXES["mixed"], 16, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and err < 5e-2
+
+
+def test_kernel_builds_into_the_cache_dir_and_falls_back_without_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    if cpu_kernel.load.__wrapped__() is None:
+        pytest.skip("no C compiler here")
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "other"))
+    assert cpu_kernel.load.__wrapped__() is None  # the torch path then runs

@@ -1,0 +1,139 @@
+"""The CPU decode-attention kernel (csrc/paged_decode.c): built once with the system C compiler, called via ctypes.
+
+The torch path gathers every decoding sequence's blocks into one padded tensor, then runs SDPA over it: each
+step copies the whole KV history of the batch and reads it twice more. The kernel reads K and V where they lie
+in the paged cache, once. It is optional: without a C compiler, or if the build fails, `load()` returns None
+and the torch path runs. Built files live in $SLUICE_CACHE_DIR/kernels (default ~/.cache/sluice/kernels),
+keyed by source, flags, compiler and CPU, since -march=native code only runs where it was built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("sluice.kernel")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# -ffast-math lets the compiler vectorise the dot products (it reorders the sums); -fno-finite-math-only
+# keeps -inf meaningful for the running maximum.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c99", "-shared", "-fPIC")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sluice")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@functools.cache
+def load() -> DecodeKernel | None:
+    """The built kernel, or None where it cannot be built or loaded here (the torch path is used then)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.info("no C compiler: decode attention uses the torch path")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        source = SOURCE.read_bytes()
+        key = hashlib.sha256(source + repr(CFLAGS).encode() + version.encode() + _cpu_flags().encode()).hexdigest()
+        target = _cache_dir() / f"paged_decode-{key[:16]}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(built, target)  # atomic: concurrent builders (test workers, replicas) never see half a file
+        return DecodeKernel(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("C decode kernel unavailable (%s %s): using the torch path", e, detail.decode()[-500:])
+        return None
+
+
+class DecodeKernel:
+    """Calls the C function over slices of the batch, one slice per torch thread (ctypes releases the GIL)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.sluice_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+            [ctypes.c_int64] * 6 + [ctypes.c_float]
+        self._fn = fn
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """fp32 CPU tensors in the layouts the kernel reads, and a head grouping it holds."""
+        num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+        return (
+            query.device.type == "cpu"
+            and query.dtype == key_cache.dtype == torch.float32
+            and key_cache.is_contiguous()
+            and num_heads % num_kv_heads == 0
+        )
+
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, lens: list[int], scale: float):
+        """query [n, H, D] → out [n, H, D]; block_tables [n, max_blocks] int64, seq_lens [n] int64 (CPU)."""
+        query = query.contiguous()
+        n, num_heads, head_dim = query.shape
+        out = torch.empty_like(query)
+        args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr())
+        tail = (num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale)
+        parts = _split(lens, min(torch.get_num_threads(), n))
+        if len(parts) == 1:
+            self._run(args, 0, n, tail)
+            return out
+        pool = self._executor(len(parts) - 1)
+        futures = [pool.submit(self._run, args, a, b, tail) for a, b in parts[1:]]
+        self._run(args, *parts[0], tail)
+        for f in futures:
+            f.result()
+        return out
+
+    def _run(self, args, first: int, last: int, tail) -> None:
+        if self._fn(*args, first, last, *tail) != 0:
+            raise MemoryError("paged decode kernel: out of memory for its score buffer")
+
+    def _executor(self, workers: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_size != workers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sluice-attn")
+            self._pool_size = workers
+        return self._pool
+
+
+def _split(lens: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous index ranges of about equal total length (the work is proportional to each kv length)."""
+    if parts <= 1:
+        return [(0, len(lens))]
+    total, ranges, start, acc = sum(lens), [], 0, 0
+    for i, n in enumerate(lens):
+        acc += n
+        if acc * parts >= total * (len(ranges) + 1) and len(ranges) < parts - 1 and i + 1 < len(lens):
+            ranges.append((start, i + 1))
+            start = i + 1
+    ranges.append((start, len(lens)))
+    return ranges

@@ -1,0 +1,68 @@
+/* Decode attention that reads K/V where they lie in the paged cache: no gathered copy of each history.
+ *
+ * One query token per sequence. For sequences [first, last), every query head scores every cached token of
+ * its KV head (GQA: H / Hkv query heads share one), takes a softmax and sums the values. Tokens are visited in
+ * cache order with all heads of a token together, so each block is read front to back, once per pass.
+ * Layouts (fp32, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+ * block_tables [n, table_stride] int64; seq_lens [n] int64. Plain C so it builds in a second with any cc.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int sluice_paged_decode(const float *q, const float *key_cache, const float *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
+    const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+    int64_t max_len = 1;
+    for (int64_t i = first; i < last; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    /* scores [H][max_len]; acc [H][D] */
+    float *scores = malloc(sizeof(float) * (size_t)(H * max_len));
+    float *acc = malloc(sizeof(float) * (size_t)(H * D));
+    float *maxs = malloc(sizeof(float) * (size_t)H), *sums = malloc(sizeof(float) * (size_t)H);
+    if (!scores || !acc || !maxs || !sums) { free(scores); free(acc); free(maxs); free(sums); return 1; }
+    for (int64_t i = first; i < last; i++) {
+        const int64_t len = seq_lens[i];
+        const int64_t *table = block_tables + i * table_stride;
+        const float *qi = q + i * H * D;
+        for (int64_t hq = 0; hq < H; hq++) maxs[hq] = -INFINITY;
+        /* Pass 1: scores. Tokens in cache order, every head of a token together: a block is read front to back. */
+        for (int64_t t = 0; t < len; t++) {
+            const float *k = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t hq = 0; hq < H; hq++) {
+                const float *kh = k + (hq / groups) * D, *qh = qi + hq * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+                s *= scale;
+                scores[hq * max_len + t] = s;
+                if (s > maxs[hq]) maxs[hq] = s;
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++) {
+            float *sc = scores + hq * max_len, sum = 0.f;
+            const float m = maxs[hq];
+            for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+            sums[hq] = sum;
+        }
+        /* Pass 2: weighted sum of the values, again block by block. */
+        memset(acc, 0, sizeof(float) * (size_t)(H * D));
+        for (int64_t t = 0; t < len; t++) {
+            const float *v = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t hq = 0; hq < H; hq++) {
+                const float p = scores[hq * max_len + t], *vh = v + (hq / groups) * D;
+                float *a = acc + hq * D;
+                for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
+            float *o = out + (i * H + hq) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[hq * D + d] * inv;
+        }
+    }
+    free(scores); free(acc); free(maxs); free(sums);
+    return 0;
+}
