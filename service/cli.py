@@ -139,6 +139,7 @@ async def serve(config: SluiceConfig) -> int:
 
     from service.api_server import STATE, create_app
     from service.async_engine import AsyncEngine
+    from service.engine import freeze_startup_objects
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -172,6 +173,7 @@ async def serve(config: SluiceConfig) -> int:
         await runner.cleanup()
         return 1
     engine = load.result()
+    freeze_startup_objects()
     engine.start()
     state.engine = engine
     e = engine.engine

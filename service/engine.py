@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -331,3 +332,15 @@ def _default_served_name(model: str) -> str:
     if model in ("", "default"):
         return "SmolLM2-135M-Instruct"
     return model.rstrip("/").split("/")[-1].removesuffix(".gguf")
+
+
+def freeze_startup_objects() -> None:
+    """Exclude everything alive now (model, tokenizer, ~370k objects) from future GC scans.
+
+    Each step allocates per-request objects, which triggers collections; without this, the older generations
+    they reach scan every module and tokenizer object too. Scheduler + KV manager cost per request with the
+    engine loaded: 12.5 / 16.4 µs at 64 / 1024 running requests, 8.1 / 11.1 µs frozen. Call it once the
+    engine is built (as vLLM does); frozen objects are still freed by reference counting.
+    """
+    gc.collect()
+    gc.freeze()

@@ -116,7 +116,7 @@ def _offline_command(args) -> int:
     from service.bench.report import markdown, to_jsonable, write_json
     from service.bench.suite import BASELINES, Suite, _loadavg, meta
     from service.cli import config_from_args
-    from service.engine import LLMEngine
+    from service.engine import LLMEngine, freeze_startup_objects
 
     baselines = () if args.baselines == "none" else tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     unknown = set(baselines) - set(BASELINES)
@@ -137,6 +137,7 @@ def _offline_command(args) -> int:
         torch.set_num_threads(args.threads)
     suite.log(f"engine ready: {suite.engine.served_model_name}, {suite.engine.num_kv_blocks} KV blocks; warming up")
     warmup(suite.engine)
+    freeze_startup_objects()  # as `sluice serve` does once its engine is up
     if args.standard:
         from service.bench.standard import run_standard
 
