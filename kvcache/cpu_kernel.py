@@ -25,9 +25,11 @@ import torch
 logger = logging.getLogger("sluice.kernel")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -ffast-math lets the compiler vectorise the dot products (it reorders the sums); -fno-finite-math-only
-# keeps -inf meaningful for the running maximum.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c99", "-shared", "-fPIC")
+# Reassociation lets the compiler vectorise the dot products. Not -ffast-math: linking a shared object with it
+# adds crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads (subnormal
+# floats everywhere, torch included, would read as 0).
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+          "-std=c99", "-shared", "-fPIC")
 
 
 def _cache_dir() -> Path:

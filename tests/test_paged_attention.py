@@ -168,6 +168,8 @@ def test_kernel_builds_into_the_cache_dir_and_falls_back_without_a_compiler(tmp_
     if cpu_kernel.load.__wrapped__() is None:
         pytest.skip("no C compiler here")
     assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]
+    # Loading it must leave the process's floating-point state alone (no flush-to-zero from -ffast-math).
+    assert (torch.tensor([1e-39]) * 2).item() != 0.0
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "other"))
     assert cpu_kernel.load.__wrapped__() is None  # the torch path then runs
