@@ -17,12 +17,6 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_MESSAGES = 4096
 INT32 = 2**31
-# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow float32 to inf, the
-# softmax turns NaN and the sampler returned a token id past the vocabulary, which killed the engine loop.
-MIN_TEMPERATURE = 1e-5
-# A nucleus smaller than the best token's probability (>= 1/vocab) keeps that token alone, so raising
-# tiny values changes no output; below float32's range top_p became 0 and the sampler indexed -1.
-MIN_TOP_P = 1e-7
 INT64 = 2**63
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -175,9 +169,6 @@ def _common(body: dict, chat: bool) -> GenerateRequest:
     )
     if params.top_p == 0.0:
         raise RequestError("'top_p' must be greater than 0", "top_p")
-    params.top_p = max(params.top_p, MIN_TOP_P)
-    if params.temperature < MIN_TEMPERATURE:
-        params.temperature = 0.0
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
