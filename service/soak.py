@@ -261,6 +261,7 @@ def report(tally: Tally, samples, health: dict, final: Tally, elapsed: float, af
 
 
 def free_port() -> int:
+    """A free loopback port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

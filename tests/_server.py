@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from service.soak import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"  # the served name of the tiny test model
-
-
-def free_port() -> int:
-    """A free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ import pytest
 from metrics import promql_check as pc
 from metrics.prometheus import CONTENT_TYPE
 from tests._server import MODEL as MODEL_NAME
-from tests._server import Server
+from tests._server import Server, free_port
 from tests._tiny import save_tiny_model
 
 pytestmark = pytest.mark.timeout(600)  # generous for a first-run apt-get; the check itself takes ~30 s
@@ -29,12 +28,6 @@ pytestmark = pytest.mark.timeout(600)  # generous for a first-run apt-get; the c
 NUM_KV_BLOCKS = 24  # of 16 tokens (the Server's block size): eight 140-token requests cannot all fit
 PROMPT = list(range(10, 50))  # 40 token ids, shared by every request (prefix-cache hits)
 MAX_TOKENS = 100
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes, str]:
