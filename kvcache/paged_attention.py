@@ -85,9 +85,8 @@ class AttentionMetadata:
         for n in seq_lens:
             cu_k.append(cu_k[-1] + n)
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
-        decode = _plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size) if decode_idx else None
-        if decode is not None:
-            decode.kernel = decode_kernel
+        decode = (_plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size, decode_kernel)
+                  if decode_idx else None)
         prefills = [
             PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
             for i, n in enumerate(query_lens)
@@ -107,7 +106,8 @@ class AttentionMetadata:
         )
 
 
-def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tables, block_size) -> DecodeBatch:
+def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tables, block_size,
+                 kernel: DecodeKernel | None) -> DecodeBatch:
     """Gather indices for all decodes at once; rows stay a slice when the decodes are packed contiguously."""
     device = block_tables.device
     first, last = cu_q[idx[0]], cu_q[idx[-1]]
@@ -125,6 +125,7 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
         padded_len=num_blocks * block_size,
         seq_lens=torch.tensor(lens, device=device),
         lens=lens,
+        kernel=kernel,
     )
 
 
