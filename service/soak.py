@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,10 +282,6 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                pass
-            import urllib.request
-
             with urllib.request.urlopen(url + "/ready", timeout=2) as r:
                 if r.status == 200:
                     return proc, url
