@@ -44,14 +44,17 @@ class FreeBlockQueue:
     def popleft(self) -> KVCacheBlock:
         """Take the least recently freed block."""
         block = self._head.next_free
-        assert block is not None and block is not self._tail, "no free blocks"
+        # A real check, not an assert: under `python -O` handing out the sentinel would corrupt the list.
+        if block is None or block is self._tail:
+            raise RuntimeError("no free blocks")
         self.remove(block)
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue in O(1)."""
         prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
@@ -59,9 +62,10 @@ class FreeBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the back: it is reused last."""
-        assert block.prev_free is None and block.next_free is None, f"{block} already queued"
+        if block.prev_free is not None or block.next_free is not None or block.block_id < 0:
+            raise RuntimeError(f"{block} is already queued (or is a sentinel)")
         last = self._tail.prev_free
-        assert last is not None
+        assert last is not None  # the head sentinel at worst
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail

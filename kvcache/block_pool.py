@@ -35,7 +35,8 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` free blocks, evicting the cached prefixes they held."""
-        assert num_blocks <= self.num_free_blocks, f"asked {num_blocks}, {self.num_free_blocks} free"
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         blocks = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
@@ -54,7 +55,8 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching zero join the back of the free queue in order."""
         for block in blocks:
-            assert block.ref_cnt > 0, f"double free of {block}"
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)

@@ -6,11 +6,16 @@ from collections import deque
 
 
 class SwapSpace:
-    """A free list of host block ids; the copies themselves are the model runner's job."""
+    """A free list of host block ids; the copies themselves are the model runner's job.
+
+    Its checks are real exceptions, not asserts: a slot handed out twice means two requests' KV in one place,
+    so they must hold under `python -O` too.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -19,10 +24,17 @@ class SwapSpace:
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` host slots."""
-        assert num_blocks <= len(self._free), "swap space exhausted"
-        return [self._free.popleft() for _ in range(num_blocks)]
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"swap space exhausted: asked for {num_blocks}, {len(self._free)} free")
+        slots = [self._free.popleft() for _ in range(num_blocks)]
+        for slot in slots:
+            self._is_free[slot] = False
+        return slots
 
     def free(self, block_ids: list[int]) -> None:
-        """Return host slots."""
+        """Return host slots; a slot that is already free raises (nothing is changed then)."""
+        if len(set(block_ids)) != len(block_ids) or any(self._is_free[b] for b in block_ids):
+            raise RuntimeError(f"host slot freed twice: {sorted(b for b in block_ids if self._is_free[b])}")
+        for slot in block_ids:
+            self._is_free[slot] = True
         self._free.extend(block_ids)
-        assert len(self._free) <= self.num_blocks, "host slot freed twice"

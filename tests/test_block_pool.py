@@ -1,3 +1,5 @@
+import pytest
+
 from kvcache.block import FreeBlockQueue, KVCacheBlock
 from kvcache.block_pool import BlockPool
 from kvcache.hashing import hash_block_tokens, hash_prompt_blocks
@@ -41,11 +43,8 @@ def test_double_free_is_caught():
     pool = BlockPool(2)
     (a,) = pool.get_new_blocks(1)
     pool.free_blocks([a])
-    try:
+    with pytest.raises(RuntimeError, match="double free"):
         pool.free_blocks([a])
-    except AssertionError:
-        return
-    raise AssertionError("double free not detected")
 
 
 def test_hash_chain_is_stable_and_prefix_sensitive():
