@@ -24,7 +24,9 @@ class FCFSQueue:
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
-        self._removed: set[str] = set()  # lazy removal keeps abort O(1)
+        # Lazy removal keeps abort O(1). Keyed by object identity, not request id: an id aborted and added again
+        # while its stale entry is still queued must not make the new request disappear.
+        self._removed: set[int] = set()
         self._len = 0
 
     def push(self, request: Request) -> None:
@@ -50,12 +52,12 @@ class FCFSQueue:
 
     def remove(self, request: Request) -> None:
         """Forget a queued request (abort)."""
-        self._removed.add(request.request_id)
+        self._removed.add(id(request))
         self._len -= 1
 
     def _drop_removed(self) -> None:
-        while self._queue and self._queue[0].request_id in self._removed:
-            self._removed.discard(self._queue.popleft().request_id)
+        while self._queue and id(self._queue[0]) in self._removed:
+            self._removed.discard(id(self._queue.popleft()))
 
     def __len__(self) -> int:
         return self._len
@@ -64,7 +66,7 @@ class FCFSQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[Request]:
-        return (r for r in self._queue if r.request_id not in self._removed)
+        return (r for r in self._queue if id(r) not in self._removed)
 
 
 class PriorityQueue:
@@ -72,7 +74,7 @@ class PriorityQueue:
 
     def __init__(self) -> None:
         self._heap: list[tuple[tuple[int, float, int], Request]] = []
-        self._removed: set[str] = set()
+        self._removed: set[int] = set()  # ids of removed Request objects (see FCFSQueue)
         self._len = 0
 
     def push(self, request: Request) -> None:
@@ -96,12 +98,12 @@ class PriorityQueue:
 
     def remove(self, request: Request) -> None:
         """Forget a queued request (abort); the heap entry is dropped lazily."""
-        self._removed.add(request.request_id)
+        self._removed.add(id(request))
         self._len -= 1
 
     def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][1].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[1].request_id)
+        while self._heap and id(self._heap[0][1]) in self._removed:
+            self._removed.discard(id(heapq.heappop(self._heap)[1]))
 
     def __len__(self) -> int:
         return self._len
@@ -110,7 +112,7 @@ class PriorityQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[Request]:
-        return (r for _, r in sorted(self._heap, key=lambda e: e[0]) if r.request_id not in self._removed)
+        return (r for _, r in sorted(self._heap, key=lambda e: e[0]) if id(r) not in self._removed)
 
 
 RequestQueue = FCFSQueue | PriorityQueue
