@@ -39,6 +39,11 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the prefix cache
         self.req_host_blocks: dict[str, list[int]] = {}
+        # Host slots read by this step's swap-ins. They are released only by commit_swaps(), once the step's
+        # copies are known done: until then they hold the only good copy of the KV (a failed copy falls back on
+        # them), and no swap-out of the same step can be handed them.
+        self.swapping_in: dict[str, list[int]] = {}
+        self._host_release_after_step: list[int] = []  # slots of requests freed while their swap-in was pending
         # Cumulative prefix-cache counters, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -119,21 +124,30 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.req_num_cached[rid] = max(start, end)
 
-    def free(self, request: CacheableRequest, uncache: bool = False) -> None:
+    def free(self, request: CacheableRequest, uncache_from_block: int | None = None) -> None:
         """Release the request's device blocks (tail first, so its prefix stays cached longest) and host slots.
 
-        `uncache` forgets the hashes of its blocks: for a failed step whose blocks were never filled.
+        `uncache_from_block` forgets the hashes of the blocks from that index on: for a failed step, whose
+        blocks were registered before the forward that was to fill them.
         """
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
         self.req_num_cached.pop(rid, None)
-        if uncache:
-            for block in blocks:
+        if uncache_from_block is not None:
+            for block in blocks[uncache_from_block:]:
                 self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(blocks))
         host = self.req_host_blocks.pop(rid, None)
         if host:
             self.swap_space.free(host)
+        pending = self.swapping_in.pop(rid, None)
+        if pending:  # its swap-in copy may still be reading them
+            self._host_release_after_step.extend(pending)
+
+    def uncache_block_ids(self, block_ids: list[int]) -> None:
+        """Forget the prefix hashes of these blocks: a failed step left their contents unknown."""
+        for block_id in block_ids:
+            self.pool.uncache_block(self.pool.blocks[block_id])
 
     # --- swap ---------------------------------------------------------------------------------
 
@@ -164,15 +178,49 @@ class KVCacheManager:
         return need <= self.pool.num_free_blocks
 
     def swap_in(self, request: CacheableRequest) -> list[tuple[int, int]]:
-        """Bring the request's blocks back into fresh device blocks; returns (host_block, device_block) copies."""
+        """Bring the request's blocks back into fresh device blocks; returns (host_block, device_block) copies.
+
+        The host slots stay taken until commit_swaps() (the copy succeeded) or undo_swap_in() (it failed).
+        """
         rid = request.request_id
         host = self.req_host_blocks.pop(rid)
         blocks = self.pool.get_new_blocks(len(host))
         self.req_blocks[rid] = blocks
         self.req_num_cached[rid] = 0
         self._cache_full_blocks(request, request.num_computed_tokens)
-        self.swap_space.free(host)
+        self.swapping_in[rid] = host
         return [(h, b.block_id) for h, b in zip(host, blocks, strict=True)]
+
+    def commit_swaps(self) -> None:
+        """The step's copies are done: release the host slots its swap-ins read."""
+        for host in self.swapping_in.values():
+            self.swap_space.free(host)
+        self.swapping_in.clear()
+        if self._host_release_after_step:
+            self.swap_space.free(self._host_release_after_step)
+            self._host_release_after_step = []
+
+    def undo_swap_in(self, request: CacheableRequest) -> None:
+        """The step's copies failed: drop the device blocks (contents unknown) and keep the KV in its host slots.
+
+        A request swapped out again in the same step drops that newer, unfinished host copy too.
+        """
+        rid = request.request_id
+        host = self.swapping_in.pop(rid)
+        blocks = self.req_blocks.pop(rid, [])
+        self.req_num_cached.pop(rid, None)
+        for block in blocks:
+            self.pool.uncache_block(block)
+        self.pool.free_blocks(reversed(blocks))
+        newer = self.req_host_blocks.pop(rid, None)
+        if newer:
+            self.swap_space.free(newer)
+        self.req_host_blocks[rid] = host
+
+    def drop_host_blocks(self, request: CacheableRequest) -> None:
+        """Forget a swapped-out request's host copy (its copy failed): it must be recomputed."""
+        host = self.req_host_blocks.pop(request.request_id)
+        self.swap_space.free(host)
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (only when idle)."""

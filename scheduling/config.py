@@ -43,6 +43,11 @@ class SchedulerConfig:
         "Queue order: 'fcfs' (arrival order) or 'priority' (lower `priority` value first, FCFS among equals).",
         choices=("fcfs", "priority"),
     )
+    max_queue_wait: float = knob(
+        0.0,
+        "Seconds a request may wait in the queue before it is first scheduled; past it, it is aborted with "
+        "HTTP 429 'queue_timeout' (0: no limit). Bounds starvation of low priorities under the priority policy.",
+    )
     preemption_mode: str = knob(
         "recompute",
         "What preemption does to a victim: 'recompute' (drop its KV, redo later) or 'swap' (copy KV to host memory).",
@@ -57,6 +62,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1, or 0 for auto")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
+        if not self.max_queue_wait >= 0:
+            raise ValueError("max_queue_wait must be >= 0 (0: no limit)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
 

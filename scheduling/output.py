@@ -28,22 +28,84 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+class CopyOrderError(RuntimeError):
+    """A step's block copies would corrupt KV if run in the runner's order (all swap-ins, then all swap-outs)."""
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One engine step: the batch to run, plus block copies to perform before the forward."""
+    """One engine step: the batch to run, plus block copies to perform before the forward.
+
+    The copy-order contract. The runner performs every swap-in (host -> device) of the step first, then every
+    swap-out (device -> host), then the forward. The scheduler decides copies in its own order, and the two
+    orders give the same result only when no swap-out decided earlier in the step conflicts with a swap-in
+    decided after it:
+
+    - a request resumed by a swap-in may be preempted again by a swap-out later in the same step; its swap-out
+      reads the device blocks the swap-in just filled, which is right only because swap-ins run first;
+    - a device block freed by a swap-out must never be handed to a swap-in of the same step (the swap-in would
+      overwrite it before the swap-out reads it), and a host slot written by a swap-out must not be read by a
+      swap-in of the same step (it would be read before it is written).
+
+    `check_copy_order()` enforces both with a real exception; the scheduler and the runner call it.
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     # (host_block, device_block) copies to do first, then (device_block, host_block) copies, then the forward.
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swapped_in_ids: list[str] = field(default_factory=list)  # resumed this step, in decision order
+    swapped_out_ids: list[str] = field(default_factory=list)  # preempted to host memory this step
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop per-request state
+    # (is_swap_in, pairs) in the order the scheduler decided them; what check_copy_order() replays.
+    copy_log: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """True when there is nothing to compute and nothing to copy."""
         return not (self.scheduled or self.swap_in or self.swap_out)
+
+    def add_swap_in(self, request_id: str, pairs: list[tuple[int, int]]) -> None:
+        """Record a resumed request's (host_block, device_block) copies."""
+        self.swap_in.extend(pairs)
+        self.swapped_in_ids.append(request_id)
+        self.copy_log.append((True, pairs))
+
+    def add_swap_out(self, request_id: str, pairs: list[tuple[int, int]]) -> None:
+        """Record a swapped-out request's (device_block, host_block) copies."""
+        self.swap_out.extend(pairs)
+        self.swapped_out_ids.append(request_id)
+        self.copy_log.append((False, pairs))
+
+    def check_copy_order(self) -> None:
+        """Raise CopyOrderError unless running all swap-ins before all swap-outs keeps every block's data."""
+        if len(self.copy_log) < 2:  # one request's own copies never overlap
+            return
+        freed_by_out: set[int] = set()  # device blocks a swap-out reads (and freed)
+        written_by_out: set[int] = set()  # host slots a swap-out writes
+        filled_by_in: set[int] = set()  # device blocks a swap-in writes
+        read_by_in: set[int] = set()  # host slots a swap-in reads
+        for is_in, pairs in self.copy_log:
+            for src, dst in pairs:
+                if is_in:
+                    if dst in freed_by_out:
+                        raise CopyOrderError(f"device block {dst} freed by a swap-out is handed to a swap-in of "
+                                             "the same step: the swap-in would overwrite it before it is read")
+                    if src in written_by_out:
+                        raise CopyOrderError(f"host slot {src} written by a swap-out is read by a swap-in of the "
+                                             "same step: the swap-in would read it before it is written")
+                    if dst in filled_by_in or src in read_by_in:
+                        raise CopyOrderError(f"swap-in copy {src}->{dst} overlaps another swap-in of the step")
+                    filled_by_in.add(dst)
+                    read_by_in.add(src)
+                else:
+                    if dst in written_by_out or dst in read_by_in:
+                        raise CopyOrderError(f"host slot {dst} is the target of a swap-out while another copy "
+                                             "of the same step uses it")
+                    freed_by_out.add(src)
+                    written_by_out.add(dst)
 
 
 @dataclass(slots=True)

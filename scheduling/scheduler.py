@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 
 from kvcache.manager import KVCacheManager, cdiv
@@ -42,15 +43,43 @@ class Scheduler:
         self._finished_ids: list[str] = []  # ended since the last schedule(): the runner drops their state
         self._stats = SchedulerStats()
         self._prefix_counts_reported = (0, 0)
+        # The step between schedule() and update_from_output()/fail_step(), and the scheduled requests that were
+        # ended while it ran: if it fails, the blocks it was filling for them must lose their prefix hashes too.
+        self._in_flight: dict[str, ScheduledRequest] = {}
+        self._ended_in_flight: list[ScheduledRequest] = []
+        # (deadline, seq, request) for requests not yet scheduled once, when max_queue_wait is set.
+        self._queue_deadlines: list[tuple[float, int, Request]] = []
 
     # --- requests in and out -----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request."""
-        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        """Queue a new request; ValueError for a duplicate id or one that could never fit in the KV cache."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        needed = request.num_tokens + request.sampling_params.max_tokens
+        if needed > self.max_model_len:
+            capacity = self.kv.num_blocks * self.block_size
+            what = (f"the KV cache holds {capacity} tokens" if self.max_model_len == capacity
+                    else f"max_model_len is {self.max_model_len}")
+            raise ValueError(f"the request needs up to {needed} tokens ({request.num_tokens} in the prompt, "
+                             f"max_tokens {request.sampling_params.max_tokens}) but {what}")
         request.update_block_hashes(self.block_size)
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        if self.config.max_queue_wait > 0:
+            deadline = request.arrival_time + self.config.max_queue_wait
+            heapq.heappush(self._queue_deadlines, (deadline, request.arrival_seq, request))
+
+    def expire_waiting(self, now: float) -> list[Request]:
+        """Abort requests that waited past max_queue_wait without being scheduled once; returns them."""
+        expired = []
+        while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
+            request = heapq.heappop(self._queue_deadlines)[2]
+            # Already admitted, finished, or preempted after running: a queue wait no longer applies.
+            if request.first_scheduled_time is None and self.requests.get(request.request_id) is request:
+                self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+                expired.append(request)
+        return expired
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests wherever they are (abort, stop string) and free their blocks now."""
@@ -67,9 +96,12 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
+            in_flight = self._in_flight.pop(rid, None)
+            if in_flight is not None:
+                self._ended_in_flight.append(in_flight)
 
-    def _release(self, request: Request, uncache: bool = False) -> None:
-        self.kv.free(request, uncache=uncache)
+    def _release(self, request: Request, uncache_from_block: int | None = None) -> None:
+        self.kv.free(request, uncache_from_block)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -116,6 +148,9 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
         assert len(out.scheduled) <= self.config.max_num_seqs
+        out.check_copy_order()
+        self._in_flight = {s.request_id: s for s in out.scheduled}
+        self._ended_in_flight = []
         return out
 
     def _num_new_tokens(self, request: Request, num_hit_tokens: int, budget: int) -> int:
@@ -125,6 +160,11 @@ class Scheduler:
         return min(n, budget)
 
     def _resume_swapped(self, out: SchedulerOutput) -> None:
+        if out.swap_out:
+            # A swap-out already decided this step (priority preemption) freed device blocks that its copy has
+            # yet to read; a swap-in could be handed them and would overwrite them first (SchedulerOutput's
+            # copy-order contract). Resuming waits one step.
+            return
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             if self._waiting_outranks(request):
@@ -133,7 +173,7 @@ class Scheduler:
             if not self.kv.can_swap_in(request, remaining):
                 break
             self.swapped.pop(0)
-            out.swap_in.extend(self.kv.swap_in(request))
+            out.add_swap_in(request.request_id, self.kv.swap_in(request))
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self.key)
 
@@ -217,7 +257,7 @@ class Scheduler:
         victim.num_preemptions += 1
         out.preempted_ids.append(victim.request_id)
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
-            out.swap_out.extend(self.kv.swap_out(victim))
+            out.add_swap_out(victim.request_id, self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, victim, key=self.key)
             self._stats.num_preemptions_swap += 1
@@ -234,12 +274,14 @@ class Scheduler:
         self, out: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Advance progress, append sampled tokens, finish requests that stopped, free their blocks."""
+        self.kv.commit_swaps()  # the step ran: its copies are done
+        self._in_flight, self._ended_in_flight = {}, []
         outputs: list[RequestOutput] = []
         any_finished = False
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
-            if request is None:
-                continue  # ended while the step ran
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # ended while the step ran (a WAITING one is a new request reusing the id)
             request.num_computed_tokens += sched.num_tokens
             if request.num_output_tokens == 0:
                 self._stats.num_prompt_tokens += sched.num_tokens
@@ -275,16 +317,50 @@ class Scheduler:
         return None
 
     def fail_step(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """End every request of a step whose forward failed; their blocks were never filled, so uncache them."""
+        """The step's copies or forward raised: fail what it computed, put back what it only moved.
+
+        - scheduled requests end with an error; the blocks this step was to fill lose their prefix hashes;
+        - requests resumed by a swap-in but not scheduled go back to `swapped`, onto the host slots that still
+          hold their KV (those slots are released only after a step's copies succeed);
+        - requests swapped out this step drop their unfinished host copy and wait to be recomputed.
+        """
         outputs = []
+        swapped_in = set(out.swapped_in_ids)
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
-            if request is None:
-                continue
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # ended while the step ran (a WAITING one is a new request reusing the id)
             request.status = RequestStatus.FINISHED_ERROR
-            self._release(request, uncache=True)
+            self.running.remove(request)
+            # Blocks a swap-in was to fill are as unknown as those the forward was to fill.
+            first_unknown = 0 if sched.request_id in swapped_in else sched.start_pos // self.block_size
+            self._release(request, uncache_from_block=first_unknown)
             outputs.append(self._make_output(request, [], []))
-        self.running = [r for r in self.running if not r.is_finished]
+        for rid in out.swapped_in_ids:
+            request = self.requests.get(rid)
+            if request is None or rid not in self.kv.swapping_in:
+                continue  # failed above, or ended while the step ran
+            self.kv.undo_swap_in(request)
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                request.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, request, key=self.key)
+        for rid in out.swapped_out_ids:
+            request = self.requests.get(rid)
+            if request is None or rid in swapped_in or request.status != RequestStatus.SWAPPED:
+                continue  # ended, or already back on its older host copy
+            self.swapped.remove(request)
+            self.kv.drop_host_blocks(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(request)
+        for sched in self._ended_in_flight:  # ended while the step ran: their blocks are free, not yet reused
+            first_unknown = 0 if sched.request_id in swapped_in else sched.start_pos // self.block_size
+            self.kv.uncache_block_ids(sched.block_ids[first_unknown:])
+        # Every block a swap-in was to fill, whoever holds it now (a request ended mid-step freed its blocks).
+        self.kv.uncache_block_ids([dev for _, dev in out.swap_in])
+        self._in_flight, self._ended_in_flight = {}, []
+        self.kv.commit_swaps()  # what is left pending belongs to requests that ended: nothing reads it now
         return outputs
 
     @staticmethod

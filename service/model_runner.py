@@ -65,6 +65,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Swap in, swap out, then run the scheduled tokens and sample for requests flagged `sample`."""
+        # Every swap-in before every swap-out: a request resumed and preempted again in one step must copy out
+        # what its swap-in just brought back. check_copy_order() refuses schedules this order would corrupt.
+        out.check_copy_order()
         self.kv.swap_in(out.swap_in)
         self.kv.swap_out(out.swap_out)
         if not out.scheduled:

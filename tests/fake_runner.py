@@ -19,26 +19,54 @@ def next_token(tokens: list[int]) -> int:
     return int.from_bytes(digest, "little") % VOCAB
 
 
+class InjectedFault(RuntimeError):
+    """Raised by FakeRunner where a test asked a step to fail."""
+
+
+GARBAGE = -7  # what a slot holds after a copy or write that did not finish: a token no model would produce
+
+
 class FakeRunner:
-    """Writes scheduled tokens into slots, performs swap copies, and 'attends' by reading slots back."""
+    """Writes scheduled tokens into slots, performs swap copies, and 'attends' by reading slots back.
+
+    `fail_next` makes the next step raise part-way: "swap_in" (half the swap-in copies done, the rest of
+    their targets garbage), "swap_out" (likewise for swap-outs), or "forward" (half the new tokens written, the
+    other slots garbage). A step that fails must not let any of that garbage reach a later output.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.host: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_host_blocks)]
         self.steps: list[SchedulerOutput] = []
+        self.fail_next: str | None = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
         self.steps.append(out)
-        for host, dev in out.swap_in:
+        fail, self.fail_next = self.fail_next, None
+        out.check_copy_order()
+        for i, (host, dev) in enumerate(out.swap_in):
+            if fail == "swap_in" and i >= len(out.swap_in) // 2:
+                self.slots[dev * bs : (dev + 1) * bs] = [(GARBAGE, p) for p in range(bs)]
+                continue
             self.slots[dev * bs : (dev + 1) * bs] = list(self.host[host])
-        for dev, host in out.swap_out:
+        if fail == "swap_in":
+            raise InjectedFault("swap-in copy failed")
+        for i, (dev, host) in enumerate(out.swap_out):
+            if fail == "swap_out" and i >= len(out.swap_out) // 2:
+                self.host[host] = [(GARBAGE, p) for p in range(bs)]
+                continue
             self.host[host] = list(self.slots[dev * bs : (dev + 1) * bs])
-        for s in out.scheduled:  # write every new token first, as each layer does
-            for j, tok in enumerate(s.token_ids):
-                pos = s.start_pos + j
-                self.slots[s.block_ids[pos // bs] * bs + pos % bs] = (tok, pos)
+        if fail == "swap_out":
+            raise InjectedFault("swap-out copy failed")
+        writes = [(s, j) for s in out.scheduled for j in range(s.num_tokens)]
+        for k, (s, j) in enumerate(writes):  # write every new token first, as each layer does
+            pos = s.start_pos + j
+            written = GARBAGE if fail == "forward" and k >= len(writes) // 2 else s.token_ids[j]
+            self.slots[s.block_ids[pos // bs] * bs + pos % bs] = (written, pos)
+        if fail == "forward":
+            raise InjectedFault("forward failed")
         result = ModelRunnerOutput()
         for s in out.scheduled:
             if not s.sample:
