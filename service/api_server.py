@@ -264,10 +264,12 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     except QueueFullError as e:
         raise RequestError(f"{e}; retry shortly", status=429, type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
-    except EngineDrainingError:
-        raise RequestError("the server is shutting down", status=503, type="server_error", code="draining") from None
+    except EngineDrainingError:  # another replica can take it
+        raise RequestError("the server is shutting down", status=503, type="server_error", code="draining",
+                           headers={"x-should-retry": "true"}) from None
     except EngineDeadError:
-        raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead") from None
+        raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
+                           headers={"x-should-retry": "true"}) from None
     fmt = _Format(req, prefix, engine.served_model_name, engine.tokenizer)
     async with stream:
         if req.stream:
@@ -302,14 +304,31 @@ def _usage(choices: dict[str, _Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
+# Status, error type and retry hint for a request the server ended. `x-should-retry` is the header the OpenAI
+# SDKs obey before their own status rules (they retry 408/409/429/5xx): a retry makes sense when another replica
+# or a later moment can serve it (shutdown, dead engine), not when the same request would fail again (a failed
+# step) or join the same overloaded queue (waited too long).
+ABORT_STATUS: dict[str | None, tuple[int, str, bool]] = {
+    "queue_timeout": (429, "rate_limit_error", False),
+    "shutdown": (503, "server_error", True),
+    "engine_dead": (503, "server_error", True),
+    "step_failed": (500, "server_error", False),
+    "detokenize_failed": (500, "server_error", False),
+    "slow_reader": (408, "timeout_error", False),
+}
+
+
 def _error_of(out) -> RequestError:
     """The client-facing error for a request that ended badly (details are in the server log)."""
-    if out.finish_reason == "abort":
-        return RequestError(out.error or "the request was aborted", status=503, type="server_error",
-                            code="aborted")
-    logger.error("generation failed: %s", out.error)
-    return RequestError(f"generation failed (request id {request_id_var.get()})", status=500, type="server_error",
-                        code="internal_error")
+    status, type_, retry = ABORT_STATUS.get(out.error_code, (500, "server_error", False))
+    headers = {"x-should-retry": "true" if retry else "false"}
+    if out.error_code in ("queue_timeout", "shutdown", "engine_dead", "slow_reader"):
+        message = out.error or "the request was aborted"
+    else:  # internals stay in the log
+        logger.error("generation failed: %s", out.error)
+        message = f"generation failed (request id {request_id_var.get()})"
+    return RequestError(message, status=status, type=type_, code=out.error_code or "internal_error",
+                        headers=headers)
 
 
 async def _collect(stream, choices: dict[str, _Choice], fmt: _Format) -> web.Response:
@@ -325,6 +344,11 @@ async def _collect(stream, choices: dict[str, _Choice], fmt: _Format) -> web.Res
 
 
 async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt: _Format) -> web.StreamResponse:
+    # Headers wait for the first output: a request that ends before producing anything (queue timeout, failed
+    # step, shutdown) then gets a real HTTP status the client's retry logic can read, not a 200 and an event.
+    first = await anext(stream, None)
+    if first is not None and first.error:
+        raise _error_of(first)
     resp = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -334,11 +358,17 @@ async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt
     async def _send(resp: web.StreamResponse, payload: dict) -> None:
         await _write(request, resp, b"data: " + orjson.dumps(payload) + b"\n\n", timeout)
 
+    async def _outputs():
+        if first is not None:
+            yield first
+        async for out in stream:
+            yield out
+
     try:
         for choice in sorted(choices.values(), key=lambda c: c.index):
             if fmt.req.chat:  # OpenAI opens each chat choice with the role
                 await _send(resp, fmt.chunk(choice, "", None, role=True))
-        async for out in stream:
+        async for out in _outputs():
             choice = choices[out.request_id]
             if out.error:
                 await _send(resp, _error_of(out).to_dict())

@@ -117,7 +117,7 @@ class AsyncEngine:
         except asyncio.TimeoutError:
             logger.warning("shutdown timeout: aborting %d in-flight requests", len(self._owner))
             for group in set(self._owner.values()):
-                self._fail(group, "abort", "the server is shutting down")
+                self._fail(group, "abort", "the server is shutting down", "shutdown")
             try:  # the handlers write their error events and return
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:
@@ -226,11 +226,12 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", rid)
 
-    def _fail(self, group: _Group, reason: str, message: str) -> None:
+    def _fail(self, group: _Group, reason: str, message: str, code: str) -> None:
         """End every unfinished request of a group with a terminal error output (stream stays open)."""
         left = self._detach(group)  # a second failure finds nothing left
         for rid in left:
-            group.queue.put_nowait(EngineOutput(rid, "", [], [], True, reason, 0, 0, 0, error=message))
+            group.queue.put_nowait(EngineOutput(rid, "", [], [], True, reason, 0, 0, 0, error=message,
+                                                error_code=code))
         self._abort(left)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -251,7 +252,7 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead = exc
             for group in set(self._owner.values()):
-                self._fail(group, "error", "the engine failed")
+                self._fail(group, "error", "the engine failed", "engine_dead")
 
     def _step(self) -> tuple[list[EngineOutput], bool, dict]:
         """Worker thread: one step if there is work, then the state the loop needs."""
@@ -280,7 +281,7 @@ class AsyncEngine:
             if group.queue.qsize() >= self.max_stream_buffer * group.size:
                 logger.warning("request %s: client not reading, %d outputs buffered; aborting",
                                out.request_id, group.queue.qsize())
-                self._fail(group, "error", "the client did not read the stream fast enough")
+                self._fail(group, "error", "the client did not read the stream fast enough", "slow_reader")
                 continue
             if out.finished:
                 group.unfinished.discard(out.request_id)

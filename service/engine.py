@@ -38,6 +38,12 @@ class EngineOutput:
     num_cached_tokens: int
     error: str | None = None
     stop_reason: int | str | None = None
+    # Why the engine ended it, when it was not the request's own stop: one of ERROR_CODES.
+    error_code: str | None = None
+
+
+# What the API maps to an HTTP status and a retry hint (service/api_server.py: ABORT_STATUS).
+ERROR_CODES = ("queue_timeout", "step_failed", "detokenize_failed", "shutdown", "engine_dead", "slow_reader")
 
 
 @dataclass(slots=True)
@@ -87,9 +93,18 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
-        # A request longer than the whole cache could never run: cap the context at what the cache holds.
+        # A request longer than the whole cache could never run: the context is capped at what the cache holds.
+        capacity = self.num_kv_blocks * block_size
+        if sched.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {sched.max_model_len} is larger than the KV cache's {capacity} tokens "
+                f"({self.num_kv_blocks} blocks of {block_size}); raise --kv-cache-memory or --num-kv-blocks, "
+                "or lower --max-model-len"
+            )
         model_len = sched.max_model_len or _model_context_length(model)
-        self.max_model_len = min(model_len, self.num_kv_blocks * block_size)
+        if model_len > capacity:
+            logger.info("context capped at the KV cache's %d tokens (the model allows %d)", capacity, model_len)
+        self.max_model_len = min(model_len, capacity)
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks, block_size, config.cache.enable_prefix_caching, self.runner.num_host_blocks
         )
@@ -132,7 +147,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._detokenizers:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -145,6 +160,9 @@ class LLMEngine:
                 params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids]
             )
         request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time)
+        self.scheduler.add_request(request)  # first: it may still refuse the request
+        # An id aborted and added again: the old request's abort notice must not end the new one.
+        self._pending_outputs = [o for o in self._pending_outputs if o.request_id != request_id]
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,
@@ -152,7 +170,6 @@ class LLMEngine:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        self.scheduler.add_request(request)
         self.metrics.track(request)
         return len(token_ids)
 
@@ -213,6 +230,12 @@ class LLMEngine:
         """One iteration: schedule, forward, sample, update, detokenize. Never raises for a model failure."""
         start = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
+        for request in self.scheduler.expire_waiting(time.monotonic()):
+            outputs.append(self._ended_output(
+                request, "abort", "queue_timeout",
+                f"the request waited more than {self.config.scheduler.max_queue_wait:g} s in the queue "
+                "(--max-queue-wait); the server is at capacity",
+            ))
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty or sched_out.finished_ids:
             try:
@@ -221,22 +244,9 @@ class LLMEngine:
                 runner_out = self.runner.execute(sched_out)
             except Exception as exc:  # one bad step fails its own requests, not the engine
                 logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))
-                for ro in self.scheduler.fail_step(sched_out):
-                    self._detokenizers.pop(ro.request_id, None)
-                    outputs.append(
-                        EngineOutput(
-                            ro.request_id,
-                            "",
-                            [],
-                            [],
-                            True,
-                            "error",
-                            ro.num_prompt_tokens,
-                            ro.num_output_tokens,
-                            ro.num_cached_tokens,
-                            error=f"engine step failed: {type(exc).__name__}",
-                        )
-                    )
+                for request in self.scheduler.fail_step(sched_out):
+                    outputs.append(self._ended_output(
+                        request, "error", "step_failed", f"engine step failed: {type(exc).__name__}"))
             else:
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
                     outputs.append(self._detokenize_or_fail(ro))
@@ -251,6 +261,14 @@ class LLMEngine:
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
         return outputs
 
+    def _ended_output(self, ro, reason: str, code: str, message: str) -> EngineOutput:
+        """The final output of a request the engine ended (ro: a Request or RequestOutput)."""
+        self._detokenizers.pop(ro.request_id, None)
+        return EngineOutput(
+            ro.request_id, "", [], [], True, reason, ro.num_prompt_tokens, ro.num_output_tokens,
+            max(ro.num_cached_tokens, 0), error=message, error_code=code,
+        )
+
     def _detokenize_or_fail(self, ro) -> EngineOutput:
         """Detokenize; a tokenizer failure ends that one request with an error instead of the engine loop."""
         try:
@@ -259,11 +277,7 @@ class LLMEngine:
             logger.exception("detokenizing request %s failed", ro.request_id)
             if not ro.finished:
                 self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_ABORTED)
-            self._detokenizers.pop(ro.request_id, None)
-            return EngineOutput(
-                ro.request_id, "", [], [], True, "error", ro.num_prompt_tokens, ro.num_output_tokens,
-                ro.num_cached_tokens, error=f"detokenizing failed: {type(exc).__name__}",
-            )
+            return self._ended_output(ro, "error", "detokenize_failed", f"detokenizing failed: {type(exc).__name__}")
 
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]

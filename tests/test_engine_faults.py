@@ -73,3 +73,94 @@ def test_engine_runs_with_the_auto_token_budget_resolved(engine):
     budget = engine.config.scheduler.max_num_batched_tokens
     assert budget == auto_batched_tokens("cpu", torch.get_num_threads())
     assert engine.scheduler.config.max_num_batched_tokens == budget == engine.runner.max_num_batched_tokens
+
+
+# --- failures inside the copies and inside the forward, on a real (tiny) model ---------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tests._tiny import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-faults")))
+
+
+def _swap_engine(path):
+    from service.config import SluiceConfig
+    from service.engine import LLMEngine
+
+    config = SluiceConfig()
+    config.model.model, config.model.device = path, "cpu"
+    config.cache.num_kv_blocks, config.cache.swap_space = 8, 0.01
+    config.scheduler.preemption_mode = "swap"
+    config.scheduler.max_num_batched_tokens = 64
+    return LLMEngine(config)
+
+
+PROMPTS = [[7 + i, 11, 13 + 2 * i, 17, 19 + i] * 6 for i in range(6)]
+
+
+def _run(engine, inject=None) -> tuple[dict, dict, set]:
+    """Run PROMPTS to the end; `inject(engine, failed)` patches the engine to fail one step part-way."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"q{i}", p, params)
+    failed: set[str] = set()
+    if inject:
+        inject(engine, failed)
+    tokens, reasons, codes = {}, {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                reasons[o.request_id], codes[o.request_id] = o.finish_reason, o.error_code
+    stats = engine.kv_stats()
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["free_host_blocks"] == stats["total_host_blocks"]
+    return tokens, reasons, {rid for rid, c in codes.items() if c == "step_failed"}
+
+
+def _fail_copy_once(direction: str):
+    def inject(engine, failed):
+        kv = engine.runner.kv
+        original = getattr(kv, direction)
+
+        def partial_then_raise(pairs):
+            if pairs and not failed:
+                original(pairs[: len(pairs) // 2])  # half the blocks copied, then the copy dies
+                failed.add(direction)
+                raise RuntimeError(f"injected {direction} failure")
+            return original(pairs)
+
+        setattr(kv, direction, partial_then_raise)
+
+    return inject
+
+
+def _fail_after_forward_once(engine, failed):
+    forward = engine.runner._forward
+    calls = {"n": 0}
+
+    def forward_then_raise(*args):
+        logits = forward(*args)  # every layer has written its K/V for the step
+        calls["n"] += 1
+        if calls["n"] == 6 and not failed:
+            failed.add("forward")
+            raise RuntimeError("injected failure after the forward wrote the KV cache")
+        return logits
+
+    engine.runner._forward = forward_then_raise
+
+
+@pytest.mark.parametrize("inject", [_fail_copy_once("swap_in"), _fail_copy_once("swap_out"), _fail_after_forward_once],
+                         ids=["inside-swap-in", "inside-swap-out", "after-forward-wrote-kv"])
+def test_a_step_failing_part_way_leaves_every_other_request_exact(tiny_path, inject):
+    reference, _, _ = _run(_swap_engine(tiny_path))
+    engine = _swap_engine(tiny_path)
+    tokens, reasons, step_failed = _run(engine, inject)
+    assert step_failed, "the injected failure did not fail any request"
+    for rid, want in reference.items():
+        if rid in step_failed:
+            assert reasons[rid] == "error"
+        else:
+            assert reasons[rid] == "length" and tokens[rid] == want, f"{rid} diverged after the failed step"
+    assert engine.last_stats is not None

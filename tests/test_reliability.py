@@ -26,11 +26,16 @@ ROOMY = ["--num-kv-blocks", "512", "--max-model-len", "256", "--max-num-seqs", "
          "--stream-write-timeout", "1", "--stream-send-buffer", "32768"]
 
 
+# queued: one seat, priority order, and a one-second bound on the wait for it.
+QUEUED = ["--max-num-seqs", "1", "--scheduling-policy", "priority", "--max-queue-wait", "1", "--max-model-len", "4096"]
+
+
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     started = {"tight": Server(model_dir, logs, *TIGHT, env=FAULTS, name="tight"),
-               "roomy": Server(model_dir, logs, *ROOMY, env=FAULTS, name="roomy")}
+               "roomy": Server(model_dir, logs, *ROOMY, env=FAULTS, name="roomy"),
+               "queued": Server(model_dir, logs, *QUEUED, name="queued")}
     yield started
     for srv in started.values():
         srv.stop()
@@ -44,6 +49,11 @@ def tight(servers):
 @pytest.fixture(scope="module")
 def roomy(servers):
     return servers["roomy"].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def queued(servers):
+    return servers["queued"].wait_ready()
 
 
 async def open_stream(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[aiohttp.ClientResponse, bytes]:
@@ -65,12 +75,13 @@ async def test_injected_fault_fails_only_its_step(tight):
         await asyncio.sleep(0.3)  # M is admitted next to R1, R2 (max_num_seqs 3): the W requests must wait
         waiting = [asyncio.ensure_future(post(tight.url, "/v1/completions", {**body, "max_tokens": 8}))
                    for _ in range(2)]
-        status, err, _ = await marked
+        status, err, headers = await marked
         check_error(status, err, 500)
-        assert err["error"]["code"] == "internal_error" and "Injected" not in err["error"]["message"]
+        assert err["error"]["code"] == "step_failed" and "Injected" not in err["error"]["message"]
+        assert headers.get("x-should-retry") == "false"  # the same request would fail the same way
         for r, first in runs:
             events = parse_sse(first + await r.read())
-            assert "error" in events[-1] and events[-1]["error"]["code"] == "internal_error", events[-1]
+            assert "error" in events[-1] and events[-1]["error"]["code"] == "step_failed", events[-1]
         for w in waiting:
             status, ok, _ = await w
             assert status == 200 and ok["choices"][0]["finish_reason"] == "length", ok
@@ -209,3 +220,23 @@ async def test_sigkill_loses_only_in_flight_and_restart_is_clean(roomy, model_di
         await good_request(again.url)
     finally:
         assert again.stop() == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_request_that_waits_past_max_queue_wait_gets_429_without_retry(queued, streamed):
+    """The only seat is held by a long stream; a low-priority request must not wait forever behind it."""
+    hog = {"model": MODEL, "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+           "priority": 0}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        resp, _ = await open_stream(s, queued.url, hog)
+        started = time.monotonic()
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "priority": 5, "stream": streamed}
+        status, err, headers = await post(queued.url, "/v1/completions", body)
+        waited = time.monotonic() - started
+        check_error(status, err, 429)
+        assert err["error"]["code"] == "queue_timeout" and "--max-queue-wait" in err["error"]["message"], err
+        assert headers.get("x-should-retry") == "false"  # retrying joins the same queue
+        assert 0.9 < waited < 10, waited
+        resp.close()  # the hog's client leaves: its request is aborted
+    await wait_idle(queued)
+    await good_request(queued.url)
