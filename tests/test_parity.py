@@ -92,37 +92,118 @@ def reference_case(arch: str):
     return ours, prompts, [hf_greedy(reference, p, MAX_NEW) for p in prompts]
 
 
+def instrument(engine) -> dict:
+    """Record which paths a run really took: preemptions by mode and phase, cross-request prefix hits, chunked
+    prefills, and how many decode-attention calls went to the C kernel or to the torch path."""
+    import kvcache.paged_attention as pa
+
+    seen = {"swap": 0, "recompute": 0, "preempted_in_decode": 0, "cross_request_hits": 0, "chunks": 0,
+            "kernel_calls": 0, "torch_decode_calls": 0}
+    sched, kv, runner = engine.scheduler, engine.kv_manager, engine.runner
+
+    def record(stats):
+        seen["recompute"] += stats.num_preemptions_recompute
+        seen["swap"] += stats.num_preemptions_swap
+
+    engine.stat_loggers.append(record)
+    preempt = sched._preempt
+
+    def spy_preempt(victim, out):
+        seen["preempted_in_decode"] += victim.num_output_tokens > 0
+        return preempt(victim, out)
+
+    sched._preempt = spy_preempt
+    lookup = kv.get_computed_blocks
+
+    def spy_lookup(request):
+        hits = lookup(request)
+        # At its first admission a request owns no blocks: a hit can only be another request's prefix.
+        if hits and request.num_preemptions == 0 and request.num_computed_tokens == 0:
+            seen["cross_request_hits"] += 1
+        return hits
+
+    kv.get_computed_blocks = spy_lookup
+    execute = runner.execute
+
+    def spy_execute(out):
+        seen["chunks"] += sum(1 for s in out.scheduled if not s.sample)
+        return execute(out)
+
+    runner.execute = spy_execute
+    if runner.decode_kernel is not None:
+        kernel = runner.decode_kernel
+
+        class CountingKernel:
+            def supports(self, *args):
+                return kernel.supports(*args)
+
+            def __call__(self, *args):
+                seen["kernel_calls"] += 1
+                return kernel(*args)
+
+        runner.decode_kernel = CountingKernel()
+    torch_path = pa._decode_attention
+
+    def spy_decode(query, key_cache, value_cache, decode, *args):
+        kernel = decode.kernel
+        if kernel is None or not kernel.supports(query, key_cache):
+            seen["torch_decode_calls"] += 1
+        return torch_path(query, key_cache, value_cache, decode, *args)
+
+    pa._decode_attention = spy_decode
+    seen["restore"] = lambda: setattr(pa, "_decode_attention", torch_path)
+    return seen
+
+
+def check_paths(seen: dict, mode: str, decode_path: str) -> None:
+    """The run reached what the parity claim is about, in the mode it claims."""
+    seen.pop("restore")()
+    assert seen["chunks"], "no prefill was split into chunks"
+    assert seen["cross_request_hits"] > 0, "no prefix hit on another request's blocks"
+    assert seen[mode] > 0, f"no {mode} preemption happened ({seen})"
+    if mode == "swap":
+        assert seen["swap"] > seen["recompute"] // 4, f"swap mode ran mostly on recompute fallbacks ({seen})"
+    assert seen["preempted_in_decode"] > 0, "no request was preempted while decoding"
+    if decode_path == "kernel":
+        assert seen["kernel_calls"] > 0 and seen["torch_decode_calls"] == 0, seen
+    else:
+        assert seen["torch_decode_calls"] > 0 and seen["kernel_calls"] == 0, seen
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
     ours, prompts, expected = reference_case(arch)
-    max_new = MAX_NEW
-
     engine = make_engine(ours, mode, num_blocks=24)
-    preemptions = {"recompute": 0, "swap": 0}
-    chunked = []
-
-    def record(stats):
-        preemptions["recompute"] += stats.num_preemptions_recompute
-        preemptions["swap"] += stats.num_preemptions_swap
-
-    engine.stat_loggers.append(record)
-    runner_execute = engine.runner.execute
-
-    def spy(out):
-        chunked.extend(s.num_tokens for s in out.scheduled if not s.sample)
-        return runner_execute(out)
-
-    engine.runner.execute = spy
-    results = engine.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0))
+    decode_path = "kernel" if engine.runner.decode_kernel is not None else "torch"
+    seen = instrument(engine)
+    results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
     for i, (got, want) in enumerate(zip(results, expected, strict=True)):
         assert got.token_ids == want, f"prompt {i} (len {len(prompts[i])}) diverged"
-    assert chunked, "no prefill was split into chunks"
-    assert engine.kv_manager.prefix_cache_hits > 0, "no prefix-cache hit"
-    assert preemptions[mode] > 0, f"no {mode} preemption happened"
+    check_paths(seen, mode, decode_path)
     kv = engine.kv_stats()
     assert kv["free_blocks"] == kv["total_blocks"] and kv["free_host_blocks"] == kv["total_host_blocks"]
+
+
+def test_greedy_parity_without_prepacking_on_the_torch_decode_path():
+    """The plain nn.Linear weights and the torch decode attention, under swap preemption."""
+    reference, ours = build_pair("llama")
+    prompts = mixed_prompts()
+    expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    cfg = SluiceConfig()
+    cfg.model.device, cfg.model.dtype = "cpu", "float32"
+    cfg.model.prepack_weights = False
+    cfg.cache.cpu_decode_kernel = False
+    cfg.cache.num_kv_blocks, cfg.cache.swap_space = 24, 0.01
+    cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs = 64, 16
+    cfg.scheduler.preemption_mode = "swap"
+    engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    assert not any(type(m).__name__ == "PackedLinear" for m in engine.model.modules())
+    seen = instrument(engine)
+    results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert [r.token_ids for r in results] == expected
+    check_paths(seen, "swap", "torch")
 
 
 def test_parity_with_priority_policy_and_tiny_blocks():
@@ -153,12 +234,12 @@ def test_smollm2_parity(smollm2):
     cfg_blocks = 20  # small enough to force preemption with 16 concurrent requests
     for mode in ("recompute", "swap"):
         engine = LLMEngine(_smollm_config(mode, cfg_blocks), model=model_ours, tokenizer=tokenizer)
-        preempted = []
-        engine.stat_loggers.append(lambda s, p=preempted: p.append(s.num_preemptions_recompute + s.num_preemptions_swap))
+        decode_path = "kernel" if engine.runner.decode_kernel is not None else "torch"
+        seen = instrument(engine)
         results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
         for i, (got, want) in enumerate(zip(results, expected, strict=True)):
             assert got.token_ids == want, f"{mode}: prompt {i} diverged"
-        assert sum(preempted) > 0 and engine.kv_manager.prefix_cache_hits > 0
+        check_paths(seen, mode, decode_path)
 
 
 def _smollm_config(mode: str, num_blocks: int) -> SluiceConfig:
