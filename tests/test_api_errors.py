@@ -93,8 +93,9 @@ async def test_dead_engine_fails_health_and_requests():
     fake = FakeEngine(tokenizer=tokenizer(), fail_at_step=2)
     client = await client_for(fake)
     try:
-        r = await client.post("/v1/completions", json=BODY)
-        assert r.status == 500 and assert_error(await r.json(), "internal_error")
+        r = await client.post("/v1/completions", json=BODY)  # in flight when the loop dies
+        assert r.status == 503 and assert_error(await r.json(), "engine_dead")
+        assert r.headers["x-should-retry"] == "true"  # a restarted pod or another replica can serve it
         r = await client.get("/health")
         assert r.status == 503 and assert_error(await r.json(), "engine_dead")
         assert (await client.get("/ready")).status == 503
