@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 model: install  ## fetch and cache the default model (SmolLM2-135M-Instruct)
-	$(BIN)/python -c "from service.model_loader import ensure_default_model; print(ensure_default_model())"
+	$(BIN)/python -c "from sluice.service.engine.model_loader import ensure_default_model; print(ensure_default_model())"
 
 serve: model
 	$(BIN)/sluice serve $(ARGS)
@@ -36,7 +36,7 @@ test-fast: install  ## everything but the tests that need the real SmolLM2
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check service scheduling kvcache metrics tests
+	$(BIN)/ruff check sluice service scheduling kvcache metrics tests
 
 bench: model
 	$(BIN)/sluice bench offline --standard --output bench/results.json
@@ -48,15 +48,15 @@ prometheus-check: install  ## every dashboard/alert query on a real Prometheus s
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_prometheus_rules.py tests/test_prometheus_real.py
 
 k8s-manifests: install  ## regenerate k8s/base/{grafana-dashboard,prometheusrule}.yaml from metrics/
-	$(BIN)/python -m metrics.gen_k8s
+	$(BIN)/python -m sluice.metrics.gen_k8s
 
 k8s-check: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_k8s.py
 
 scaling: install  ## one replica at rising request rates; start `make serve` first
-	$(BIN)/python -m metrics.measure_scaling $(ARGS)
+	$(BIN)/python -m sluice.metrics.measure_scaling $(ARGS)
 
 SOAK_ARGS ?=
 soak: model  ## a few minutes past capacity on SmolLM2: nothing lost, nothing leaked (report: soak.json)
-	$(BIN)/python -m service.soak --duration 180 --concurrency 32 --request-timeout 300 --output soak.json \
+	$(BIN)/python -m sluice.service.bench.soak --duration 180 --concurrency 32 --request-timeout 300 --output soak.json \
 	  --serve-flags "--max-model-len 256 --num-kv-blocks 48 --swap-space 0.005" $(SOAK_ARGS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvcache.hashing import BlockHash
+from sluice.kvcache.hashing import BlockHash
 
 
 class KVCacheBlock:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvcache.block import FreeBlockQueue, KVCacheBlock
-from kvcache.hashing import BlockHash
+from sluice.kvcache.block import FreeBlockQueue, KVCacheBlock
+from sluice.kvcache.hashing import BlockHash
 
 
 class BlockPool:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvcache.block import KVCacheBlock
-from kvcache.block_pool import BlockPool
-from kvcache.hashing import BlockHash
-from kvcache.swap_space import SwapSpace
+from sluice.kvcache.block import KVCacheBlock
+from sluice.kvcache.block_pool import BlockPool
+from sluice.kvcache.hashing import BlockHash
+from sluice.kvcache.swap_space import SwapSpace
 
 
 class CacheableRequest(Protocol):

@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
 
 if TYPE_CHECKING:
-    from kvcache.cpu_kernel import DecodeKernel
+    from sluice.kvcache.cpu_kernel import DecodeKernel
 
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256

@@ -17,8 +17,8 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:  # annotations only: metrics must stay importable from anywhere without cycles
-    from scheduling.output import SchedulerStats
-    from scheduling.request import Request
+    from sluice.scheduling.output import SchedulerStats
+    from sluice.scheduling.request import Request
 
 PREEMPTION_MODES = ("recompute", "swap")
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -3,7 +3,7 @@
 Used by tests/test_prometheus_real.py (which starts Prometheus and `sluice serve` itself), and usable on its
 own against any Prometheus that scrapes Sluice:
 
-    python -m metrics.promql_check --prometheus http://127.0.0.1:9090 --model-name SmolLM2-135M-Instruct
+    python -m sluice.metrics.promql_check --prometheus http://127.0.0.1:9090 --model-name SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduling.sampling_params import SamplingParams
+from sluice.scheduling.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

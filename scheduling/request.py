@@ -6,8 +6,8 @@ import enum
 import itertools
 import time
 
-from kvcache.hashing import BlockHash, hash_block_tokens
-from scheduling.sampling_params import SamplingParams
+from sluice.kvcache.hashing import BlockHash, hash_block_tokens
+from sluice.scheduling.sampling_params import SamplingParams
 
 _arrival_seq = itertools.count()
 

@@ -6,7 +6,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from scheduling.request import Request
+from sluice.scheduling.request import Request
 
 
 def priority_key(request: Request) -> tuple[int, float, int]:

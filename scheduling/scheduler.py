@@ -6,17 +6,17 @@ import bisect
 import heapq
 import time
 
-from kvcache.manager import KVCacheManager, cdiv
-from scheduling.config import SchedulerConfig
-from scheduling.output import (
+from sluice.kvcache.manager import KVCacheManager, cdiv
+from sluice.scheduling.config import SchedulerConfig
+from sluice.scheduling.output import (
     ModelRunnerOutput,
     RequestOutput,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
-from scheduling.request import Request, RequestStatus
-from scheduling.request_queue import create_request_queue, fcfs_key, priority_key
+from sluice.scheduling.request import Request, RequestStatus
+from sluice.scheduling.request_queue import create_request_queue, fcfs_key, priority_key
 
 
 class Scheduler:

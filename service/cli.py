@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from service.config import SluiceConfig
+from sluice.service.config import SluiceConfig
 
 logger = logging.getLogger("sluice")
 ENV_PREFIX = "SLUICE_"
@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(serve)
     serve.set_defaults(func=_serve_command)
     # `sluice bench ...`, `sluice soak`: modules that add their subparsers (each sets `func(args) -> exit code`).
-    from service.bench import add_bench_subcommands
-    from service.soak import add_soak_subcommand
+    from sluice.service.bench import add_bench_subcommands
+    from sluice.service.bench.soak import add_soak_subcommand
 
     add_bench_subcommands(commands)
     add_soak_subcommand(commands)
@@ -117,7 +117,7 @@ class _RequestIdFilter(logging.Filter):
     """Stamps every record with the request id of the handler that logged it ('-' outside requests)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from service.api_server import request_id_var
+        from sluice.service.api.api_server import request_id_var
 
         record.request_id = request_id_var.get()
         return True
@@ -137,9 +137,9 @@ async def serve(config: SluiceConfig) -> int:
     """Bind first (so /health answers while loading), load the model, serve until SIGTERM, then drain."""
     from aiohttp import web
 
-    from service.api_server import STATE, create_app
-    from service.async_engine import AsyncEngine
-    from service.engine import freeze_startup_objects
+    from sluice.service.api.api_server import STATE, create_app
+    from sluice.service.engine.async_engine import AsyncEngine
+    from sluice.service.engine.engine import freeze_startup_objects
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache.config import CacheConfig, knob
-from scheduling.config import SchedulerConfig
+from sluice.kvcache.config import CacheConfig, knob
+from sluice.scheduling.config import SchedulerConfig
 
 
 @dataclass(slots=True)

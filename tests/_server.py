@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from service.soak import free_port
+from sluice.service.bench.soak import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"  # the served name of the tiny test model
@@ -29,7 +29,7 @@ class Server:
         self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
+        cmd = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
                "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16", *flags]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)

@@ -9,7 +9,7 @@ import torch
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """Path of the cached SmolLM2-135M-Instruct safetensors directory (built from the PyPI GGUF on first use)."""
-    from service.model_loader import ensure_default_model
+    from sluice.service.engine.model_loader import ensure_default_model
 
     return ensure_default_model()
 

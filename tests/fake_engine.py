@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from service.engine import EngineOutput
+from sluice.service.engine.engine import EngineOutput
 
 
 class FakeEngine:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from scheduling.output import ModelRunnerOutput, SchedulerOutput
+from sluice.scheduling.output import ModelRunnerOutput, SchedulerOutput
 
 VOCAB = 1000
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvcache.manager import KVCacheManager
-from scheduling.config import SchedulerConfig
-from scheduling.request import Request
-from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
+from sluice.kvcache.manager import KVCacheManager
+from sluice.scheduling.config import SchedulerConfig
+from sluice.scheduling.request import Request
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.scheduling.scheduler import Scheduler
 from tests.fake_runner import FakeRunner
 
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from service.api_server import STATE, create_app
-from service.async_engine import AsyncEngine
-from service.config import SluiceConfig
+from sluice.service.api.api_server import STATE, create_app
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.async_engine import AsyncEngine
 from tests._tiny import tokenizer
 from tests.fake_engine import FakeEngine
 

@@ -8,8 +8,13 @@ import time
 
 import pytest
 
-from scheduling.sampling_params import SamplingParams
-from service.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, QueueFullError
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+)
 from tests.fake_engine import FakeEngine
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]

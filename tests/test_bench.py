@@ -11,11 +11,17 @@ import orjson
 import pytest
 from aiohttp import web
 
-from service.bench import add_bench_subcommands
-from service.bench.serve import ServeConfig, run_serve
-from service.bench.sse import CompletionStream, SSEError, SSEEvent, SSEParser
-from service.bench.stats import RequestRecord, distribution, percentile, summarize
-from service.bench.workloads import Workload, arrival_offsets, sample_lengths, text_prompts, token_prompts
+from sluice.service.bench import add_bench_subcommands
+from sluice.service.bench.serve import ServeConfig, run_serve
+from sluice.service.bench.sse import CompletionStream, SSEError, SSEEvent, SSEParser
+from sluice.service.bench.stats import RequestRecord, distribution, percentile, summarize
+from sluice.service.bench.workloads import (
+    Workload,
+    arrival_offsets,
+    sample_lengths,
+    text_prompts,
+    token_prompts,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,16 +234,16 @@ def test_offline_bench_with_all_baselines(tiny_dir, tmp_path):
 
 
 def test_profile_and_ceiling_pieces(tiny_dir):
-    from service.bench.ceiling import RawForward, measure_ceiling, sdpa_copy
-    from service.bench.offline import run_workload
-    from service.bench.profile import PHASES, profile_decode
-    from service.bench.sched_micro import scheduler_scaling
-    from service.config import SluiceConfig
-    from service.engine import LLMEngine
+    from sluice.service.bench.ceiling import RawForward, measure_ceiling, sdpa_copy
+    from sluice.service.bench.offline import run_workload
+    from sluice.service.bench.profile import PHASES, profile_decode
+    from sluice.service.bench.sched_micro import scheduler_scaling
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
 
     config = SluiceConfig()
     config.model.device, config.cache.num_kv_blocks = "cpu", 64
-    from service.model_loader import load_model
+    from sluice.service.engine.model_loader import load_model
 
     model, tok = load_model(tiny_dir, "cpu", "float32")
     engine = LLMEngine(config, model=model, tokenizer=tok)

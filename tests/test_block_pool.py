@@ -1,8 +1,8 @@
 import pytest
 
-from kvcache.block import FreeBlockQueue, KVCacheBlock
-from kvcache.block_pool import BlockPool
-from kvcache.hashing import hash_block_tokens, hash_prompt_blocks
+from sluice.kvcache.block import FreeBlockQueue, KVCacheBlock
+from sluice.kvcache.block_pool import BlockPool
+from sluice.kvcache.hashing import hash_block_tokens, hash_prompt_blocks
 
 
 def test_free_queue_is_fifo_with_o1_removal():

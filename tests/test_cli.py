@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from service.cli import build_parser, config_from_args
-from service.config import SluiceConfig
+from sluice.service.cli import build_parser, config_from_args
+from sluice.service.config import SluiceConfig
 
 
 def config(argv: list[str]) -> SluiceConfig:

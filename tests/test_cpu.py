@@ -1,6 +1,6 @@
 import os
 
-from service.cpu import available_cpus
+from sluice.service.engine.cpu import available_cpus
 
 
 def test_cgroup_quota_caps_the_thread_count(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.detokenizer import IncrementalDetokenizer
+from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from tests._tiny import tokenizer as tiny_tokenizer
 
 TEXTS = ["你好 😀 café Paris", "日本語 ✓ ünïcödé 🎉🎉", "The capital of France is Paris."]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduling.output import ScheduledRequest
-from scheduling.sampling_params import SamplingParams
-from service.sampler import sample
+from sluice.scheduling.output import ScheduledRequest
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.sampler import sample
 
 pytestmark = pytest.mark.timeout(60)
 VOCAB = 400
@@ -33,8 +33,8 @@ def test_top_p_below_float32_range_keeps_the_best_token():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from service.config import SluiceConfig
-    from service.engine import LLMEngine
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
     from tests._tiny import save_tiny_model
 
     config = SluiceConfig()
@@ -68,7 +68,7 @@ def test_a_failure_after_the_forward_fails_only_its_request(engine):
 def test_engine_runs_with_the_auto_token_budget_resolved(engine):
     import torch
 
-    from scheduling.config import auto_batched_tokens
+    from sluice.scheduling.config import auto_batched_tokens
 
     budget = engine.config.scheduler.max_num_batched_tokens
     assert budget == auto_batched_tokens("cpu", torch.get_num_threads())
@@ -86,8 +86,8 @@ def tiny_path(tmp_path_factory):
 
 
 def _swap_engine(path):
-    from service.config import SluiceConfig
-    from service.engine import LLMEngine
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
 
     config = SluiceConfig()
     config.model.model, config.model.device = path, "cpu"

@@ -188,7 +188,7 @@ def test_generated_cases(server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from service.openapi import openapi_spec
+    from sluice.service.api.openapi import openapi_spec
 
     schema = schemathesis.openapi.from_dict(openapi_spec("test"))
     n = int(os.environ.get("SLUICE_FUZZ_EXAMPLES", "25"))

@@ -5,7 +5,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduling.request import RequestStatus
+from sluice.scheduling.request import RequestStatus
 from tests.fake_runner import reference_output
 from tests.sched_helpers import make_request, make_scheduler
 

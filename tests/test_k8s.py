@@ -15,8 +15,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics import gen_k8s
-from metrics.prometheus import SluiceMetrics, render_latest
+from sluice.metrics import gen_k8s
+from sluice.metrics.prometheus import SluiceMetrics, render_latest
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -185,7 +185,7 @@ def test_env_names_are_real_sluice_flags(rendered):
     """Every SLUICE_* variable the manifests set is a config knob the CLI reads."""
     from dataclasses import fields
 
-    from service.config import SluiceConfig
+    from sluice.service.config import SluiceConfig
 
     knobs = {f"SLUICE_{f.name.upper()}" for section in fields(SluiceConfig) for f in fields(section.default_factory)}
     for overlay in OVERLAYS:
@@ -249,8 +249,8 @@ def test_autoscalers_scale_on_an_exported_metric(rendered):
 
 def test_generated_manifests_are_in_sync_with_metrics():
     for path, text in gen_k8s.render().items():
-        assert path.exists(), f"{path} missing: run `python -m metrics.gen_k8s`"
-        assert path.read_text() == text, f"{path} is stale: run `python -m metrics.gen_k8s`"
+        assert path.exists(), f"{path} missing: run `python -m sluice.metrics.gen_k8s`"
+        assert path.read_text() == text, f"{path} is stale: run `python -m sluice.metrics.gen_k8s`"
     cm = yaml.safe_load((K8S / "base" / "grafana-dashboard.yaml").read_text())
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["sluice.json"] == gen_k8s.DASHBOARD.read_text()

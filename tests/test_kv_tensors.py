@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.kv_tensors import KVTensors, kv_block_bytes, num_blocks_for_budget
+from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes, num_blocks_for_budget
 
 
 def make(num_blocks=8, num_host_blocks=6, dtype=torch.float32):

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics.prometheus import (
+from sluice.metrics.prometheus import (
     FINISH_REASONS,
     PREEMPTION_MODES,
     REJECT_REASONS,
@@ -15,9 +15,9 @@ from metrics.prometheus import (
     reject_reason,
     render_latest,
 )
-from scheduling.output import SchedulerStats
-from scheduling.request import Request
-from scheduling.sampling_params import SamplingParams
+from sluice.scheduling.output import SchedulerStats
+from sluice.scheduling.request import Request
+from sluice.scheduling.sampling_params import SamplingParams
 
 MODEL = "tiny-llama"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from metrics.prometheus import SluiceMetrics
-from scheduling.request import RequestStatus
+from sluice.metrics.prometheus import SluiceMetrics
+from sluice.scheduling.request import RequestStatus
 from tests.sched_helpers import make_request, make_scheduler
 
 MODEL = "sched"

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcache.config import CacheConfig
-from scheduling.output import ScheduledRequest, SchedulerOutput
-from scheduling.sampling_params import SamplingParams
-from service.attention_backend import ATTN_IMPLEMENTATION
-from service.model_loader import (
+from sluice.kvcache.config import CacheConfig
+from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION
+from sluice.service.engine.model_loader import (
     DEFAULT_MODEL_NAME,
     default_cache_dir,
     ensure_default_model,
@@ -20,7 +20,7 @@ from service.model_loader import (
     load_model,
     resolve_device_dtype,
 )
-from service.model_runner import ModelRunner
+from sluice.service.engine.model_runner import ModelRunner
 
 
 def test_resolve_device_dtype():

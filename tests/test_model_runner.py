@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from kvcache.config import CacheConfig
-from kvcache.kv_tensors import kv_block_bytes
-from scheduling.output import ScheduledRequest, SchedulerOutput
-from scheduling.sampling_params import SamplingParams
-from service.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
-from service.model_runner import ModelRunner
+from sluice.kvcache.config import CacheConfig
+from sluice.kvcache.kv_tensors import kv_block_bytes
+from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
+from sluice.service.engine.model_runner import ModelRunner
 
 VOCAB = 512
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kvcache import cpu_kernel
-from kvcache.paged_attention import AttentionMetadata, paged_attention
+from sluice.kvcache import cpu_kernel
+from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
 
 
 def decode_kernel():

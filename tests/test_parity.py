@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from scheduling.sampling_params import SamplingParams
-from service.config import SluiceConfig
-from service.engine import LLMEngine
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.engine import LLMEngine
 from tests import _tiny
 
 VOCAB = len(_tiny.tokenizer())
@@ -95,7 +95,7 @@ def reference_case(arch: str):
 def instrument(engine) -> dict:
     """Record which paths a run really took: preemptions by mode and phase, cross-request prefix hits, chunked
     prefills, and how many decode-attention calls went to the C kernel or to the torch path."""
-    import kvcache.paged_attention as pa
+    import sluice.kvcache.paged_attention as pa
 
     seen = {"swap": 0, "recompute": 0, "preempted_in_decode": 0, "cross_request_hits": 0, "chunks": 0,
             "kernel_calls": 0, "torch_decode_calls": 0}

@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from service.prepack import PackedLinear, can_prepack, prepack_linears, stock_copy, unpack_linears
+from sluice.service.engine.prepack import (
+    PackedLinear,
+    can_prepack,
+    prepack_linears,
+    stock_copy,
+    unpack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -54,7 +60,7 @@ def test_prepack_only_where_onednn_applies():
 
 
 def test_row_counts_are_padded_to_a_few_shapes():
-    from service.prepack import padded_rows
+    from sluice.service.engine.prepack import padded_rows
 
     sizes = [padded_rows(m) for m in range(1, 2049)]
     assert all(padded_rows(m) >= m for m in range(1, 2049))

@@ -17,8 +17,8 @@ import urllib.request
 import aiohttp
 import pytest
 
-from metrics import promql_check as pc
-from metrics.prometheus import CONTENT_TYPE
+from sluice.metrics import promql_check as pc
+from sluice.metrics.prometheus import CONTENT_TYPE
 from tests._server import MODEL as MODEL_NAME
 from tests._server import Server, free_port
 from tests._tiny import save_tiny_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.protocol import RequestError, parse_chat, parse_completion, resolve_params
+from sluice.service.api.protocol import RequestError, parse_chat, parse_completion, resolve_params
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from scheduling.output import ScheduledRequest
-from scheduling.sampling_params import SamplingParams
-from service.sampler import row_seed, sample
+from sluice.scheduling.output import ScheduledRequest
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.sampler import row_seed, sample
 
 V = 50
 

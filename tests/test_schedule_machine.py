@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduling.request import Request, RequestStatus
-from scheduling.sampling_params import SamplingParams
+from sluice.scheduling.request import Request, RequestStatus
+from sluice.scheduling.sampling_params import SamplingParams
 from tests.fake_runner import InjectedFault, next_token
 from tests.sched_helpers import make_scheduler
 from tests.test_invariants import check_invariants

@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from scheduling.config import SchedulerConfig, auto_batched_tokens
-from scheduling.request import RequestStatus
-from scheduling.request_queue import FCFSQueue, PriorityQueue
+from sluice.scheduling.config import SchedulerConfig, auto_batched_tokens
+from sluice.scheduling.request import RequestStatus
+from sluice.scheduling.request_queue import FCFSQueue, PriorityQueue
 from tests.fake_runner import reference_output
 from tests.sched_helpers import make_request, make_scheduler, run_to_completion
 
@@ -231,8 +231,8 @@ def test_equal_priority_does_not_preempt():
 
 
 def test_stop_conditions():
-    from scheduling.request import Request
-    from scheduling.sampling_params import SamplingParams
+    from sluice.scheduling.request import Request
+    from sluice.scheduling.sampling_params import SamplingParams
     from tests.fake_runner import next_token
 
     sched, runner = make_scheduler()

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from scheduling.output import CopyOrderError, SchedulerOutput
-from scheduling.request import RequestStatus
-from scheduling.request_queue import FCFSQueue, PriorityQueue
+from sluice.scheduling.output import CopyOrderError, SchedulerOutput
+from sluice.scheduling.request import RequestStatus
+from sluice.scheduling.request_queue import FCFSQueue, PriorityQueue
 from tests.fake_runner import InjectedFault, reference_output
 from tests.sched_helpers import make_request, make_scheduler
 
@@ -48,7 +48,7 @@ def test_copy_order_refuses_a_host_slot_written_then_read_in_one_step():
 
 def test_the_check_survives_python_O():
     code = textwrap.dedent("""
-        from scheduling.output import CopyOrderError, SchedulerOutput
+        from sluice.scheduling.output import CopyOrderError, SchedulerOutput
         out = SchedulerOutput()
         out.add_swap_out("v", [(5, 0)])
         out.add_swap_in("r", [(1, 5)])
@@ -203,7 +203,7 @@ def _run_optimized(code: str) -> str:
 
 def test_free_queue_never_hands_out_its_sentinel_under_python_O():
     code = textwrap.dedent("""
-        from kvcache.block import FreeBlockQueue, KVCacheBlock
+        from sluice.kvcache.block import FreeBlockQueue, KVCacheBlock
         q = FreeBlockQueue([KVCacheBlock(0)])
         q.popleft()
         try:
@@ -217,7 +217,7 @@ def test_free_queue_never_hands_out_its_sentinel_under_python_O():
 
 def test_host_slot_freed_twice_is_refused_under_python_O():
     code = textwrap.dedent("""
-        from kvcache.swap_space import SwapSpace
+        from sluice.kvcache.swap_space import SwapSpace
         s = SwapSpace(4)
         a = s.allocate(2)
         s.free(a)

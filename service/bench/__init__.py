@@ -4,6 +4,6 @@
 `sluice` command; every subcommand's `func(args)` returns the exit code.
 """
 
-from service.bench.cli import add_bench_subcommands
+from sluice.service.bench.cli import add_bench_subcommands
 
 __all__ = ["add_bench_subcommands"]

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.bench.offline import OfflineRun
-from service.prepack import unpack_linears
+from sluice.service.bench.offline import OfflineRun
+from sluice.service.engine.prepack import unpack_linears
 
 
 @dataclass(slots=True)

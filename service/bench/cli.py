@@ -52,7 +52,7 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     offline.add_argument("--threads", type=int, default=0,
                          help="torch threads for the engine and the baselines alike (0: leave torch's choice).")
     offline.add_argument("--output", default="", help="Write results JSON here (and a .md table next to it).")
-    from service.cli import add_config_flags
+    from sluice.service.cli import add_config_flags
 
     add_config_flags(offline)
     offline.set_defaults(func=_offline_command)
@@ -80,7 +80,7 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(args):
-    from service.bench.workloads import Workload
+    from sluice.service.bench.workloads import Workload
 
     return Workload(args.name, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
                     args.prefix_len, args.max_concurrency, args.request_rate, args.seed)
@@ -91,8 +91,8 @@ def _serve_command(args) -> int:
 
     import orjson
 
-    from service.bench.report import result_lines, write_json
-    from service.bench.serve import ServeConfig, run_serve, serve_report
+    from sluice.service.bench.report import result_lines, write_json
+    from sluice.service.bench.serve import ServeConfig, run_serve, serve_report
 
     try:
         extra = orjson.loads(args.extra_body)
@@ -112,11 +112,11 @@ def _serve_command(args) -> int:
 def _offline_command(args) -> int:
     from pathlib import Path
 
-    from service.bench.offline import warmup
-    from service.bench.report import markdown, to_jsonable, write_json
-    from service.bench.suite import BASELINES, Suite, _loadavg, meta
-    from service.cli import config_from_args
-    from service.engine import LLMEngine, freeze_startup_objects
+    from sluice.service.bench.offline import warmup
+    from sluice.service.bench.report import markdown, to_jsonable, write_json
+    from sluice.service.bench.suite import BASELINES, Suite, _loadavg, meta
+    from sluice.service.cli import config_from_args
+    from sluice.service.engine.engine import LLMEngine, freeze_startup_objects
 
     baselines = () if args.baselines == "none" else tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     unknown = set(baselines) - set(BASELINES)
@@ -139,13 +139,13 @@ def _offline_command(args) -> int:
     warmup(suite.engine)
     freeze_startup_objects()  # as `sluice serve` does once its engine is up
     if args.standard:
-        from service.bench.standard import run_standard
+        from sluice.service.bench.standard import run_standard
 
         results = run_standard(suite)
     else:
         results = {"meta": meta(suite.engine), "workloads": {}}
         if args.profile:
-            from service.bench.profile import profile_decode
+            from sluice.service.bench.profile import profile_decode
 
             batches = sorted({1, min(64, config.scheduler.max_num_seqs)})
             results["profile"] = [profile_decode(suite.engine, b, args.input_len) for b in batches]
@@ -164,7 +164,7 @@ def _offline_command(args) -> int:
 
 
 def _scheduler_command(args) -> int:
-    from service.bench.sched_micro import scheduler_scaling
+    from sluice.service.bench.sched_micro import scheduler_scaling
 
     points = scheduler_scaling(tuple(int(s) for s in args.sizes.split(",")), args.steps)
     print(f"{'running':>8} {'schedule us':>12} {'update us':>10} {'step us':>10} {'us/request':>11}")

@@ -7,10 +7,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduling.sampling_params import SamplingParams
-from service.bench.hooks import patched
-from service.bench.stats import BenchResult, RequestRecord, summarize
-from service.bench.workloads import Workload, arrival_offsets, sample_lengths, token_prompts
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.bench.hooks import patched
+from sluice.service.bench.stats import BenchResult, RequestRecord, summarize
+from sluice.service.bench.workloads import Workload, arrival_offsets, sample_lengths, token_prompts
 
 _run_ids = itertools.count()
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduling.sampling_params import SamplingParams
-from service.bench.hooks import Timers, all_patched
-from service.bench.workloads import Workload, token_prompts
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.bench.hooks import Timers, all_patched
+from sluice.service.bench.workloads import Workload, token_prompts
 
 PHASES = ("scheduling", "input_prep", "attention", "forward_rest", "sampling", "runner_other", "detokenize", "fanout")
 
@@ -39,9 +39,9 @@ class StepProfile:
 
 
 def _patches(engine, timers: Timers) -> list:
-    import service.attention_backend as attention_backend
-    import service.detokenizer as detokenizer
-    import service.model_runner as model_runner
+    import sluice.service.engine.attention_backend as attention_backend
+    import sluice.service.engine.detokenizer as detokenizer
+    import sluice.service.engine.model_runner as model_runner
 
     runner = engine.runner
     return [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 
-from service.bench.stats import BenchResult
+from sluice.service.bench.stats import BenchResult
 
 
 def to_jsonable(obj):

@@ -7,12 +7,12 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from kvcache.manager import KVCacheManager
-from scheduling.config import SchedulerConfig
-from scheduling.output import ModelRunnerOutput, SchedulerOutput
-from scheduling.request import Request
-from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
+from sluice.kvcache.manager import KVCacheManager
+from sluice.scheduling.config import SchedulerConfig
+from sluice.scheduling.output import ModelRunnerOutput, SchedulerOutput
+from sluice.scheduling.request import Request
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.scheduling.scheduler import Scheduler
 
 
 @dataclass(slots=True)

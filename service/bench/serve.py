@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from service.bench.progress import Progress
-from service.bench.sse import CompletionStream, SSEError, SSEParser
-from service.bench.stats import BenchResult, RequestRecord, summarize
-from service.bench.workloads import Workload, arrival_offsets, text_prompts
+from sluice.service.bench.progress import Progress
+from sluice.service.bench.sse import CompletionStream, SSEError, SSEParser
+from sluice.service.bench.stats import BenchResult, RequestRecord, summarize
+from sluice.service.bench.workloads import Workload, arrival_offsets, text_prompts
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name in ("default", "SmolLM2-135M-Instruct"):
-        from service.model_loader import ensure_default_model
+        from sluice.service.engine.model_loader import ensure_default_model
 
         name = str(ensure_default_model())
     return AutoTokenizer.from_pretrained(name)

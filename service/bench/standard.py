@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from service.bench.profile import profile_decode
-from service.bench.sched_micro import scheduler_scaling
-from service.bench.suite import Suite, _loadavg, meta
-from service.bench.workloads import Workload
+from sluice.service.bench.profile import profile_decode
+from sluice.service.bench.sched_micro import scheduler_scaling
+from sluice.service.bench.suite import Suite, _loadavg, meta
+from sluice.service.bench.workloads import Workload
 
 # A and the profile share seed and prompt length, so the profile's prompts are A's and hit its prefix cache.
 A = Workload("A", num_prompts=64, input_len=100, output_len=128, seed=0)
@@ -25,7 +25,7 @@ def target(name: str, value: float | None, goal: float, at_most: bool = False) -
 
 def run_standard(suite: Suite, profile: bool = True) -> dict:
     """Every standard workload, baselines, targets, profile and scheduler micro-benchmark; the results dict."""
-    from service.engine import LLMEngine
+    from sluice.service.engine.engine import LLMEngine
 
     engine = suite.engine
     results: dict = {"meta": meta(engine), "workloads": {}}

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from service.bench.baselines import hf_generate, hf_generate_batch
-from service.bench.ceiling import RawForward, measure_ceiling, sdpa_copy
-from service.bench.offline import OfflineRun, run_workload
-from service.bench.report import result_lines
-from service.bench.workloads import Workload
+from sluice.service.bench.baselines import hf_generate, hf_generate_batch
+from sluice.service.bench.ceiling import RawForward, measure_ceiling, sdpa_copy
+from sluice.service.bench.offline import OfflineRun, run_workload
+from sluice.service.bench.report import result_lines
+from sluice.service.bench.workloads import Workload
 
 BASELINES = ("ceiling", "generate", "generate_batch")
 

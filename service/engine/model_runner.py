@@ -6,13 +6,18 @@ import inspect
 
 import torch
 
-from kvcache.config import CacheConfig
-from kvcache.cpu_kernel import load as load_decode_kernel
-from kvcache.kv_tensors import KVTensors, num_blocks_for_budget
-from kvcache.paged_attention import AttentionMetadata
-from scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from service.attention_backend import ATTN_IMPLEMENTATION, ForwardContext, register, set_forward_context
-from service.sampler import sample
+from sluice.kvcache.config import CacheConfig
+from sluice.kvcache.cpu_kernel import load as load_decode_kernel
+from sluice.kvcache.kv_tensors import KVTensors, num_blocks_for_budget
+from sluice.kvcache.paged_attention import AttentionMetadata
+from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from sluice.service.engine.attention_backend import (
+    ATTN_IMPLEMENTATION,
+    ForwardContext,
+    register,
+    set_forward_context,
+)
+from sluice.service.engine.sampler import sample
 
 GiB = 1 << 30
 

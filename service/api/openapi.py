@@ -1,8 +1,8 @@
-"""A hand-written OpenAPI 3 description of the completion endpoints, kept in step with service/protocol.py."""
+"""A hand-written OpenAPI 3 description of the completion endpoints, kept in step with service/api/protocol.py."""
 
 from __future__ import annotations
 
-from service.protocol import (
+from sluice.service.api.protocol import (
     CHAT_ROLES,
     INT32,
     INT64,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from kvcache.paged_attention import AttentionMetadata, paged_attention
+from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
 
 ATTN_IMPLEMENTATION = "sluice_paged"
 

@@ -16,11 +16,22 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from metrics.prometheus import record_rejection, render_latest
-from service.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, QueueFullError
-from service.config import SluiceConfig
-from service.openapi import openapi_spec
-from service.protocol import GenerateRequest, RequestError, parse_chat, parse_completion, resolve_params
+from sluice.metrics.prometheus import record_rejection, render_latest
+from sluice.service.api.openapi import openapi_spec
+from sluice.service.api.protocol import (
+    GenerateRequest,
+    RequestError,
+    parse_chat,
+    parse_completion,
+    resolve_params,
+)
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+)
 
 logger = logging.getLogger("sluice.api")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from service.attention_backend import register as register_attention
+from sluice.service.engine.attention_backend import register as register_attention
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)

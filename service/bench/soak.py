@@ -1,6 +1,6 @@
 """Soak under overload: start `sluice serve`, drive it past capacity with a mixed workload and random
 disconnects for a bounded time, then check that every request was answered, nothing is left behind and
-resident memory stayed flat. `sluice soak --help`; `python -m service.soak`."""
+resident memory stayed flat. `sluice soak --help`; `python -m sluice.service.bench.soak`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Overload by design: few queue slots and sequences, a small KV pool with swap, so that 429s, preemption by
 # swap and its fallback to recompute all happen. Flags given with --serve-flags come after and win.
 DEFAULT_SERVE_FLAGS = ["--max-queued-requests", "16", "--max-num-seqs", "16", "--scheduling-policy", "priority",
@@ -271,7 +271,7 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
     """`sluice serve` on a free loopback port; waits until /ready (or fails with the log's tail)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(port), *DEFAULT_SERVE_FLAGS, *shlex.split(args.serve_flags)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     with open(log_path, "w") as log:
@@ -363,7 +363,7 @@ def add_soak_subcommand(commands) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.soak", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m sluice.service.bench.soak", description=__doc__)
     add_arguments(p)
     return _command(p.parse_args(argv))
 

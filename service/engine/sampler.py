@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduling.output import ScheduledRequest, TokenLogprobs
+from sluice.scheduling.output import ScheduledRequest, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 

@@ -10,15 +10,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvcache.manager import KVCacheManager
-from metrics.prometheus import SluiceMetrics
-from scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
-from scheduling.request import Request, RequestStatus
-from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
-from service.config import SluiceConfig
-from service.cpu import configure_torch_threads
-from service.detokenizer import IncrementalDetokenizer
+from sluice.kvcache.manager import KVCacheManager
+from sluice.metrics.prometheus import SluiceMetrics
+from sluice.scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
+from sluice.scheduling.request import Request, RequestStatus
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.scheduling.scheduler import Scheduler
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.cpu import configure_torch_threads
+from sluice.service.engine.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("sluice.engine")
 
@@ -42,7 +42,7 @@ class EngineOutput:
     error_code: str | None = None
 
 
-# What the API maps to an HTTP status and a retry hint (service/api_server.py: ABORT_STATUS).
+# What the API maps to an HTTP status and a retry hint (service/api/api_server.py: ABORT_STATUS).
 ERROR_CODES = ("queue_timeout", "step_failed", "detokenize_failed", "shutdown", "engine_dead", "slow_reader")
 
 
@@ -62,9 +62,9 @@ class LLMEngine:
     """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
 
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
-        from service.model_loader import eos_token_ids, load_model, resolve_device_dtype
-        from service.model_runner import ModelRunner
-        from service.prepack import can_prepack, prepack_linears
+        from sluice.service.engine.model_loader import eos_token_ids, load_model, resolve_device_dtype
+        from sluice.service.engine.model_runner import ModelRunner
+        from sluice.service.engine.prepack import can_prepack, prepack_linears
 
         config = config or SluiceConfig()
         config.validate()

@@ -7,10 +7,10 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from scheduling.sampling_params import SamplingParams
-from service.config import SluiceConfig
-from service.engine import EngineOutput, LLMEngine
-from service.faults import install_from_env
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.engine import EngineOutput, LLMEngine
+from sluice.service.faults import install_from_env
 
 logger = logging.getLogger("sluice.async_engine")
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from scheduling.sampling_params import SamplingParams
+from sluice.scheduling.sampling_params import SamplingParams
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
