@@ -1,7 +1,11 @@
-"""The one configuration object: every knob of the model, cache, scheduler and server."""
+"""The one configuration object: every knob of the model, cache, scheduler and server, and how each becomes
+a command-line flag and an environment variable (`sluice serve`, `sluice bench offline`)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from sluice.kvcache.config import CacheConfig, knob
@@ -67,3 +71,61 @@ class SluiceConfig:
         """Raise ValueError on an inconsistent configuration."""
         self.cache.validate()
         self.scheduler.validate()
+
+
+# ---- command-line flags and environment variables (`sluice serve`, `sluice bench offline`)
+
+ENV_PREFIX = "SLUICE_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _sections() -> list[tuple[str, type]]:
+    """(name, dataclass) of each config section of SluiceConfig."""
+    return [(f.name, f.default_factory) for f in dataclasses.fields(SluiceConfig)]
+
+
+def _from_env(name: str, kind: type, raw: str):
+    if kind is bool:
+        if raw.strip().lower() not in _TRUE | _FALSE:
+            raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
+        return raw.strip().lower() in _TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field: `--field-name`, default from env `SLUICE_FIELD_NAME`, then the field's."""
+    seen: set[str] = set()
+    for section, cls in _sections():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            assert f.name not in seen, f"config field {f.name} appears in two sections"
+            seen.add(f.name)
+            kind, env = type(f.default), ENV_PREFIX + f.name.upper()
+            default = f.default
+            if env in os.environ:
+                try:
+                    default = _from_env(env, kind, os.environ[env])
+                except ValueError as e:
+                    parser.error(str(e))
+            text = f.metadata.get("help", "").replace("%", "%%") + f" [env {env}] (default: %(default)s)"
+            kw = {"dest": f"{section}__{f.name}", "default": default, "help": text}
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            if kind is bool:
+                if flag.startswith("--no-"):  # e.g. enable_prefix_caching -> --no-prefix-caching
+                    group.add_argument(flag, action="store_false", **kw)
+                else:
+                    group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            else:
+                choices = f.metadata.get("choices")
+                group.add_argument(flag, type=kind, choices=choices, metavar=None if choices else f.name.upper(), **kw)
+
+
+def config_from_args(args: argparse.Namespace) -> SluiceConfig:
+    """Assemble the SluiceConfig from parsed flags."""
+    parts = {}
+    for section, cls in _sections():
+        parts[section] = cls(**{f.name: getattr(args, f"{section}__{f.name}") for f in dataclasses.fields(cls)})
+    return SluiceConfig(**parts)

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from sluice.service.cli import build_parser, config_from_args
-from sluice.service.config import SluiceConfig
+from sluice.service.cli import build_parser
+from sluice.service.config import SluiceConfig, config_from_args
 
 
 def config(argv: list[str]) -> SluiceConfig:

@@ -52,7 +52,7 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     offline.add_argument("--threads", type=int, default=0,
                          help="torch threads for the engine and the baselines alike (0: leave torch's choice).")
     offline.add_argument("--output", default="", help="Write results JSON here (and a .md table next to it).")
-    from sluice.service.cli import add_config_flags
+    from sluice.service.config import add_config_flags
 
     add_config_flags(offline)
     offline.set_defaults(func=_offline_command)
@@ -115,7 +115,7 @@ def _offline_command(args) -> int:
     from sluice.service.bench.offline import warmup
     from sluice.service.bench.report import markdown, to_jsonable, write_json
     from sluice.service.bench.suite import BASELINES, Suite, _loadavg, meta
-    from sluice.service.cli import config_from_args
+    from sluice.service.config import config_from_args
     from sluice.service.engine.engine import LLMEngine, freeze_startup_objects
 
     baselines = () if args.baselines == "none" else tuple(b.strip() for b in args.baselines.split(",") if b.strip())
