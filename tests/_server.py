@@ -20,16 +20,19 @@ MODEL = "tiny"  # the served name of the tiny test model
 
 
 class Server:
-    """`sluice serve` on a tiny model and a loopback port; `env` adds variables such as SLUICE_FAULT_INJECT."""
+    """`sluice serve` on a tiny model and a loopback port; `env` adds environment variables,
+    `faults` (a tests/faults.py spec) starts it through tests/fault_serve.py."""
 
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
-                 name: str = "sluice"):
+                 name: str = "sluice", faults: str = ""):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
-        cmd = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", model_dir, "--served-model-name", MODEL,
+        # faults: the test-only launcher installs them on the engine, then runs the real CLI
+        launcher = ["-m", "tests.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
+        cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
                "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16", *flags]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)

@@ -17,7 +17,7 @@ from tests.test_api_server import MODEL, TIMEOUT, check_error, finish_reasons, g
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 MARK = 0  # <|endoftext|>: no text prompt of these tests tokenizes to it, so only the marked request holds it
-FAULTS = {"SLUICE_FAULT_INJECT": f"token:{MARK}"}
+FAULTS = f"token:{MARK}"  # a tests/faults.py spec, for Server(faults=...)
 # tight: 8 blocks of 16 tokens (the context is capped at 128 by the cache), three sequences at a time,
 # swap space for 4 blocks (8 KiB each for the tiny model): small victims swap, larger ones fall back to recompute.
 TIGHT = ["--num-kv-blocks", "8", "--max-num-seqs", "3", "--preemption-mode", "swap", "--swap-space", "0.0000306"]
@@ -33,8 +33,8 @@ QUEUED = ["--max-num-seqs", "1", "--scheduling-policy", "priority", "--max-queue
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    started = {"tight": Server(model_dir, logs, *TIGHT, env=FAULTS, name="tight"),
-               "roomy": Server(model_dir, logs, *ROOMY, env=FAULTS, name="roomy"),
+    started = {"tight": Server(model_dir, logs, *TIGHT, faults=FAULTS, name="tight"),
+               "roomy": Server(model_dir, logs, *ROOMY, faults=FAULTS, name="roomy"),
                "queued": Server(model_dir, logs, *QUEUED, name="queued")}
     yield started
     for srv in started.values():

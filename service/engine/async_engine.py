@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import EngineOutput, LLMEngine
-from sluice.service.faults import install_from_env
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -96,7 +95,6 @@ class AsyncEngine:
         """Build the LLMEngine (loading the model) in the worker thread that will run its steps."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, LLMEngine, config)
-        install_from_env(engine)
         return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor)
 
     def start(self) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
-from sluice.scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
+from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
@@ -116,7 +116,6 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[EngineOutput] = []  # abort notices delivered by the next step()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
-        self.fault_hook: Callable[[SchedulerOutput], None] | None = None  # tests inject step failures here
         self.last_stats = self.scheduler.make_stats()
         self.metrics = SluiceMetrics(self.served_model_name)
         self.stat_loggers.append(self.metrics.observe_step)
@@ -239,8 +238,6 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.is_empty or sched_out.finished_ids:
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook(sched_out)
                 runner_out = self.runner.execute(sched_out)
             except Exception as exc:  # one bad step fails its own requests, not the engine
                 logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))

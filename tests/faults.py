@@ -1,16 +1,16 @@
-"""Fault injection for tests: SLUICE_FAULT_INJECT makes chosen engine steps raise, through LLMEngine.fault_hook.
+"""Fault injection, for tests only: make chosen engine steps fail as a broken forward would.
 
 Specs, comma-separated: `token:<id>` fails every step that prefills a request whose prompt holds token <id>;
-`step:<n>` fails the n-th step that runs (once). Unset (the default) installs nothing.
+`step:<n>` fails the n-th step that runs (once). `install(engine, spec)` wraps the engine's
+`runner.execute`, so a fault raises exactly where a failing forward would; a server subprocess gets them through
+tests/fault_serve.py (`Server(..., faults=spec)` in tests/_server.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 logger = logging.getLogger("sluice.faults")
-ENV = "SLUICE_FAULT_INJECT"
 
 
 class InjectedFault(RuntimeError):
@@ -18,7 +18,7 @@ class InjectedFault(RuntimeError):
 
 
 class FaultHook:
-    """A fault_hook callable built from a spec string."""
+    """Built from a spec string; install() calls it with each step's SchedulerOutput before the forward."""
 
     def __init__(self, spec: str):
         self.tokens: set[int] = set()
@@ -31,7 +31,7 @@ class FaultHook:
             elif kind == "step":
                 self.steps.add(int(value))
             else:
-                raise ValueError(f"{ENV}: unknown fault {part!r} (use token:<id> or step:<n>)")
+                raise ValueError(f"fault spec: unknown fault {part!r} (use token:<id> or step:<n>)")
 
     def __call__(self, sched_out) -> None:
         self.count += 1
@@ -43,9 +43,15 @@ class FaultHook:
                 raise InjectedFault(f"injected fault for request {s.request_id}")
 
 
-def install_from_env(engine) -> None:
-    """Set engine.fault_hook when SLUICE_FAULT_INJECT is set (tests only; logged loudly)."""
-    spec = os.environ.get(ENV, "").strip()
-    if spec:
-        engine.fault_hook = FaultHook(spec)
-        logger.warning("fault injection enabled (%s=%s): for tests only", ENV, spec)
+def install(engine, spec: str) -> FaultHook:
+    """Make `engine` (an LLMEngine) fail the steps `spec` names; logged loudly. Returns the hook."""
+    hook = FaultHook(spec)
+    execute = engine.runner.execute
+
+    def faulty_execute(sched_out, *args, **kwargs):
+        hook(sched_out)
+        return execute(sched_out, *args, **kwargs)
+
+    engine.runner.execute = faulty_execute
+    logger.warning("fault injection enabled (%s): for tests only", spec)
+    return hook
