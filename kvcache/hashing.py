@@ -20,13 +20,3 @@ def hash_block_tokens(
         h.update(b"\x01")
         h.update(extra_keys)
     return h.digest()
-
-
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, extra_keys: bytes = b"") -> list[BlockHash]:
-    """Hash chain over every full block of `token_ids` (a trailing partial block is not hashed)."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
-        hashes.append(parent)
-    return hashes

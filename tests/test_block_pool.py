@@ -2,7 +2,16 @@ import pytest
 
 from sluice.kvcache.block import FreeBlockQueue, KVCacheBlock
 from sluice.kvcache.block_pool import BlockPool
-from sluice.kvcache.hashing import hash_block_tokens, hash_prompt_blocks
+from sluice.kvcache.hashing import hash_block_tokens
+from sluice.scheduling.request import Request
+from sluice.scheduling.sampling_params import SamplingParams
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The hash chain over a prompt's full blocks, as the scheduler builds it (Request.update_block_hashes)."""
+    request = Request("hashes", list(token_ids), SamplingParams())
+    request.update_block_hashes(block_size)
+    return request.block_hashes
 
 
 def test_free_queue_is_fifo_with_o1_removal():
@@ -48,10 +57,10 @@ def test_double_free_is_caught():
 
 
 def test_hash_chain_is_stable_and_prefix_sensitive():
-    h1 = hash_prompt_blocks([1, 2, 3, 4, 5], 2)
+    h1 = prompt_block_hashes([1, 2, 3, 4, 5], 2)
     assert len(h1) == 2
-    assert h1 == hash_prompt_blocks([1, 2, 3, 4, 9], 2)  # partial tail not hashed
-    assert hash_prompt_blocks([9, 2, 3, 4], 2)[1] != h1[1]  # same block, different parent
+    assert h1 == prompt_block_hashes([1, 2, 3, 4, 9], 2)  # partial tail not hashed
+    assert prompt_block_hashes([9, 2, 3, 4], 2)[1] != h1[1]  # same block, different parent
     # stable across processes: a fixed digest
     assert hash_block_tokens(None, [1, 2]).hex()[:16] == "bc46af79e96bc03a"
     assert hash_block_tokens(None, [1, 2], b"lora") != hash_block_tokens(None, [1, 2])
