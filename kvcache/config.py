@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-def knob(default, help: str, **extra):
-    """A config field whose help text the CLI turns into a flag (`--field-name`, env `SLUICE_FIELD_NAME`)."""
-    return field(default=default, metadata={"help": help, **extra})
+from sluice.knobs import knob
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sluice.kvcache.config import knob
+from sluice.knobs import knob
 
 # Auto token budget. On an accelerator a step of 2048 tokens takes milliseconds. On CPU it takes seconds (about
 # 4.5 s on 2 cores for SmolLM2-135M), and every running request's next token waits for it: 128 tokens per core

@@ -8,7 +8,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from sluice.kvcache.config import CacheConfig, knob
+from sluice.knobs import knob
+from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.config import SchedulerConfig
 
 
