@@ -62,7 +62,7 @@ class _RequestIdFilter(logging.Filter):
     """Stamps every record with the request id of the handler that logged it ('-' outside requests)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from sluice.service.api.api_server import request_id_var
+        from sluice.service.api.middlewares import request_id_var
 
         record.request_id = request_id_var.get()
         return True
@@ -82,7 +82,8 @@ async def serve(config: SluiceConfig) -> int:
     """Bind first (so /health answers while loading), load the model, serve until SIGTERM, then drain."""
     from aiohttp import web
 
-    from sluice.service.api.api_server import STATE, create_app
+    from sluice.service.api.api_server import create_app
+    from sluice.service.api.middlewares import STATE
     from sluice.service.engine.async_engine import AsyncEngine
     from sluice.service.engine.engine import freeze_startup_objects
 

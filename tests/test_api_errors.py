@@ -7,7 +7,8 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from sluice.service.api.api_server import STATE, create_app
+from sluice.service.api.api_server import create_app
+from sluice.service.api.middlewares import STATE
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.async_engine import AsyncEngine
 from tests._tiny import tokenizer

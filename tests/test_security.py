@@ -11,7 +11,8 @@ import time
 import aiohttp
 import pytest
 
-from sluice.service.api.api_server import OPEN_PATHS, create_app
+from sluice.service.api.api_server import create_app
+from sluice.service.api.middlewares import OPEN_PATHS
 from sluice.service.config import SluiceConfig
 from tests._server import Server, wait_idle
 from tests.test_api_server import MODEL, TIMEOUT, check_error, good_request, parse_sse
@@ -73,7 +74,7 @@ async def test_every_route_but_the_probes_needs_the_key(server):
 
 def test_key_is_compared_in_constant_time(monkeypatch):
     """The auth middleware compares with hmac.compare_digest (never ==, which stops at the first difference)."""
-    import sluice.service.api.api_server as api
+    import sluice.service.api.middlewares as api
 
     calls = []
     real = hmac.compare_digest

@@ -1,0 +1,121 @@
+"""What every HTTP request passes through before its handler: request ids, OpenAI-shaped errors, the API key;
+and the app state (`STATE`) the middlewares and the handlers of api_server.py share."""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from sluice.metrics.prometheus import record_rejection
+from sluice.service.api.protocol import RequestError
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("sluice.api")
+
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # reachable without the API key (probes, scrapers)
+_SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the handlers share: the config, and the engine once it is loaded."""
+
+    config: SluiceConfig
+    engine: AsyncEngine | None = None  # None while the model loads
+    draining: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("state", ServerState)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    """Echo a sane X-Request-Id or make one; it tags the logs of this request and its response."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _SAFE_REQUEST_ID.fullmatch(rid):
+        rid = uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    request_id_var.set(rid)  # the handler task's own context: no reset needed
+    return await handler(request)
+
+
+async def _add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Request-Id"] = request.get(REQUEST_ID) or uuid.uuid4().hex
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every error leaves as OpenAI's {"error": {...}}; internals stay in the log."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        _count_rejection(request, e)
+        level = logging.DEBUG if request.path in OPEN_PATHS else logging.INFO  # probes 503 while loading
+        logger.log(level, "%s %s -> %d: %s", request.method, request.path, e.status, e.message)
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        err = _from_http_exception(request, e)
+        _count_rejection(request, err)
+        return error_response(err)
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(RequestError(
+            f"internal server error (request id {request[REQUEST_ID]})", status=500, type="server_error",
+            code="internal_error"))
+
+
+def _count_rejection(request: web.Request, e: RequestError) -> None:
+    """Count a refused API call in sluice_requests_rejected_total (probes and unknown paths are not API calls)."""
+    engine = request.app[STATE].engine
+    if engine is not None and request.path.startswith("/v1/"):
+        record_rejection(engine.engine.served_model_name, e.status, e.code)
+
+
+def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestError:
+    if e.status == 404:
+        return RequestError(f"no such endpoint: {request.method} {request.path}", status=404, code="not_found")
+    if e.status == 405:
+        allowed = ", ".join(sorted(getattr(e, "allowed_methods", ()) or ()))
+        return RequestError(f"method {request.method} not allowed on {request.path}", status=405,
+                            code="method_not_allowed", headers={"Allow": allowed})
+    if e.status == 413:
+        limit = request.app[STATE].config.server.max_request_body_bytes
+        return RequestError(f"request body too large (limit {limit} bytes)", status=413, code="request_too_large")
+    return RequestError(e.reason or "bad request", status=e.status)
+
+
+def error_response(e: RequestError) -> web.Response:
+    """OpenAI's error body with the error's status (and its headers: Retry-After, Allow, ...)."""
+    return web.Response(status=e.status, body=orjson.dumps(e.to_dict()), content_type="application/json",
+                        headers=e.headers)
+
+
+def auth_middleware(api_key: str):
+    """When an API key is set, everything but the probes needs `Authorization: Bearer <key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                raise RequestError("invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                                   status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return middleware
