@@ -1,0 +1,180 @@
+"""The layout holds: one installed package `sluice` mapped from the top-level folders, dependencies pointing one
+way (api → engine → scheduling → kvcache), no import cycles, no test tooling in the product, no oversized module."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = None
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = {"sluice": "sluice", "kvcache": "sluice.kvcache", "scheduling": "sluice.scheduling",
+           "service": "sluice.service", "metrics": "sluice.metrics"}
+OLD_TOP_LEVEL = ("service", "kvcache", "scheduling", "metrics")
+MAX_LINES = 450
+
+# Each room may import itself and the rooms listed (and nothing else of sluice); the lowest come first.
+ROOMS = {
+    "root": set(),  # sluice/__init__.py, sluice/knobs.py
+    "kvcache": {"root"},
+    "scheduling": {"root", "kvcache"},
+    "metrics": {"root", "kvcache", "scheduling"},
+    "config": {"root", "kvcache", "scheduling"},  # sluice.service.config: the one configuration object
+    "engine": {"root", "kvcache", "scheduling", "metrics", "config"},
+    "api": {"root", "kvcache", "scheduling", "metrics", "config", "engine"},
+    "bench": {"root", "kvcache", "scheduling", "metrics", "config", "engine", "api"},
+    "cli": {"root", "kvcache", "scheduling", "metrics", "config", "engine", "api", "bench", "service"},
+    "service": set(),  # sluice/service/__init__.py
+}
+# Third-party packages the two lowest layers never import: they know nothing of HTTP or of the model.
+NOT_BELOW_SERVICE = {"aiohttp", "transformers", "orjson", "uvloop", "prometheus_client", "accelerate", "gguf",
+                     "safetensors", "tests"}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package: dotted name -> file."""
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            if "__pycache__" in parts:
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, at module level or inside functions (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: {m for m in imports(name, path) if m in mods and m != name} for name, path in mods.items()}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] not in ("kvcache", "scheduling", "metrics", "service"):
+        return "root"
+    if parts[1] != "service":
+        return parts[1]
+    if len(parts) == 2:
+        return "service"
+    return parts[2]
+
+
+def test_every_module_lives_in_a_room():
+    unknown = {m for m in modules() if room(m) not in ROOMS}
+    assert not unknown, f"modules outside the known rooms {sorted(ROOMS)}: {sorted(unknown)}"
+
+
+def test_dependencies_point_one_way():
+    wrong = [f"{m} imports {d}" for m, deps in graph().items() for d in deps
+             if room(d) != room(m) and room(d) not in ROOMS[room(m)]]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_lower_layers_know_nothing_of_http_the_model_or_the_tests():
+    wrong = []
+    for name, path in modules().items():
+        if room(name) in ("root", "kvcache", "scheduling"):
+            for imported in imports(name, path):
+                if imported.split(".")[0] in NOT_BELOW_SERVICE or imported.startswith("sluice.service"):
+                    wrong.append(f"{name} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_product_imports_no_test_code_and_reads_no_test_switch():
+    wrong = []
+    for name, path in modules().items():
+        if any(i == "tests" or i.startswith("tests.") for i in imports(name, path)):
+            wrong.append(f"{name} imports the tests")
+        if "SLUICE_FAULT_INJECT" in path.read_text():
+            wrong.append(f"{name} reads SLUICE_FAULT_INJECT")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_nothing_imports_the_old_top_level_packages():
+    """service, kvcache, scheduling, metrics exist only as sluice.*; a stray `import service` would load a
+    second copy of the code from the source tree."""
+    wrong = []
+    files = [*modules().values(), *sorted((REPO / "tests").rglob("*.py"))]
+    for path in files:
+        if "__pycache__" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            wrong += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
+                      if n.split(".")[0] in OLD_TOP_LEVEL]
+    old = "|".join(OLD_TOP_LEVEL)
+    old_m = re.compile(rf"-m\s+(?:{old})\.|[\"'](?:{old})\.(?!ya?ml\b|json\b)[a-z_]+[\"':]")
+    for path in [REPO / "Makefile", REPO / "k8s" / "Dockerfile", REPO / "README.md", *files]:
+        if path.exists():
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if old_m.search(line):
+                    wrong.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pyproject_maps_and_lists_every_package():
+    if tomllib is None:
+        return
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {package: folder for folder, package in FOLDERS.items()}
+    expected = sorted({m for m, p in modules().items() if p.name == "__init__.py"})
+    assert sorted(setuptools["packages"]) == expected
+    data = setuptools["package-data"]
+    assert "csrc/*.c" in data["sluice.kvcache"] and "*.json" in data["sluice.metrics"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["sluice"] == "sluice.service.cli:main"
+
+
+def test_no_module_is_oversized():
+    big = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"over {MAX_LINES} lines (split them): {big}"
