@@ -6,6 +6,26 @@ from dataclasses import dataclass
 
 from sluice.knobs import knob
 
+AUTO = "auto"
+# vLLM's default host swap space on an accelerator.
+CUDA_SWAP_SPACE_GIB = 4.0
+
+
+def gib_or_auto(value: float | int | str) -> float | str:
+    """A size in GiB (a number, or its text) or 'auto'; ValueError otherwise. Also the flags' argparse type."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is neither 'auto' nor a size in GiB") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is neither 'auto' nor a size in GiB")
+    if not value >= 0:  # NaN included
+        raise ValueError(f"{value!r} GiB is negative")
+    return float(value)
+
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -13,8 +33,13 @@ class CacheConfig:
 
     block_size: int = knob(16, "Tokens per KV cache block.")
     num_kv_blocks: int = knob(0, "KV cache blocks on the device (0: derive from --kv-cache-memory).")
-    kv_cache_memory: float = knob(1.0, "KV cache size in GiB on the device when --num-kv-blocks is 0.")
-    swap_space: float = knob(1.0, "Host memory in GiB for swapped-out KV blocks (preemption mode 'swap').")
+    kv_cache_memory: float | str = knob(1.0, "KV cache size in GiB on the device when --num-kv-blocks is 0.")
+    swap_space: float | str = knob(
+        AUTO,
+        "Host memory in GiB for swapped-out KV blocks (preemption mode 'swap'); 'auto': 0 on CPU, where the host "
+        f"pool would be the same RAM as the cache (preemption then recomputes), {CUDA_SWAP_SPACE_GIB:g} on CUDA.",
+        type=gib_or_auto,
+    )
     enable_prefix_caching: bool = knob(
         True, "Reuse KV blocks of identical prompt prefixes across requests.", flag="--no-prefix-caching"
     )
@@ -33,5 +58,14 @@ class CacheConfig:
             raise ValueError("num_kv_blocks must be >= 0")
         if self.kv_cache_memory <= 0 and self.num_kv_blocks == 0:
             raise ValueError("kv_cache_memory must be > 0 when num_kv_blocks is 0")
-        if self.swap_space < 0:
-            raise ValueError("swap_space must be >= 0")
+        try:
+            gib_or_auto(self.swap_space)
+        except ValueError as e:
+            raise ValueError(f"swap_space: {e}") from None
+
+    def swap_space_gib(self, device_type: str) -> float:
+        """Host swap pool size in GiB on this device: an explicit value as given, 'auto' resolved."""
+        value = gib_or_auto(self.swap_space)
+        if value != AUTO:
+            return value
+        return 0.0 if device_type == "cpu" else CUDA_SWAP_SPACE_GIB

@@ -104,7 +104,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             assert f.name not in seen, f"config field {f.name} appears in two sections"
             seen.add(f.name)
-            kind, env = type(f.default), ENV_PREFIX + f.name.upper()
+            # A field may name its own parser (`knob(..., type=fn)`), e.g. a size that is a number or 'auto'.
+            kind, env = f.metadata.get("type") or type(f.default), ENV_PREFIX + f.name.upper()
             default = f.default
             if env in os.environ:
                 try:

@@ -93,6 +93,9 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
+        if sched.preemption_mode == "swap" and not self.runner.num_host_blocks:
+            logger.warning("preemption mode 'swap' but no host swap space (--swap-space %s on %s): swap preemption "
+                           "falls back to recompute", config.cache.swap_space, self.device.type)
         # A request longer than the whole cache could never run: the context is capped at what the cache holds.
         capacity = self.num_kv_blocks * block_size
         if sched.max_model_len > capacity:

@@ -55,7 +55,7 @@ class ModelRunner:
         )
         if self.num_kv_blocks < 1:
             raise ValueError("KV cache budget too small for a single block; raise kv_cache_memory")
-        self.num_host_blocks = num_blocks_for_budget(cache_config.swap_space * GiB, *shape)
+        self.num_host_blocks = num_blocks_for_budget(cache_config.swap_space_gib(self.device.type) * GiB, *shape)
         self.kv = KVTensors(
             self.num_kv_blocks, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
             num_host_blocks=self.num_host_blocks,
