@@ -144,3 +144,94 @@ def test_wide_nucleus_matches_sorted_reference(vocab, slope):
     n = 400
     tokens = sample(logits.repeat(n, 1), [req(top_p=0.6, seed=i) for i in range(n)]).token_ids
     assert max(tokens) < nucleus and max(tokens) > nucleus // 2
+
+
+def mixed_batch(vocab: int, n_rows: int = 12, seed: int = 0):
+    """Every kind of row: greedy, plain, seeded, top-k / top-p / min-p alone and together, logprobs, min_tokens."""
+    kinds = [
+        dict(temperature=0.0), dict(), dict(seed=7), dict(top_k=5, seed=1), dict(top_p=0.9, seed=2),
+        dict(min_p=0.05, seed=3), dict(top_k=40, top_p=0.8, min_p=0.01, seed=4), dict(temperature=0.0, logprobs=3),
+        dict(top_p=0.5, logprobs=0, seed=5), dict(top_k=1, temperature=1.3), dict(top_p=1e-300, seed=6),
+        dict(temperature=1.7, top_p=0.99, seed=8),
+    ]
+    requests = [req(num_output_tokens=i, eos=3, pending=i % 4 == 0, **kinds[(i + seed) % len(kinds)])
+                for i in range(n_rows)]
+    return requests
+
+
+def test_no_read_back_but_the_one_transfer(monkeypatch):
+    """On the meta device any value read back raises: the whole sampler must run there but for its one transfer."""
+    from sluice.service.engine import sampler
+
+    transfers = []
+    monkeypatch.setattr(sampler, "read_back", lambda t: transfers.append(t.shape) or [0.0] * t.numel())
+    monkeypatch.setattr(sampler, "pools_allowed", lambda device: False)
+    for vocab in (50, 1000):
+        logits = torch.empty(12, vocab, device="meta")
+        out = sample(logits, mixed_batch(vocab))
+        assert len(out.token_ids) == 12 and out.logprobs[7] is not None and len(out.logprobs[7].top) == 3
+    assert len(transfers) == 2
+
+
+@pytest.mark.parametrize("vocab, scale", [(300, 1.0), (5000, 0.3), (5000, 8.0)])
+def test_cpu_candidate_pools_match_the_full_sort(monkeypatch, vocab, scale):
+    """Seeded tokens are the same whether the filters ran on a candidate pool or the device path's full sort."""
+    from sluice.service.engine import sampler
+
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(4):
+        logits = torch.randn(12, vocab, generator=gen) * scale
+        requests = mixed_batch(vocab, seed=trial)
+        for r in requests:
+            if r.sampling_params.seed is None:
+                r.sampling_params.seed = 100 + trial
+        pooled = sample(logits, requests).token_ids
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "pools_allowed", lambda device: False)
+            full = sample(logits, requests).token_ids
+        assert pooled == full
+
+
+def test_seeded_rows_keep_their_tokens_when_another_row_widens_the_pool():
+    torch.manual_seed(3)
+    logits = torch.randn(1, 6000) * 4
+    seeded = [req(num_output_tokens=k, seed=11, top_p=0.9) for k in range(10)]
+    alone = [sample(logits, [r]).token_ids[0] for r in seeded]
+    flat = torch.zeros(1, 6000)  # min_p over a flat row keeps the whole vocabulary: the pools must widen to it
+    with_flat = [sample(torch.cat([flat, logits]), [req(min_p=0.5), r]).token_ids[1] for r in seeded]
+    assert alone == with_flat
+
+
+def test_logprobs_for_a_subset_of_rows_in_one_transfer():
+    torch.manual_seed(4)
+    logits = torch.randn(5, V)
+    requests = [req(temperature=0.0), req(logprobs=2, seed=1), req(), req(temperature=0.0, logprobs=5), req()]
+    out = sample(logits, requests)
+    expected = torch.log_softmax(logits, -1)
+    for row, n in ((1, 2), (3, 5)):
+        entry = out.logprobs[row]
+        assert entry.token_id == out.token_ids[row] and len(entry.top) == n
+        assert math.isclose(entry.logprob, expected[row, entry.token_id].item(), rel_tol=1e-5)
+        assert [t for t, _ in entry.top] == expected[row].topk(n).indices.tolist()
+    assert out.token_ids[3] == logits[3].argmax().item()
+    assert [out.logprobs[i] for i in (0, 2, 4)] == [None] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sampler_syncs_once(monkeypatch):
+    from sluice.service.engine import sampler
+
+    def read_back(values):
+        torch.cuda.set_sync_debug_mode(0)
+        return values.tolist()
+
+    monkeypatch.setattr(sampler, "read_back", read_back)
+    logits = torch.randn(12, 32000, device="cuda")
+    sample(logits, mixed_batch(32000))  # warm up (allocations, pinned pool)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(logits, mixed_batch(32000))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(0 <= t < 32000 for t in out.token_ids)
+    assert out.token_ids[7] == logits[7].argmax().item()  # greedy, min_tokens met

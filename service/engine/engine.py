@@ -62,6 +62,7 @@ class LLMEngine:
     """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
 
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
+        from sluice.service.engine.kv_sizing import format_bytes
         from sluice.service.engine.model_loader import eos_token_ids, load_model, resolve_device_dtype
         from sluice.service.engine.model_runner import ModelRunner
         from sluice.service.engine.prepack import can_prepack, prepack_linears
@@ -93,6 +94,11 @@ class LLMEngine:
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
+        # Logged before the max_model_len check below, so a refusal shows what the cache was sized to.
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s %s on %s (%s)", self.num_kv_blocks,
+                    config.cache.block_size, self.num_kv_blocks * config.cache.block_size,
+                    format_bytes(self.kv_cache_bytes), str(self.dtype).removeprefix("torch."), self.device,
+                    self.runner.kv_cache_source)
         if sched.preemption_mode == "swap" and not self.runner.num_host_blocks:
             logger.warning("preemption mode 'swap' but no host swap space (--swap-space %s on %s): swap preemption "
                            "falls back to recompute", config.cache.swap_space, self.device.type)

@@ -17,6 +17,7 @@ from sluice.service.engine.attention_backend import (
     register,
     set_forward_context,
 )
+from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.engine.sampler import sample
 
 GiB = 1 << 30
@@ -50,11 +51,10 @@ class ModelRunner:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (num_layers, num_kv_heads, head_dim, self.block_size, dtype)
-        self.num_kv_blocks = cache_config.num_kv_blocks or num_blocks_for_budget(
-            cache_config.kv_cache_memory * GiB, *shape
+        # --num-kv-blocks, else --kv-cache-memory in GiB, else auto (on CUDA after a profile forward): kv_sizing.
+        self.num_kv_blocks, self.kv_cache_source = kv_cache_blocks(
+            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs
         )
-        if self.num_kv_blocks < 1:
-            raise ValueError("KV cache budget too small for a single block; raise kv_cache_memory")
         self.num_host_blocks = num_blocks_for_budget(cache_config.swap_space_gib(self.device.type) * GiB, *shape)
         self.kv = KVTensors(
             self.num_kv_blocks, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,

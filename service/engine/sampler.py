@@ -1,4 +1,27 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, min_tokens, logprobs."""
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, min_tokens, logprobs.
+
+No host syncs in the hot path. Every per-row parameter is packed on the host into one tensor and sent with a
+single non-blocking copy from pinned memory; the maths runs over the whole batch with shapes known on the host
+(no boolean indexing, no `.item()`, no Python loop over rows on the device); the sampled ids (and the logprobs
+of the rows that asked for them) come back in one device-to-host transfer, the step's only sync.
+
+Seeded sampling. A random row draws exactly one uniform number u in [0, 1) and picks the token at u in the
+cumulative distribution of its filtered, renormalised probabilities, taken in vocabulary order (inverse-CDF
+sampling: exact, and one number per row where the Gumbel-max trick needs one per vocabulary entry). For a
+request with a seed, u = splitmix64(seed, num_output_tokens) / 2**64 (`row_seed`), computed on the host: the
+token at output position k depends only on (seed, k) and that row's logits and parameters, not on the batch
+it shares, its row in it, the other rows' parameters, or how often the request was preempted (recompute
+replays the same positions). So the same seed and prompt give the same output whatever else is running (on
+the same device and dtype: another device may round the logits differently). Unseeded rows draw u from
+torch's default CPU generator.
+
+Filters (top-k, then top-p over the top-k-renormalised distribution, then min-p relative to the best token)
+are prefix conditions on the row's tokens sorted by logit, so they run as one sort + mask over the batch; on
+CUDA that is a full sort (or a top-k of the largest k when no row uses top-p/min-p). On CPU, where reading a
+value back costs nothing, the sort is replaced by top-`w` candidate pools that widen (256, 4096, vocabulary)
+until every row's support ends inside the pool: a full 49k-entry sort costs ~15 ms per row on CPU, a pool
+a few hundred microseconds. A row's kept set is the same whichever pool closes it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +33,8 @@ import torch
 from sluice.scheduling.output import ScheduledRequest, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+# CPU candidate pool sizes for the filters; the vocabulary is always the last resort.
+CPU_CANDIDATES = (256, 4096)
 
 
 @dataclass(slots=True)
@@ -21,39 +46,77 @@ class SamplerOutput:
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
-    """A 64-bit generator seed from (request seed, output position): a given output position draws the same
-    random number whatever the batch, and however often the request was preempted (splitmix64 finaliser)."""
+    """A 64-bit number from (request seed, output position): a given output position draws the same random
+    number whatever the batch, and however often the request was preempted (splitmix64 finaliser)."""
     x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + num_output_tokens + 1) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
 
 
+def seeded_uniform(seed: int, num_output_tokens: int) -> float:
+    """The uniform in [0, 1) a seeded request draws at an output position (53 bits of `row_seed`)."""
+    return (row_seed(seed, num_output_tokens) >> 11) * 2.0**-53
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without a sync: through pinned memory and a non-blocking copy on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def read_back(values: torch.Tensor) -> list[float]:
+    """The step's one device-to-host transfer (and sync): sampled ids, then the logprob rows' numbers."""
+    return values.tolist()
+
+
+def pools_allowed(device: torch.device) -> bool:
+    """Whether the filters may read a value back to pick a candidate pool: only where that costs no sync."""
+    return device.type == "cpu"
+
+
 def sample(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> SamplerOutput:
     """Pick the next token for each row of `logits` [B, V] (float32), row i belonging to requests[i]."""
+    device, num_rows = logits.device, logits.shape[0]
     params = [r.sampling_params for r in requests]
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    # Logprobs are reported from the raw distribution, before masking and temperature (as vLLM does).
-    raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+    raw_logprobs = None
+    if logprob_rows:  # reported from the raw distribution, before masking and temperature (as vLLM does)
+        rows = logits if len(logprob_rows) == num_rows else logits[to_device(logprob_rows, torch.long, device)]
+        raw_logprobs = torch.log_softmax(rows, dim=-1)
     logits = _mask_stop_tokens(logits, requests)
+    token_ids = logits.argmax(dim=-1)  # greedy rows: exactly argmax
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        token_ids = logits.argmax(dim=-1)
-    elif len(random_rows) == len(params):
-        token_ids = _sample_random(logits, list(requests))
-    else:
-        rows = torch.tensor(random_rows, device=logits.device)
-        greedy_rows = torch.tensor([i for i, p in enumerate(params) if p.greedy], device=logits.device)
-        token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        token_ids[rows] = _sample_random(logits[rows], [requests[i] for i in random_rows])
-    token_list = token_ids.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+    if random_rows:
+        if len(random_rows) == num_rows:
+            token_ids = _sample_random(logits, list(requests))
+        else:
+            index = to_device(random_rows, torch.long, device)
+            token_ids.index_copy_(0, index, _sample_random(logits[index], [requests[i] for i in random_rows]))
+    parts = [token_ids.double()]
     if logprob_rows:
         top_ns = [params[i].logprobs for i in logprob_rows]
-        entries = _gather_logprobs(raw_logprobs, token_ids[logprob_rows], top_ns)
-        for row, entry in zip(logprob_rows, entries, strict=True):
-            logprobs[row] = entry
+        chosen_ids = token_ids if len(logprob_rows) == num_rows else token_ids[to_device(logprob_rows, torch.long,
+                                                                                          device)]
+        chosen = raw_logprobs.gather(1, chosen_ids[:, None])[:, 0]
+        top_values, top_ids = raw_logprobs.topk(max(top_ns), dim=-1)
+        parts += [chosen.double(), top_values.double().flatten(), top_ids.double().flatten()]
+    flat = read_back(torch.cat(parts))
+    token_list = [int(t) for t in flat[:num_rows]]
+    logprobs: list[TokenLogprobs | None] = [None] * num_rows
+    if logprob_rows:
+        n_lp, width = len(logprob_rows), max(top_ns)
+        chosen_lp = flat[num_rows : num_rows + n_lp]
+        values = flat[num_rows + n_lp : num_rows + n_lp + n_lp * width]
+        ids = flat[num_rows + n_lp + n_lp * width :]
+        for j, (row, n) in enumerate(zip(logprob_rows, top_ns, strict=True)):
+            top = [(int(t), v) for t, v in zip(ids[j * width : j * width + n], values[j * width : j * width + n],
+                                               strict=True)]
+            logprobs[row] = TokenLogprobs(token_id=token_list[row], logprob=chosen_lp[j], top=top)
     return SamplerOutput(token_list, logprobs)
 
 
@@ -71,85 +134,79 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]
     if not rows:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    index = to_device([rows, cols], torch.long, logits.device)
+    logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
     return logits
 
 
 def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p filtering, then one inverse-CDF draw per row."""
+    num_rows, vocab = logits.shape
     params = [r.sampling_params for r in requests]
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    logits = logits / temperature[:, None]
-    top_k = [p.top_k for p in params]
-    if any(k > 0 for k in top_k):
-        logits = _apply_top_k(logits, top_k)
-    top_p = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_p):
-        logits = _apply_top_p(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        threshold = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    # Inverse CDF needs one uniform per row, where an exponential race (Gumbel) would need one per vocab
-    # entry: on CPU drawing B x V exponentials costs more than the whole rest of sampling.
-    uniforms = torch.rand(len(params), 1, device=device, dtype=torch.float64)
-    for i, p in enumerate(params):
+    uniforms = torch.rand(num_rows, dtype=torch.float64).tolist()
+    for i, (r, p) in enumerate(zip(requests, params, strict=True)):
         if p.seed is not None:
-            generator = torch.Generator().manual_seed(row_seed(p.seed, requests[i].num_output_tokens))
-            uniforms[i] = torch.rand(1, generator=generator, dtype=torch.float64).item()
+            uniforms[i] = seeded_uniform(p.seed, r.num_output_tokens)
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    # One host-to-device copy for every per-row number: temperature, top_p, min_p, top_k, uniform.
+    packed = to_device([[p.temperature, p.top_p, p.min_p, k, u] for p, k, u in zip(params, top_k, uniforms,
+                                                                                      strict=True)],
+                       torch.float64, logits.device)
+    x = logits / packed[:, 0:1].to(logits.dtype)
+    use_k, use_p, use_min_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in params), any(
+        p.min_p > 0.0 for p in params)
+    if use_k or use_p or use_min_p:
+        x = _filter(x, packed, max(top_k) if use_k else vocab, use_k, use_p, use_min_p)
+    probs = torch.softmax(x, dim=-1)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, the first cdf entry above the target always belongs to a positive-prob token.
-    target = torch.minimum((uniforms * total).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum((packed[:, 4:5] * total).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
     ids = torch.searchsorted(cdf, target, right=True)[:, 0]
     # A row whose probabilities under/overflowed has no valid CDF: fall back to its argmax.
     bad = ~torch.isfinite(total[:, 0]) | (total[:, 0] <= 0)
-    return torch.where(bad, logits.argmax(dim=-1), ids)
+    return torch.where(bad, x.argmax(dim=-1), ids)
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """-inf outside each row's k best logits (top_k 0 keeps the row whole)."""
-    k = torch.tensor([min(k, logits.shape[-1]) for k in top_k], device=logits.device)[:, None]
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, k.clamp(min=1) - 1)
-    kth.masked_fill_(k == 0, float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-# Candidate pool sizes for the nucleus: a partial topk is ~10x cheaper than sorting the vocabulary, and
-# the nucleus almost always fits in the first pool; rows whose nucleus does not escalate to the next.
-TOP_P_CANDIDATES = (256, 4096)
-
-
-def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """-inf outside each row's nucleus: the best tokens while the mass strictly before them is < top_p."""
-    device, vocab = logits.device, logits.shape[-1]
-    top_p_t = torch.tensor(top_p, device=device, dtype=logits.dtype)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    threshold = torch.full((len(top_p),), float("-inf"), device=device, dtype=logits.dtype)
-    pending = torch.tensor([i for i, p in enumerate(top_p) if p < 1.0], device=device)
-    for size in (*TOP_P_CANDIDATES, vocab):
-        k = min(size, vocab)
-        rows = logits if pending.numel() == len(top_p) else logits[pending]
-        values = rows.topk(k, dim=-1).values
-        probs = (values - log_norm[pending, None]).exp()
-        kept = ((probs.cumsum(dim=-1) - probs) < top_p_t[pending, None]).sum(dim=-1).clamp_(min=1)  # the best always stays
-        closed = (kept < k) | (k == vocab)  # the nucleus ends inside this pool
-        threshold[pending[closed]] = values[closed].gather(1, (kept[closed] - 1)[:, None])[:, 0]
-        pending = pending[~closed]
-        if pending.numel() == 0:
+def _filter(x: torch.Tensor, packed: torch.Tensor, max_k: int, use_k: bool, use_p: bool, use_min_p: bool):
+    """-inf outside each row's support: its top_k best, then the nucleus (the best tokens while the mass strictly
+    before them is < top_p; the best always stays), then tokens with at least min_p x the best one's prob."""
+    vocab = x.shape[-1]
+    k_eff = packed[:, 3].long()[:, None]
+    top_p = packed[:, 1:2].to(x.dtype)
+    min_p = packed[:, 2:3].to(x.dtype)
+    active = (k_eff < vocab) | (top_p < 1.0) | (min_p > 0.0)
+    only_k = not (use_p or use_min_p)
+    if pools_allowed(x.device) and not only_k:
+        widths = [w for w in CPU_CANDIDATES if max_k <= w < vocab] + [vocab]
+    else:
+        widths = [max_k if only_k else vocab]  # closes every row at once: no read-back needed
+    log_norm_all = torch.logsumexp(x, dim=-1, keepdim=True) if use_p or use_min_p else None
+    for width in widths:
+        if width == vocab:
+            values, order = x.sort(dim=-1, descending=True, stable=True)
+        else:
+            values, order = x.topk(width, dim=-1)
+        pos = torch.arange(width, device=x.device)
+        drop = pos >= k_eff
+        closed = k_eff <= width
+        if use_p or use_min_p:
+            if use_k:
+                kept = values.masked_fill(drop, float("-inf"))
+                log_norm = torch.where(k_eff < vocab, torch.logsumexp(kept, dim=-1, keepdim=True), log_norm_all)
+            else:
+                log_norm = log_norm_all
+            probs = (values - log_norm).exp().masked_fill(drop, 0.0)
+            if use_p:
+                drop |= ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
+            if use_min_p:
+                drop |= probs < min_p * probs[:, :1]
+            drop[:, 0] = False  # the best token always stays
+            closed = closed | (drop[:, -1:] if width < vocab else True)
+        closed = closed | ~active
+        if width == widths[-1] or bool(closed.all()):  # CPU only: the loop has one width on other devices
             break
-    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
-
-
-def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, top_ns: list[int]) -> list[TokenLogprobs]:
-    """The sampled token's logprob and the top-N alternatives, per row."""
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
-    max_n = max(top_ns)
-    top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (logprobs[:, :0], logprobs[:, :0].long())
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    return [
-        TokenLogprobs(token_id=t, logprob=lp, top=list(zip(ids[:n], vals[:n], strict=True)))
-        for t, lp, ids, vals, n in zip(token_ids.tolist(), chosen, top_ids, top_values, top_ns, strict=True)
-    ]
+    masked = values.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(x, float("-inf")).scatter_(1, order, masked)
+    # Rows without a filter keep every token (their pool may not hold their whole support).
+    return torch.where(active, filtered, x)
