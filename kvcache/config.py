@@ -33,7 +33,18 @@ class CacheConfig:
 
     block_size: int = knob(16, "Tokens per KV cache block.")
     num_kv_blocks: int = knob(0, "KV cache blocks on the device (0: derive from --kv-cache-memory).")
-    kv_cache_memory: float | str = knob(1.0, "KV cache size in GiB on the device when --num-kv-blocks is 0.")
+    kv_cache_memory: float | str = knob(
+        AUTO,
+        "KV cache size in GiB on the device when --num-kv-blocks is 0; 'auto': on CPU half of the memory left after "
+        "loading the model (the smaller of the cgroup limit less the weights and MemAvailable), on CUDA "
+        "--gpu-memory-utilization of the device less the weights and the peak activations of the largest step.",
+        type=gib_or_auto,
+    )
+    gpu_memory_utilization: float = knob(
+        0.9,
+        "CUDA, with --kv-cache-memory auto: share of the device's memory Sluice may use in all (weights, "
+        "activations and KV cache), as vLLM's flag.",
+    )
     swap_space: float | str = knob(
         AUTO,
         "Host memory in GiB for swapped-out KV blocks (preemption mode 'swap'); 'auto': 0 on CPU, where the host "
@@ -56,8 +67,14 @@ class CacheConfig:
             raise ValueError("block_size must be a power of two")
         if self.num_kv_blocks < 0:
             raise ValueError("num_kv_blocks must be >= 0")
-        if self.kv_cache_memory <= 0 and self.num_kv_blocks == 0:
-            raise ValueError("kv_cache_memory must be > 0 when num_kv_blocks is 0")
+        try:
+            memory = gib_or_auto(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_memory: {e}") from None
+        if memory == 0 and self.num_kv_blocks == 0:
+            raise ValueError("kv_cache_memory must be > 0 GiB or 'auto' when num_kv_blocks is 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         try:
             gib_or_auto(self.swap_space)
         except ValueError as e:

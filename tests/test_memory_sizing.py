@@ -80,3 +80,227 @@ def test_swap_mode_without_host_blocks_says_it_recomputes(caplog):
         engine = LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
     assert engine.runner.num_host_blocks == 0
     assert "falls back to recompute" in caplog.text
+
+
+# ---- KV cache size on CPU: cgroup limit / MemAvailable
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_cgroup_memory_limit_reads_v2_then_v1(tmp_path):
+    from sluice.service.engine.cpu import cgroup_memory_limit
+
+    assert cgroup_memory_limit(tmp_path) is None  # nothing mounted
+    write(tmp_path / "v2" / "memory.max", "max\n")
+    assert cgroup_memory_limit(tmp_path / "v2") is None
+    write(tmp_path / "v2" / "memory.max", f"{2 * GiB}\n")
+    assert cgroup_memory_limit(tmp_path / "v2") == (2 * GiB, str(tmp_path / "v2" / "memory.max"))
+    write(tmp_path / "v1" / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "unlimited"
+    assert cgroup_memory_limit(tmp_path / "v1") is None
+    write(tmp_path / "v1" / "memory" / "memory.limit_in_bytes", f"{GiB}\n")
+    assert cgroup_memory_limit(tmp_path / "v1") == (GiB, str(tmp_path / "v1" / "memory" / "memory.limit_in_bytes"))
+
+
+def meminfo(tmp_path, available_gib: float | None):
+    lines = ["MemTotal:       32000000 kB", "MemFree:         1000000 kB"]
+    if available_gib is not None:
+        lines.append(f"MemAvailable:   {int(available_gib * GiB / 1024)} kB")
+    return write(tmp_path / "meminfo", "\n".join(lines) + "\n")
+
+
+def test_mem_available(tmp_path):
+    from sluice.service.engine.cpu import mem_available
+
+    assert mem_available(meminfo(tmp_path, 10)) == 10 * GiB
+    assert mem_available(meminfo(tmp_path, None)) is None
+    assert mem_available(tmp_path / "absent") is None
+
+
+def test_cpu_budget_is_half_of_what_is_left_after_the_weights(tmp_path):
+    from sluice.service.engine.kv_sizing import cpu_kv_budget
+
+    no_cgroup = tmp_path / "nocg"
+    # MemAvailable is read with the model loaded: the weights are already out of it.
+    b = cpu_kv_budget(2 * GiB, cgroup_root=no_cgroup, meminfo=meminfo(tmp_path, 10))
+    assert b.num_bytes == 5 * GiB and "MemAvailable 10.00 GiB" in b.source
+    # A cgroup limit of 8 GiB with 2 GiB of weights leaves 6: half of it.
+    write(tmp_path / "cg" / "memory.max", str(8 * GiB))
+    b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20))
+    assert b.num_bytes == 3 * GiB and "cgroup memory limit 8.00 GiB" in b.source and "2.00 GiB of weights" in b.source
+    # ... unless the machine has less available than the limit: never more than either.
+    b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 4))
+    assert b.num_bytes == 2 * GiB and "MemAvailable" in b.source
+    assert cpu_kv_budget(2 * GiB, 0.25, tmp_path / "cg", meminfo(tmp_path, 20)).num_bytes == int(1.5 * GiB)
+    # Weights beyond the limit leave nothing (kv_cache_blocks then refuses to start).
+    assert cpu_kv_budget(9 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20)).num_bytes == 0
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        cpu_kv_budget(GiB, cgroup_root=no_cgroup, meminfo=tmp_path / "absent")
+
+
+def fake_host(monkeypatch, limit_gib: float | None, available_gib: float | None):
+    from sluice.service.engine import kv_sizing
+
+    monkeypatch.setattr(kv_sizing, "cgroup_memory_limit",
+                        lambda root: None if limit_gib is None else (int(limit_gib * GiB), "memory.max"))
+    monkeypatch.setattr(kv_sizing, "mem_available", lambda path: None if available_gib is None else int(available_gib * GiB))
+
+
+def test_kv_cache_blocks_precedence(monkeypatch):
+    from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks, model_weight_bytes
+
+    model = tiny_model()
+    shape = KVShape.of(model, 16, torch.float32)
+    assert shape.block_bytes == 2 * 2 * 16 * 2 * 8 * 4
+    cpu = torch.device("cpu")
+    fake_host(monkeypatch, None, 0.01)
+    assert kv_cache_blocks(model, CacheConfig(num_kv_blocks=7), cpu, shape, 64, 4) == (7, "--num-kv-blocks")
+    n, source = kv_cache_blocks(model, CacheConfig(kv_cache_memory="0.002"), cpu, shape, 64, 4)
+    assert (n, source) == (int(0.002 * GiB) // shape.block_bytes, "--kv-cache-memory 0.002 GiB")
+    n, source = kv_cache_blocks(model, CacheConfig(), cpu, shape, 64, 4)
+    assert n == int(0.01 * GiB * 0.5) // shape.block_bytes and source.startswith("auto: 0.5 x")
+    fake_host(monkeypatch, 0.00005, 0.01)  # a 52 KiB cgroup: less than the weights
+    assert model_weight_bytes(model) > 0.00005 * GiB
+    with pytest.raises(ValueError, match="too small for a single block"):
+        kv_cache_blocks(model, CacheConfig(), cpu, shape, 64, 4)
+
+
+def test_model_weight_bytes_counts_each_storage_once_and_packed_weights():
+    from sluice.service.engine.kv_sizing import model_weight_bytes
+    from sluice.service.engine.prepack import can_prepack, prepack_linears
+
+    model = tiny_model()
+    plain = model_weight_bytes(model)
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert plain == sum(params.values()) + buffers
+    if can_prepack(torch.device("cpu"), torch.float32):
+        prepack_linears(model)
+        assert model_weight_bytes(model) >= plain  # same weights, oneDNN's layout (may pad)
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("kv_cache_memory", "lots", "kv_cache_memory"), ("kv_cache_memory", -1, "kv_cache_memory"),
+    ("kv_cache_memory", 0, "kv_cache_memory must be > 0"), ("gpu_memory_utilization", 0.0, "gpu_memory_utilization"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+])
+def test_memory_knobs_are_validated(field, bad, match):
+    with pytest.raises(ValueError, match=match):
+        CacheConfig(**{field: bad}).validate()
+    CacheConfig(num_kv_blocks=4, kv_cache_memory=0).validate()  # blocks given: the size is not used
+
+
+def test_kv_cache_memory_flag_takes_a_number_or_auto():
+    assert cli([]).cache.kv_cache_memory == "auto"
+    assert cli(["--kv-cache-memory", "1.5"]).cache.kv_cache_memory == 1.5
+    assert cli(["--gpu-memory-utilization", "0.8"]).cache.gpu_memory_utilization == 0.8
+    with pytest.raises(SystemExit):
+        cli(["--kv-cache-memory", "half"])
+
+
+def engine_config(**cache):
+    cfg = SluiceConfig()
+    cfg.model.device, cfg.model.dtype = "cpu", "float32"
+    for k, v in cache.items():
+        setattr(cfg.cache, k, v)
+    return cfg
+
+
+def tiny_engine(cfg):
+    from sluice.service.engine.engine import LLMEngine
+    from tests import _tiny
+
+    model = tiny_model()
+    model.resize_token_embeddings(len(_tiny.tokenizer()))
+    return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
+
+
+def test_auto_size_is_logged_before_max_model_len_is_checked_against_it(monkeypatch, caplog):
+    fake_host(monkeypatch, None, 1 / 1024)  # half of 1 MiB: 128 blocks of 16 tokens (4 KiB each) for this model
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        engine = tiny_engine(engine_config())
+    assert engine.num_kv_blocks == 128
+    assert "KV cache: 128 blocks x 16 tokens = 2048 tokens, 0.5 MiB float32 on cpu" in caplog.text
+    assert "MemAvailable 1.0 MiB" in caplog.text
+    caplog.clear()
+    cfg = engine_config()
+    cfg.scheduler.max_model_len = 4096
+    with caplog.at_level(logging.INFO, logger="sluice.engine"), pytest.raises(ValueError, match="max_model_len 4096"):
+        tiny_engine(cfg)
+    assert "KV cache: 128 blocks" in caplog.text  # the refusal comes with the size it was refused against
+
+
+# ---- KV cache size on CUDA: profile, then utilization * total - (weights + activations)
+
+
+class FakeCuda:
+    """Stands in for kv_sizing.cuda_memory: the device state before, during and after the profile forward."""
+
+    def __init__(self, total, weights, peak, free_after):
+        self.total, self.weights, self.peak, self.free_after = total, weights, peak, free_after
+        self.calls = []
+
+    def __call__(self, device, reset_peak=False):
+        from sluice.service.engine.kv_sizing import CudaMemory
+
+        self.calls.append(reset_peak)
+        if len(self.calls) == 1:  # before: the weights, nothing else
+            return CudaMemory(self.total - self.weights, self.total, self.weights, self.weights)
+        if len(self.calls) == 2:  # right after the forward: the peak
+            return CudaMemory(0, self.total, self.weights, self.peak)
+        return CudaMemory(self.free_after, self.total, self.weights, self.weights)
+
+
+def gpu_budget(monkeypatch, fake, utilization=0.9, tokens=64):
+    from sluice.service.engine import kv_sizing
+
+    monkeypatch.setattr(kv_sizing, "cuda_memory", fake)
+    seen = []
+    model = tiny_model()
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    shape = kv_sizing.KVShape.of(model, 16, torch.float32)
+    # The profile forward itself runs for real, on the CPU: same code, only the memory figures are faked.
+    budget = kv_sizing.gpu_kv_budget(model, shape, torch.device("cpu"), utilization, tokens, 8)
+    assert seen == [(1, tokens)] and fake.calls == [True, False, True]
+    return budget
+
+
+def test_gpu_budget_is_utilization_of_total_less_weights_and_peak_activations(monkeypatch):
+    b = gpu_budget(monkeypatch, FakeCuda(total=80 * GiB, weights=10 * GiB, peak=12 * GiB, free_after=69 * GiB))
+    assert b.num_bytes == int(0.9 * 80 * GiB) - 12 * GiB
+    assert "0.9 x 80.00 GiB less 10.00 GiB of weights and 2.00 GiB of peak activations at 64 tokens" in b.source
+    b = gpu_budget(monkeypatch, FakeCuda(80 * GiB, 10 * GiB, 12 * GiB, 69 * GiB), utilization=0.5, tokens=32)
+    assert b.num_bytes == 40 * GiB - 12 * GiB
+
+
+def test_gpu_budget_leaves_what_other_processes_hold(monkeypatch):
+    b = gpu_budget(monkeypatch, FakeCuda(total=80 * GiB, weights=10 * GiB, peak=12 * GiB, free_after=30 * GiB))
+    assert b.num_bytes == 28 * GiB and "30.00 GiB free" in b.source
+
+
+def test_gpu_budget_refuses_a_model_that_does_not_fit(monkeypatch):
+    with pytest.raises(ValueError, match="the model does not fit"):
+        gpu_budget(monkeypatch, FakeCuda(total=16 * GiB, weights=14 * GiB, peak=16 * GiB, free_after=2 * GiB))
+
+
+def test_kv_cache_blocks_on_cuda_uses_the_gpu_budget(monkeypatch):
+    from sluice.service.engine import kv_sizing
+
+    calls = []
+
+    def fake(model, shape, device, utilization, tokens, seqs):
+        calls.append((device.type, utilization, tokens, seqs))
+        return kv_sizing.KVBudget(100 * shape.block_bytes + 1, "auto: fake")
+
+    monkeypatch.setattr(kv_sizing, "gpu_kv_budget", fake)
+    model = tiny_model()
+    shape = kv_sizing.KVShape.of(model, 16, torch.bfloat16)
+    cache = CacheConfig(gpu_memory_utilization=0.7)
+    assert kv_sizing.kv_cache_blocks(model, cache, torch.device("cuda"), shape, 2048, 64) == (100, "auto: fake")
+    assert calls == [("cuda", 0.7, 2048, 64)]
+    # An explicit size skips the profile altogether.
+    assert kv_sizing.kv_cache_blocks(model, CacheConfig(kv_cache_memory=1), torch.device("cuda"), shape, 2048, 64)[0]
+    assert len(calls) == 1

@@ -1,0 +1,185 @@
+"""How many KV cache blocks the model runner allocates.
+
+In order of precedence: `--num-kv-blocks`; an explicit `--kv-cache-memory` in GiB; else `auto`:
+
+- CPU: a fraction (CPU_KV_FRACTION) of the memory the process may still use once the model is loaded: the
+  smaller of the cgroup memory limit less the weights, and MemAvailable (read after the load, so the weights are
+  already out of it).
+- CUDA (vLLM's `--gpu-memory-utilization`): one forward at the largest step (max_num_batched_tokens tokens in one
+  sequence, the worst case for attention) measures peak activation memory; the cache gets
+  `utilization * total - (weights + peak activations)`, and never more than is free beside the activations.
+
+Every CUDA memory query goes through `cuda_memory`, so tests replace that one function.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sluice.kvcache.config import AUTO, CacheConfig, gib_or_auto
+from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
+from sluice.kvcache.paged_attention import AttentionMetadata
+from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
+from sluice.service.engine.cpu import CGROUP_ROOT, MEMINFO, cgroup_memory_limit, mem_available
+
+GiB = 1 << 30
+# Half of what is left: the rest covers activations, the tokenizer, Python, other tenants and page cache.
+CPU_KV_FRACTION = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What one KV block is made of."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model, block_size: int, dtype: torch.dtype) -> KVShape:
+        config = model.config.get_text_config()
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """Bytes for the KV cache, and where the figure came from (for the start-up log)."""
+
+    num_bytes: int
+    source: str
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for a log line: GiB, or MiB below one GiB."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each storage once), prepacked oneDNN weights included."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    for t in tensors:
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
+    return total
+
+
+def cpu_kv_budget(
+    weight_bytes: int, fraction: float = CPU_KV_FRACTION, cgroup_root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO
+) -> KVBudget:
+    """`fraction` of the memory left to the process after the model is loaded (see the module docstring)."""
+    left: list[tuple[int, str]] = []
+    limit = cgroup_memory_limit(cgroup_root)
+    if limit is not None:
+        left.append((limit[0] - weight_bytes,
+                     f"cgroup memory limit {format_bytes(limit[0])} ({limit[1]}) less {format_bytes(weight_bytes)} of weights"))
+    available = mem_available(meminfo)
+    if available is not None:
+        left.append((available, f"MemAvailable {format_bytes(available)} ({meminfo}) with the model loaded"))
+    if not left:
+        raise ValueError("--kv-cache-memory auto: no cgroup memory limit and no MemAvailable in "
+                         f"{meminfo}; pass --kv-cache-memory in GiB or --num-kv-blocks")
+    usable, source = min(left)
+    return KVBudget(max(0, int(usable * fraction)), f"auto: {fraction:g} x {format_bytes(max(usable, 0))} left, from {source}")
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMemory:
+    """Device memory figures in bytes: free and total (driver), allocated and peak allocated (torch)."""
+
+    free: int
+    total: int
+    allocated: int
+    peak: int
+
+
+def cuda_memory(device: torch.device, reset_peak: bool = False) -> CudaMemory:
+    """The one place that asks CUDA about memory; with `reset_peak`, cached blocks are released and the peak is
+    restarted first."""
+    torch.cuda.synchronize(device)
+    if reset_peak:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return CudaMemory(free, total, torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device))
+
+
+@torch.inference_mode()
+def profile_forward(model, shape: KVShape, device: torch.device, num_tokens: int, num_logits: int) -> None:
+    """One prefill of `num_tokens` tokens as a single sequence on a scratch cache just big enough for it."""
+    bs = shape.block_size
+    num_blocks = -(-num_tokens // bs)
+    kv = KVTensors(num_blocks, shape.num_layers, shape.num_kv_heads, shape.head_dim, bs, shape.dtype, device)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], block_table, positions.clone(), bs)
+    input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
+    kw = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = torch.arange(num_tokens - num_logits, num_tokens, device=device)
+    with set_forward_context(ForwardContext(meta, kv.layers)):
+        logits = model(input_ids=input_ids, position_ids=positions[None], use_cache=False, **kw).logits
+        logits[0, -num_logits:].float()  # the sampler's copy
+    del kv, logits
+
+
+def gpu_kv_budget(
+    model, shape: KVShape, device: torch.device, utilization: float, max_num_batched_tokens: int, max_num_seqs: int
+) -> KVBudget:
+    """vLLM's sizing: utilization * total - (weights + peak activations of the largest step)."""
+    before = cuda_memory(device, reset_peak=True)
+    weights = before.allocated  # nothing but the model lives on the device yet
+    profile_forward(model, shape, device, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
+    peak = cuda_memory(device).peak
+    after = cuda_memory(device, reset_peak=True)  # the scratch cache and activations released
+    activations = max(0, peak - weights)
+    wanted = int(utilization * before.total) - weights - activations
+    what = (f"{utilization:g} x {format_bytes(before.total)} less {format_bytes(weights)} of weights and {format_bytes(activations)} of "
+            f"peak activations at {max_num_batched_tokens} tokens")
+    if wanted <= 0:
+        raise ValueError(f"the model does not fit: {what} leaves nothing for the KV cache; raise "
+                         "--gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller dtype")
+    room = after.free - activations  # other processes may hold memory that utilization assumed was ours
+    if room < wanted:
+        return KVBudget(max(0, room), f"auto: {format_bytes(after.free)} free on the device less {format_bytes(activations)} of "
+                                      f"peak activations (less than {what})")
+    return KVBudget(wanted, f"auto: {what}")
+
+
+def kv_cache_blocks(
+    model, cache: CacheConfig, device: torch.device, shape: KVShape, max_num_batched_tokens: int, max_num_seqs: int
+) -> tuple[int, str]:
+    """(number of KV blocks, where the figure came from); ValueError when not even one block fits."""
+    if cache.num_kv_blocks:
+        return cache.num_kv_blocks, "--num-kv-blocks"
+    memory = gib_or_auto(cache.kv_cache_memory)
+    if memory != AUTO:
+        budget = KVBudget(int(memory * GiB), f"--kv-cache-memory {memory:g} GiB")
+    elif device.type == "cpu":
+        budget = cpu_kv_budget(model_weight_bytes(model))
+    elif device.type == "cuda":
+        budget = gpu_kv_budget(model, shape, device, cache.gpu_memory_utilization, max_num_batched_tokens,
+                               max_num_seqs)
+    else:
+        raise ValueError(f"--kv-cache-memory auto is not supported on {device.type}; pass it in GiB")
+    num_blocks = budget.num_bytes // shape.block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget too small for a single block of {shape.block_bytes} bytes "
+                         f"({budget.source}); raise --kv-cache-memory or pass --num-kv-blocks")
+    return int(num_blocks), budget.source
