@@ -4,6 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A constraint every output token must keep: the text so far stays a prefix of something it accepts.
+
+    `spec` is the constraint's text: a JSON schema (kind 'json'), a regex, a JSON list of strings ('choice'),
+    or an EBNF grammar; empty for 'json_object'. `param` names the API parameter it came from, for errors.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What compiled grammars are cached by."""
+        return (self.kind, self.spec)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -21,6 +41,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; N >= 0: sampled token plus top-N alternatives
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None  # grammar-constrained decoding (service/engine/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -44,6 +65,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
+        if self.structured_output is not None and self.structured_output.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output kind must be one of {', '.join(STRUCTURED_KINDS)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

@@ -62,7 +62,8 @@ CASES: list[tuple[str, str, bytes]] = [
         ("messages", msgs([{"type": "image_url", "image_url": {"url": "http://x"}}])),
         ("messages", msgs([{"type": "text", "text": 5}])), ("messages", [{"role": "user", "content": "x", "name": 5}]),
         ("logprobs", 1), ("top_logprobs", 3), ("tools", [{"type": "function"}]),
-        ("response_format", {"type": "json_object"})]],
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}),
+        ("guided_regex", "(unclosed"), ("guided_grammar", "root ::= "), ("structured_outputs", {"json": 5})]],
     *[(f"out of range {k}={v!r}", C, j({**P, k: v})) for k, v in [
         ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 2**31 + 1), ("max_tokens", 10**30), ("n", 0),
         ("n", -1), ("n", 1000), ("best_of", 3), ("temperature", -1), ("temperature", 1e308), ("temperature", 2.5),

@@ -135,7 +135,13 @@ BAD_CHATS = [
     ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+     "response_format.json_schema.schema"),
+    ({"messages": MSG, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"messages": MSG, "guided_choice": []}, "guided_choice"),
+    ({"messages": MSG, "guided_json": "{not json"}, "guided_json"),
+    ({"messages": MSG, "guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
 ]
 
 

@@ -39,6 +39,7 @@ from sluice.service.engine.async_engine import (
     EngineDrainingError,
     QueueFullError,
 )
+from sluice.service.engine.grammar import GrammarError
 
 logger = logging.getLogger("sluice.api")
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -178,6 +179,8 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
                 batch[0][2].max_tokens, req.stream)
     try:
         stream = await aengine.add_requests(batch, req.priority)
+    except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
+        raise RequestError(str(e), e.param) from None
     except ValueError as e:  # the engine's word on a prompt that can never run
         raise RequestError(str(e), "messages" if req.chat else "prompt") from None
     except QueueFullError as e:

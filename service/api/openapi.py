@@ -34,6 +34,29 @@ def _zero(doc: str) -> dict:
     return {"type": "number", "minimum": 0, "maximum": 0, "nullable": True, "description": doc + " Only 0 is supported."}
 
 
+_STRUCTURED = {
+    "response_format": {
+        "type": "object", "nullable": True, "required": ["type"],
+        "description": "text; json_object (any JSON object); json_schema {name, schema, strict}: the reply is "
+                       "constrained to the schema (grammar-constrained decoding).",
+        "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                       "json_schema": {"type": "object", "properties": {"name": {"type": "string"},
+                                                                        "schema": {"type": "object"},
+                                                                        "strict": {"type": "boolean"}}}}},
+    "structured_outputs": {
+        "type": "object", "nullable": True, "description": "vLLM's extra: exactly one of json (a schema), regex, "
+        "choice (a list of strings), grammar (EBNF, xgrammar's dialect), json_object (true).",
+        "properties": {"json": {"type": "object"}, "regex": {"type": "string"}, "grammar": {"type": "string"},
+                       "choice": {"type": "array", "items": {"type": "string"}},
+                       "json_object": {"type": "boolean"}}},
+    "guided_json": {"type": "object", "nullable": True, "description": "Older spelling of structured_outputs.json."},
+    "guided_regex": {"type": "string", "nullable": True, "description": "Older spelling of structured_outputs.regex."},
+    "guided_choice": {"type": "array", "items": {"type": "string"}, "nullable": True,
+                      "description": "Older spelling of structured_outputs.choice."},
+    "guided_grammar": {"type": "string", "nullable": True,
+                       "description": "Older spelling of structured_outputs.grammar."},
+}
+
 _SAMPLING = {
     "model": {"type": "string", "nullable": True, "description": "The served model name (see /v1/models); optional."},
     "temperature": _num(0, 2, 1, "Sampling temperature; 0 is greedy."),
@@ -61,6 +84,7 @@ _SAMPLING = {
     "presence_penalty": _zero("Presence penalty."),
     "frequency_penalty": _zero("Frequency penalty."),
     "logit_bias": {"type": "object", "nullable": True, "maxProperties": 0, "description": "Not supported."},
+    **_STRUCTURED,
 }
 
 _COMPLETION_REQUEST = {

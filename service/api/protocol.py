@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.api.errors import RequestError
+from sluice.service.api.structured import parse_structured_output
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -22,20 +24,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
-class RequestError(Exception):
-    """A client error, rendered as OpenAI's `{"error": {...}}` with `status`."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-        self.headers = headers  # extra response headers: Retry-After, Allow, WWW-Authenticate
-
-    def to_dict(self) -> dict:
-        """OpenAI's error body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(slots=True)
@@ -110,9 +98,6 @@ def _unsupported(body: dict) -> None:
         raise RequestError("'logit_bias' is not supported", "logit_bias")
     if body.get("tools") or body.get("functions"):
         raise RequestError("tool calling is not supported", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("only response_format {'type': 'text'} is supported", "response_format")
 
 
 def _stop(body: dict) -> list[str]:
@@ -166,6 +151,7 @@ def _common(body: dict, chat: bool) -> GenerateRequest:
         ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens", 0, INT32, 0),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        structured_output=parse_structured_output(body),
     )
     if params.top_p == 0.0:
         raise RequestError("'top_p' must be greater than 0", "top_p")

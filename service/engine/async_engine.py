@@ -164,6 +164,10 @@ class AsyncEngine:
         ids = [rid for rid, _, _ in requests]
         if len(set(ids)) != len(ids) or any(rid in self._owner for rid in ids):
             raise ValueError("duplicate request id")
+        loop = asyncio.get_running_loop()
+        for constraint in {p.structured_output for _, _, p in requests} - {None}:
+            # Compiled off the engine thread (and cached): the add in the worker then finds it ready.
+            await loop.run_in_executor(None, self.engine.compile_grammar, constraint)
         group = _Group(unfinished=set(ids), size=len(ids))
         # Registered before the add job runs, so the step that follows cannot emit unclaimed outputs.
         for rid in ids:
@@ -171,7 +175,6 @@ class AsyncEngine:
         self._no_output.update(ids)
         self._groups.add(group)
         self._idle.clear()
-        loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority)
         except BaseException:  # ValueError, or the handler cancelled: the add may still run, abort after it

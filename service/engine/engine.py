@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,11 +15,12 @@ from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
 from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
-from sluice.scheduling.sampling_params import SamplingParams
+from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
 from sluice.scheduling.scheduler import Scheduler
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
+from sluice.service.engine.grammar import GrammarCompiler, GrammarState
 
 logger = logging.getLogger("sluice.engine")
 
@@ -122,6 +124,9 @@ class LLMEngine:
         eos_ids = eos_token_ids(model, tokenizer)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = list(eos_ids[1:])
+        self._eos_ids = list(eos_ids)
+        self._grammar: GrammarState | None = None  # built on the first constrained request
+        self._grammar_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[EngineOutput] = []  # abort notices delivered by the next step()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
@@ -131,6 +136,20 @@ class LLMEngine:
         self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
 
     # --- requests ------------------------------------------------------------------------------
+
+    @property
+    def grammar(self) -> GrammarState:
+        """Grammar compiler and matchers; xgrammar is loaded by the first constrained request, not at start."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self._eos_ids)
+                self._grammar = GrammarState(compiler, self.config.scheduler.max_num_seqs)
+                self.runner.logits_processors.append(self._grammar.mask_logits)
+            return self._grammar
+
+    def compile_grammar(self, constraint: StructuredOutput) -> None:
+        """Compile and cache a constraint (thread-safe: the API calls it off the engine thread); GrammarError."""
+        self.grammar.compiler.compile(constraint)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt; ids are checked against the vocabulary."""
@@ -168,7 +187,11 @@ class LLMEngine:
                 params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids]
             )
         request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time)
+        if params.structured_output is not None:
+            self.compile_grammar(params.structured_output)  # before anything is queued: it may refuse it
         self.scheduler.add_request(request)  # first: it may still refuse the request
+        if params.structured_output is not None:
+            self.grammar.add(request_id, params.structured_output)
         # An id aborted and added again: the old request's abort notice must not end the new one.
         self._pending_outputs = [o for o in self._pending_outputs if o.request_id != request_id]
         self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -187,7 +210,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
-        self._detokenizers.pop(request_id, None)
+        self._forget(request_id)
         self._pending_outputs.append(
             EngineOutput(
                 request_id,
@@ -255,6 +278,8 @@ class LLMEngine:
                         request, "error", "step_failed", f"engine step failed: {type(exc).__name__}"))
             else:
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
+                    if self._grammar is not None and ro.new_token_ids:
+                        self._advance_grammar(ro)
                     outputs.append(self._detokenize_or_fail(ro))
         stats = self.last_stats = self.scheduler.make_stats()
         stats.num_batched_tokens = sched_out.num_batched_tokens
@@ -267,9 +292,21 @@ class LLMEngine:
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
         return outputs
 
+    def _advance_grammar(self, ro) -> None:
+        """Feed the sampled token to the request's matcher; a completed grammar ends the request."""
+        if self._grammar.accept(ro.request_id, ro.new_token_ids[-1]) and not ro.finished:
+            self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
+            ro.finished, ro.finish_reason = True, "stop"
+
+    def _forget(self, request_id: str) -> None:
+        """Drop the per-request state of a request that ended."""
+        self._detokenizers.pop(request_id, None)
+        if self._grammar is not None:
+            self._grammar.remove(request_id)
+
     def _ended_output(self, ro, reason: str, code: str, message: str) -> EngineOutput:
         """The final output of a request the engine ended (ro: a Request or RequestOutput)."""
-        self._detokenizers.pop(ro.request_id, None)
+        self._forget(ro.request_id)
         return EngineOutput(
             ro.request_id, "", [], [], True, reason, ro.num_prompt_tokens, ro.num_output_tokens,
             max(ro.num_cached_tokens, 0), error=message, error_code=code,
@@ -293,7 +330,7 @@ class LLMEngine:
             self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
             finished, reason, stop_reason = True, "stop", detok.stop_hit
         if finished:
-            self._detokenizers.pop(ro.request_id, None)
+            self._forget(ro.request_id)
         return EngineOutput(
             ro.request_id,
             text,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +67,8 @@ class ModelRunner:
             self.decode_kernel = load_decode_kernel()
         # Models whose forward lacks logits_to_keep get full logits, sliced afterwards (correct, just slower).
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
+        self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,7 +86,10 @@ class ModelRunner:
         to_sample = [r for r in out.scheduled if r.sample]
         if not to_sample:
             return ModelRunnerOutput()
-        result = sample(logits.float(), to_sample)
+        logits = logits.float()
+        for process in self.logits_processors:  # penalties, biases, grammar masks: in place, batched
+            process(logits, to_sample)
+        result = sample(logits, to_sample)
         return ModelRunnerOutput(
             sampled={r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)},
             logprobs={r.request_id: lp for r, lp in zip(to_sample, result.logprobs, strict=True) if lp is not None},

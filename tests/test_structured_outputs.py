@@ -1,0 +1,116 @@
+"""Grammar-constrained decoding: every constrained output satisfies its constraint, whatever the batching,
+chunking, preemption or n; unconstrained neighbours are untouched; bad constraints are 400s naming the
+parameter. The engine tests use a tiny random model (its free output is noise, so a match is the grammar's
+doing); the server tests use the real SmolLM2 through the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"], "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from tests._tiny import save_tiny_model
+
+    config = SluiceConfig()
+    config.model.model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-grammar")))
+    config.model.device, config.model.dtype = "cpu", "float32"
+    config.cache.num_kv_blocks, config.cache.swap_space = 12, 0.01
+    config.scheduler.max_num_batched_tokens = 32
+    config.scheduler.preemption_mode = "swap"
+    return LLMEngine(config)
+
+
+def constrained(kind: str, spec: str = "", **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 60), temperature=kw.pop("temperature", 0.0),
+                          structured_output=StructuredOutput(kind, spec, "test"), **kw)
+
+
+def test_constraints_hold_under_chunking_preemption_and_n(engine):
+    """Long prompts (chunked prefill), a cache too small for all of them (preemption by swap), sampled and
+    greedy rows, constrained and free rows in one batch: every constrained reply matches."""
+    jsonschema = pytest.importorskip("jsonschema")
+    regex = r"[0-9]{3}-[a-z]{2,4}"  # bounded languages: a random model babbles in an unbounded string
+    cases = [
+        ("regex", regex, lambda t: re.fullmatch(regex, t)),
+        ("choice", json.dumps(["yes", "no", "maybe later"]), lambda t: t in ("yes", "no", "maybe later")),
+        ("grammar", 'root ::= "(" [a-c] [a-c]? [a-c]? ")" | "none"', lambda t: re.fullmatch(r"\([a-c]{1,3}\)|none", t)),
+        ("json", json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 7}},
+                             "required": ["n"], "additionalProperties": False}),
+         lambda t: jsonschema.validate(json.loads(t), {"properties": {"n": {"minimum": 3, "maximum": 7}},
+                                                       "required": ["n"]}) is None),
+    ]
+    prompts, params, checks = [], [], []
+    for i, (kind, spec, check) in enumerate(cases):
+        for temperature in (0.0, 1.0):
+            prompts.append("The capital of France is Paris. " * (3 + i))
+            params.append(constrained(kind, spec, temperature=temperature, seed=i))
+            checks.append(check)
+    free = len(prompts)
+    prompts += ["Hello world, how are you today?"] * 3
+    params += [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 3
+    preempted = []
+    engine.stat_loggers.append(lambda s: preempted.append(s.num_preemptions_swap + s.num_preemptions_recompute))
+    try:
+        results = engine.generate(prompts, params)
+    finally:
+        engine.stat_loggers.pop()
+    assert sum(preempted) > 0, "the cache was meant to be too small: no preemption happened"
+    for r, check in zip(results[:free], checks, strict=True):
+        assert r.finish_reason == "stop", (r.text, r.finish_reason)
+        assert check(r.text), f"{r.text!r} breaks its constraint"
+    assert all(len(r.token_ids) == 40 for r in results[free:])  # free rows: unconstrained, full length
+    assert not engine.grammar.matchers, "matchers of finished requests leaked"
+
+
+def test_free_rows_are_untouched_by_constrained_neighbours(engine):
+    free = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    alone = engine.generate(["Streaming tokens over server-sent events"], free)[0].token_ids
+    mixed = engine.generate(["Streaming tokens over server-sent events", "Hello"],
+                            [free, constrained("regex", "[a-z]{5}")])
+    assert mixed[0].token_ids == alone
+
+
+def test_max_tokens_cuts_a_constrained_reply_with_length(engine):
+    (r,) = engine.generate(["Hello"], [constrained("regex", "[a-z]{50}", max_tokens=5)])
+    assert r.finish_reason == "length" and re.fullmatch("[a-z]*", r.text) and len(r.token_ids) == 5
+
+
+@pytest.mark.parametrize("kind,spec", [("regex", "(unclosed"), ("grammar", "root ::= "),
+                                       ("json", '{"type": "nonsense"}'), ("json", "not json")])
+def test_a_bad_constraint_is_refused_before_it_reaches_a_step(engine, kind, spec):
+    from sluice.service.engine.grammar import GrammarError
+
+    with pytest.raises(GrammarError) as info:
+        engine.add_request("bad", "Hello", constrained(kind, spec))
+    assert info.value.param == "test" and "bad" not in engine.scheduler.requests
+
+
+def test_compiled_grammars_are_cached_by_their_text(engine):
+    compiler = engine.grammar.compiler
+    c = StructuredOutput("regex", "[0-9]{4}", "x")
+    assert compiler.compile(c) is compiler.compile(StructuredOutput("regex", "[0-9]{4}", "other param"))
