@@ -6,14 +6,13 @@ import asyncio
 import dataclasses
 import logging
 import socket
-import time
 import uuid
-from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
 
 from sluice.metrics.prometheus import render_latest
+from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.middlewares import (
     REQUEST_ID,
     STATE,
@@ -42,7 +41,6 @@ from sluice.service.engine.async_engine import (
 from sluice.service.engine.grammar import GrammarError
 
 logger = logging.getLogger("sluice.api")
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 def _version() -> str:
@@ -122,21 +120,6 @@ def _engine(state: ServerState) -> AsyncEngine:
 
 # ---- completions ----------------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class _Choice:
-    """One choice's output as it accumulates."""
-
-    index: int
-    prompt_index: int
-    text: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    text_offset: int = 0  # characters sent so far: completions logprobs' text_offset
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     return await _generate(request, parse_completion(await _body(request)))
@@ -173,7 +156,7 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
             index = p * req.n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             batch.append((f"{prefix}-{index}", ids, seeded))
-            choices[f"{prefix}-{index}"] = _Choice(index, p)
+            choices[f"{prefix}-{index}"] = Choice(index, p)
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
                 "chat" if req.chat else "completion", len(prompts), req.n, [len(x) for x in prompts],
                 batch[0][2].max_tokens, req.stream)
@@ -192,7 +175,7 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     except EngineDeadError:
         raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
                            headers={"x-should-retry": "true"}) from None
-    fmt = _Format(req, prefix, engine.served_model_name, engine.tokenizer)
+    fmt = ResponseFormat(req, prefix, engine.served_model_name, engine.tokenizer)
     async with stream:
         if req.stream:
             return await _stream(request, stream, choices, fmt)
@@ -206,24 +189,6 @@ def _chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     except Exception as e:  # jinja raises for what the template refuses (role order, missing template, ...)
         raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _record(choice: _Choice, out) -> None:
-    # Counters are cumulative; keep the largest seen (an abort notice may carry zeros).
-    choice.num_prompt_tokens = max(choice.num_prompt_tokens, out.num_prompt_tokens)
-    choice.num_output_tokens = max(choice.num_output_tokens, out.num_output_tokens)
-    choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
-    if out.finished:
-        choice.finish_reason = out.finish_reason
-
-
-def _usage(choices: dict[str, _Choice]) -> dict:
-    prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}  # n samples share one prompt
-    cached = {c.prompt_index: c.num_cached_tokens for c in choices.values()}
-    completion = sum(c.num_output_tokens for c in choices.values())
-    return {"prompt_tokens": sum(prompt.values()), "completion_tokens": completion,
-            "total_tokens": sum(prompt.values()) + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 # Status, error type and retry hint for a request the server ended. `x-should-retry` is the header the OpenAI
@@ -253,19 +218,19 @@ def _error_of(out) -> RequestError:
                         headers=headers)
 
 
-async def _collect(stream, choices: dict[str, _Choice], fmt: _Format) -> web.Response:
+async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.Response:
     async for out in stream:
         choice = choices[out.request_id]
         if out.error:
             raise _error_of(out)
         choice.text.append(out.text)
         choice.logprobs.extend(out.logprobs)
-        _record(choice, out)
+        record(choice, out)
     ordered = sorted(choices.values(), key=lambda c: c.index)
-    return _json(fmt.response(ordered, _usage(choices)))
+    return _json(fmt.response(ordered, usage(choices)))
 
 
-async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt: _Format) -> web.StreamResponse:
+async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.StreamResponse:
     # Headers wait for the first output: a request that ends before producing anything (queue timeout, failed
     # step, shutdown) then gets a real HTTP status the client's retry logic can read, not a 200 and an event.
     first = await anext(stream, None)
@@ -295,14 +260,14 @@ async def _stream(request: web.Request, stream, choices: dict[str, _Choice], fmt
             if out.error:
                 await _send(resp, _error_of(out).to_dict())
                 break
-            _record(choice, out)
+            record(choice, out)
             if out.text or out.logprobs or out.finished:
                 await _send(resp, fmt.chunk(choice, out.text, out.finish_reason if out.finished else None,
                                             logprobs=out.logprobs))
                 choice.text_offset += len(out.text)
         else:
             if fmt.req.include_usage:
-                await _send(resp, fmt.usage_chunk(_usage(choices)))
+                await _send(resp, fmt.usage_chunk(usage(choices)))
         await _write(request, resp, b"data: [DONE]\n\n", timeout)
         await resp.write_eof()
     except ConnectionError:  # the client left: `async with stream` aborts the rest
@@ -341,76 +306,6 @@ async def _write(request: web.Request, resp: web.StreamResponse, data: bytes, ti
         if request.transport is not None:
             request.transport.abort()
         raise ConnectionResetError("client stopped reading") from None
-
-
-class _Format:
-    """OpenAI's response and chunk shapes for one request (text completion or chat)."""
-
-    __slots__ = ("req", "id", "model", "tokenizer", "created")
-
-    def __init__(self, req: GenerateRequest, response_id: str, model: str, tokenizer):
-        self.req, self.id, self.model, self.tokenizer = req, response_id, model, tokenizer
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def chunk(self, choice: _Choice, text: str, finish_reason: str | None, role: bool = False,
-              logprobs=()) -> dict:
-        """One SSE chunk for one choice."""
-        want = self.req.params.logprobs is not None and not role
-        lp = self._logprobs(logprobs, choice.text_offset) if want else None
-        if self.req.chat:
-            delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
-            body = {**self._head("chat.completion.chunk"), "choices": [
-                {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
-        else:
-            body = {**self._head("text_completion"), "choices": [
-                {"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
-        if self.req.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, usage: dict) -> dict:
-        """The last chunk when stream_options.include_usage is set: no choices, just usage."""
-        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage}
-
-    def response(self, choices: list[_Choice], usage: dict) -> dict:
-        """The non-streaming response body."""
-        out = []
-        for c in choices:
-            text = "".join(c.text)
-            lp = self._logprobs(c.logprobs, 0) if self.req.params.logprobs is not None else None
-            if self.req.chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
-            else:
-                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-        return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": out,
-                "usage": usage}
-
-    def _logprobs(self, items, text_offset: int) -> dict:
-        """Chat: {"content": [...]} entries; completions: the legacy parallel arrays."""
-        decode = self._token_text
-        if self.req.chat:
-            return {"content": [{
-                "token": decode(t.token_id), "logprob": max(t.logprob, _MIN_LOGPROB),
-                "bytes": list(decode(t.token_id).encode()),
-                "top_logprobs": [{"token": decode(i), "logprob": max(lp, _MIN_LOGPROB), "bytes": list(decode(i).encode())}
-                                 for i, lp in t.top],
-            } for t in items]}
-        tokens = [decode(t.token_id) for t in items]
-        offsets = []
-        for tok in tokens:
-            offsets.append(text_offset)
-            text_offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [max(t.logprob, _MIN_LOGPROB) for t in items],
-                "top_logprobs": [{decode(i): max(lp, _MIN_LOGPROB) for i, lp in t.top} for t in items],
-                "text_offset": offsets}
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
 
 # ---- the app --------------------------------------------------------------------------------------
