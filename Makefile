@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff check sluice service scheduling kvcache metrics tests
 
 bench: model
-	$(BIN)/sluice bench offline --standard --output bench/results.json
+	$(BIN)/sluice bench offline --standard --dtype float32 --output bench/results.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -25,7 +25,9 @@ class ModelConfig:
     )
     device: str = knob("auto", "Device: 'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:N'.")
     dtype: str = knob(
-        "auto", "Weights and KV dtype: 'auto' (bf16 on CUDA, fp32 on CPU), 'float32', 'bfloat16', 'float16'."
+        "auto",
+        "Weights and KV dtype: 'auto' (bf16 on CUDA; on CPU bf16 where it has a native bf16 matmul, AMX or "
+        "avx512_bf16, else fp32), 'float32', 'bfloat16', 'float16'.",
     )
     cache_dir: str = knob(
         "", "Where the default model is unpacked and cached (default: $SLUICE_CACHE_DIR or ~/.cache/sluice)."

@@ -33,7 +33,8 @@ class Server:
         # faults: the test-only launcher installs them on the engine, then runs the real CLI
         launcher = ["-m", "tests.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
         cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16", *flags]
+               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16",
+               "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
 

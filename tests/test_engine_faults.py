@@ -39,7 +39,7 @@ def engine(tmp_path_factory):
 
     config = SluiceConfig()
     config.model.model = save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-    config.model.device = "cpu"
+    config.model.device, config.model.dtype = "cpu", "float32"  # not bf16 on a CPU with a native bf16 matmul
     config.cache.num_kv_blocks = 64
     return LLMEngine(config)
 
@@ -90,7 +90,7 @@ def _swap_engine(path):
     from sluice.service.engine.engine import LLMEngine
 
     config = SluiceConfig()
-    config.model.model, config.model.device = path, "cpu"
+    config.model.model, config.model.device, config.model.dtype = path, "cpu", "float32"
     config.cache.num_kv_blocks, config.cache.swap_space = 8, 0.01
     config.scheduler.preemption_mode = "swap"
     config.scheduler.max_num_batched_tokens = 64

@@ -23,7 +23,10 @@ from sluice.service.engine.model_loader import (
 from sluice.service.engine.model_runner import ModelRunner
 
 
-def test_resolve_device_dtype():
+def test_resolve_device_dtype(monkeypatch):
+    from sluice.service.engine import model_loader
+
+    monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: [])  # a CPU without bf16 (tests/test_dtype_auto.py)
     expected_auto = (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (
         torch.device("cpu"), torch.float32)
     assert resolve_device_dtype() == expected_auto

@@ -64,14 +64,27 @@ class LLMEngine:
     """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
 
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
+        import torch
+
         from sluice.service.engine.kv_sizing import format_bytes
-        from sluice.service.engine.model_loader import eos_token_ids, load_model, resolve_device_dtype
+        from sluice.service.engine.model_loader import (
+            auto_dtype,
+            eos_token_ids,
+            load_model,
+            resolve_device_dtype,
+        )
         from sluice.service.engine.model_runner import ModelRunner
         from sluice.service.engine.prepack import can_prepack, prepack_linears
 
         config = config or SluiceConfig()
         config.validate()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
+        if config.model.dtype == "auto" and model is not None:  # a given model keeps the precision it was built in
+            self.dtype = next(model.parameters()).dtype
+            logger.info("dtype auto: %s, the given model's", str(self.dtype).removeprefix("torch."))
+        elif config.model.dtype == "auto":
+            logger.info("dtype auto: %s on %s, as %s", str(self.dtype).removeprefix("torch."), self.device,
+                        auto_dtype(self.device)[1])
         threads = configure_torch_threads() if self.device.type == "cpu" else 0
         # From here on the config holds what the engine really runs with (the auto budget resolved).
         sched = config.scheduler.resolved(self.device.type, threads)
@@ -86,6 +99,9 @@ class LLMEngine:
             packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
             if packed:
                 logger.info("prepacked %d linear layers for oneDNN", packed)
+        elif self.device.type == "cpu" and self.dtype != torch.float32:
+            logger.info("CPU %s: plain linears and decode attention on the torch path (oneDNN prepacking and the C "
+                        "decode kernel are fp32-only)", str(self.dtype).removeprefix("torch."))
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)

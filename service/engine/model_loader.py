@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from sluice.service.engine.attention_backend import register as register_attention
+from sluice.service.engine.cpu import native_bf16_flags
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
@@ -36,10 +37,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice")
 
 
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """What `--dtype auto` means on this device, and why: bf16 on CUDA (fp16 where bf16 is unsupported); on CPU
+    bf16 only where the CPU multiplies it natively (AMX or AVX-512 BF16, checked at run time), else fp32 (bf16
+    through emulation is slower than fp32)."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "CUDA supports bf16"
+        return torch.float16, "this GPU lacks bf16"
+    if device.type != "cpu":
+        return torch.float32, f"no auto precision for {device.type}"
+    flags = native_bf16_flags()
+    if flags:
+        return torch.bfloat16, f"the CPU multiplies bf16 natively ({', '.join(flags)})"
+    return torch.float32, "the CPU has no native bf16 matmul (neither amx_bf16 nor avx512_bf16)"
+
+
 def resolve_device_dtype(
     device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
 ) -> tuple[torch.device, torch.dtype]:
-    """CUDA + bfloat16 when available, else CPU + float32; explicit choices are validated and kept."""
+    """CUDA when available, else CPU; dtype 'auto' as `auto_dtype` says; explicit choices are validated and kept."""
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -48,9 +65,7 @@ def resolve_device_dtype(
     if isinstance(dtype, torch.dtype):
         return device, dtype
     if dtype == "auto":
-        if device.type == "cuda":
-            return device, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return device, torch.float32
+        return device, auto_dtype(device)[0]
     try:
         return device, _DTYPES[dtype.lower()]
     except KeyError:

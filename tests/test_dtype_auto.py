@@ -1,0 +1,110 @@
+"""`--dtype auto`: bf16 on CPUs with a native bf16 matmul (AMX, AVX-512 BF16), fp32 elsewhere; bf16 runs the torch
+decode path without prepacking. The CPU is faked: these tests pass the same on any machine."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sluice.service.config import SluiceConfig
+from sluice.service.engine import model_loader
+from sluice.service.engine.cpu import native_bf16_flags
+from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
+from sluice.service.engine.prepack import PackedLinear
+
+CPU = torch.device("cpu")
+
+
+def cpuinfo(tmp_path, flags: str):
+    path = tmp_path / "cpuinfo"
+    block = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 {flags}\n\n"
+    path.write_text(block + block.replace(": 0", ": 1"))
+    return path
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("avx512f avx512_bf16", ["avx512_bf16"]),
+    ("amx_tile amx_bf16 avx512_bf16", ["amx_bf16", "avx512_bf16"]),
+    ("avx512f avx512_vnni", []),  # AVX-512 alone is not a bf16 matmul
+    ("", []),
+])
+def test_native_bf16_flags_from_cpuinfo(tmp_path, flags, want):
+    assert native_bf16_flags(cpuinfo(tmp_path, flags)) == want
+
+
+def test_no_cpuinfo_asks_torch(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert native_bf16_flags(tmp_path / "absent") == ["avx512_bf16"]
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert native_bf16_flags(tmp_path / "absent") == []
+
+
+def fake_cpu(monkeypatch, flags: list[str]):
+    monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: list(flags))
+
+
+def test_auto_is_bf16_only_with_a_native_bf16_matmul(monkeypatch):
+    fake_cpu(monkeypatch, ["amx_bf16"])
+    dtype, why = auto_dtype(CPU)
+    assert dtype == torch.bfloat16 and "amx_bf16" in why
+    assert resolve_device_dtype("cpu", "auto") == (CPU, torch.bfloat16)
+    assert resolve_device_dtype("cpu", "float32") == (CPU, torch.float32)  # explicit wins
+    fake_cpu(monkeypatch, [])
+    dtype, why = auto_dtype(CPU)
+    assert dtype == torch.float32 and "no native bf16" in why
+    assert resolve_device_dtype("cpu", "auto") == (CPU, torch.float32)
+
+
+def tiny_dir(tmp_path_factory):
+    from tests._tiny import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+def engine(model_dir, dtype: str, model=None, tokenizer=None):
+    from sluice.service.engine.engine import LLMEngine
+
+    cfg = SluiceConfig()
+    cfg.model.model, cfg.model.device, cfg.model.dtype = model_dir, "cpu", dtype
+    cfg.cache.num_kv_blocks = 32
+    return LLMEngine(cfg, model=model, tokenizer=tokenizer)
+
+
+def packed(eng) -> int:
+    return sum(isinstance(m, PackedLinear) for m in eng.model.modules())
+
+
+def test_bf16_engine_skips_prepacking_and_the_c_kernel_and_still_generates(tmp_path_factory, monkeypatch, caplog):
+    from sluice.scheduling.sampling_params import SamplingParams
+
+    fake_cpu(monkeypatch, ["avx512_bf16"])
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        eng = engine(tiny_dir(tmp_path_factory), "auto")
+    assert eng.dtype == torch.bfloat16 and eng.model.dtype == torch.bfloat16
+    assert eng.runner.kv.kv.dtype == torch.bfloat16
+    assert packed(eng) == 0 and eng.runner.decode_kernel is None
+    assert "dtype auto: bfloat16 on cpu, as the CPU multiplies bf16 natively (avx512_bf16)" in caplog.text
+    assert "oneDNN prepacking and the C decode kernel are fp32-only" in caplog.text
+    (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 6
+
+
+def test_fp32_engine_keeps_prepacking(tmp_path_factory, monkeypatch, caplog):
+    from sluice.service.engine.prepack import can_prepack
+
+    fake_cpu(monkeypatch, [])
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        eng = engine(tiny_dir(tmp_path_factory), "auto")
+    assert eng.dtype == torch.float32 and "dtype auto: float32 on cpu" in caplog.text
+    assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
+
+
+def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monkeypatch):
+    fake_cpu(monkeypatch, ["amx_bf16"])  # auto would pick bf16 for a model it loads itself ...
+    path = tiny_dir(tmp_path_factory)
+    model, tok = model_loader.load_model(path, "cpu", "float32")
+    eng = engine(path, "auto", model=model, tokenizer=tok)  # ... but a given fp32 model stays fp32, KV included
+    assert eng.dtype == torch.float32 and eng.runner.kv.kv.dtype == torch.float32
