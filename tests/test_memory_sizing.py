@@ -304,3 +304,43 @@ def test_kv_cache_blocks_on_cuda_uses_the_gpu_budget(monkeypatch):
     # An explicit size skips the profile altogether.
     assert kv_sizing.kv_cache_blocks(model, CacheConfig(kv_cache_memory=1), torch.device("cuda"), shape, 2048, 64)[0]
     assert len(calls) == 1
+
+
+# ---- prepacked weights replace the plain ones: no second copy
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_prepacking_frees_the_plain_weights_it_replaces(tied):
+    import gc
+    import weakref
+
+    from sluice.service.engine.kv_sizing import model_weight_bytes
+    from sluice.service.engine.prepack import can_prepack, prepack_linears
+
+    if not can_prepack(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=tied,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    linears = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    weights = {n: weakref.ref(m.weight) for n, m in linears.items()}
+    storages = {n: weakref.ref(m.weight.untyped_storage()) for n, m in linears.items()}
+    before = model_weight_bytes(model)
+    del linears
+    gc.disable()  # freed by reference counting the moment they are replaced, not by a later collection
+    try:
+        assert prepack_linears(model) == len(weights)
+        alive = {n for n, ref in weights.items() if ref() is not None}
+        alive_storage = {n for n, ref in storages.items() if ref() is not None}
+    finally:
+        gc.enable()
+    # Only a head tied to the embedding survives, because the embedding is that very tensor.
+    assert alive == ({"lm_head"} if tied else set())
+    assert alive_storage <= alive
+    head = config.vocab_size * config.hidden_size * 4
+    after = model_weight_bytes(model)
+    # Same bytes in oneDNN's layout (a little padding at most), plus the packed copy of a tied head.
+    assert before <= after <= before * 1.05 + (head if tied else 0)
