@@ -91,18 +91,45 @@ def write(path, text):
     return path
 
 
+def proc_cgroup(tmp_path, text: str = "0::/\n"):
+    return write(tmp_path / "proc-self-cgroup", text)
+
+
 def test_cgroup_memory_limit_reads_v2_then_v1(tmp_path):
     from sluice.service.engine.cpu import cgroup_memory_limit
 
-    assert cgroup_memory_limit(tmp_path) is None  # nothing mounted
+    own = proc_cgroup(tmp_path)
+    assert cgroup_memory_limit(tmp_path / "none", own) is None  # nothing mounted
     write(tmp_path / "v2" / "memory.max", "max\n")
-    assert cgroup_memory_limit(tmp_path / "v2") is None
+    assert cgroup_memory_limit(tmp_path / "v2", own) is None
     write(tmp_path / "v2" / "memory.max", f"{2 * GiB}\n")
-    assert cgroup_memory_limit(tmp_path / "v2") == (2 * GiB, str(tmp_path / "v2" / "memory.max"))
+    assert cgroup_memory_limit(tmp_path / "v2", own) == (2 * GiB, str(tmp_path / "v2" / "memory.max"))
     write(tmp_path / "v1" / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "unlimited"
-    assert cgroup_memory_limit(tmp_path / "v1") is None
+    assert cgroup_memory_limit(tmp_path / "v1", own) is None
     write(tmp_path / "v1" / "memory" / "memory.limit_in_bytes", f"{GiB}\n")
-    assert cgroup_memory_limit(tmp_path / "v1") == (GiB, str(tmp_path / "v1" / "memory" / "memory.limit_in_bytes"))
+    assert cgroup_memory_limit(tmp_path / "v1", own) == (GiB, str(tmp_path / "v1" / "memory" / "memory.limit_in_bytes"))
+
+
+def test_cgroup_memory_limit_is_the_tightest_over_own_cgroup_and_ancestors(tmp_path):
+    from sluice.service.engine.cpu import cgroup_memory_limit, own_cgroups
+
+    # cgroup v2, not namespaced: /proc/self/cgroup names the process's cgroup below the mount.
+    own = proc_cgroup(tmp_path, "0::/kubepods/pod1/ctr\n")
+    assert own_cgroups(own) == ("/kubepods/pod1/ctr", "/")
+    root = tmp_path / "v2"
+    write(root / "kubepods" / "memory.max", f"{64 * GiB}\n")
+    write(root / "kubepods" / "pod1" / "memory.max", f"{6 * GiB}\n")
+    write(root / "kubepods" / "pod1" / "ctr" / "memory.max", "max\n")
+    assert cgroup_memory_limit(root, own) == (6 * GiB, str(root / "kubepods" / "pod1" / "memory.max"))
+    # cgroup v1: the memory controller's line; a path missing under the mount falls back to its parents.
+    own = proc_cgroup(tmp_path, "12:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n")
+    assert own_cgroups(own) == ("/", "/docker/abc")
+    root = tmp_path / "v1"
+    write(root / "memory" / "memory.limit_in_bytes", f"{3 * GiB}\n")
+    assert cgroup_memory_limit(root, own) == (3 * GiB, str(root / "memory" / "memory.limit_in_bytes"))
+    write(root / "memory" / "docker" / "abc" / "memory.limit_in_bytes", f"{GiB}\n")
+    assert cgroup_memory_limit(root, own)[0] == GiB
+    assert own_cgroups(tmp_path / "absent") == ("/", "/")
 
 
 def meminfo(tmp_path, available_gib: float | None):
@@ -123,29 +150,29 @@ def test_mem_available(tmp_path):
 def test_cpu_budget_is_half_of_what_is_left_after_the_weights(tmp_path):
     from sluice.service.engine.kv_sizing import cpu_kv_budget
 
-    no_cgroup = tmp_path / "nocg"
+    no_cgroup, own = tmp_path / "nocg", proc_cgroup(tmp_path)
     # MemAvailable is read with the model loaded: the weights are already out of it.
-    b = cpu_kv_budget(2 * GiB, cgroup_root=no_cgroup, meminfo=meminfo(tmp_path, 10))
+    b = cpu_kv_budget(2 * GiB, cgroup_root=no_cgroup, meminfo=meminfo(tmp_path, 10), proc_cgroup=own)
     assert b.num_bytes == 5 * GiB and "MemAvailable 10.00 GiB" in b.source
     # A cgroup limit of 8 GiB with 2 GiB of weights leaves 6: half of it.
     write(tmp_path / "cg" / "memory.max", str(8 * GiB))
-    b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20))
+    b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20), proc_cgroup=own)
     assert b.num_bytes == 3 * GiB and "cgroup memory limit 8.00 GiB" in b.source and "2.00 GiB of weights" in b.source
     # ... unless the machine has less available than the limit: never more than either.
-    b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 4))
+    b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 4), proc_cgroup=own)
     assert b.num_bytes == 2 * GiB and "MemAvailable" in b.source
-    assert cpu_kv_budget(2 * GiB, 0.25, tmp_path / "cg", meminfo(tmp_path, 20)).num_bytes == int(1.5 * GiB)
+    assert cpu_kv_budget(2 * GiB, 0.25, tmp_path / "cg", meminfo(tmp_path, 20), own).num_bytes == int(1.5 * GiB)
     # Weights beyond the limit leave nothing (kv_cache_blocks then refuses to start).
-    assert cpu_kv_budget(9 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20)).num_bytes == 0
+    assert cpu_kv_budget(9 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20), proc_cgroup=own).num_bytes == 0
     with pytest.raises(ValueError, match="--kv-cache-memory"):
-        cpu_kv_budget(GiB, cgroup_root=no_cgroup, meminfo=tmp_path / "absent")
+        cpu_kv_budget(GiB, cgroup_root=no_cgroup, meminfo=tmp_path / "absent", proc_cgroup=own)
 
 
 def fake_host(monkeypatch, limit_gib: float | None, available_gib: float | None):
     from sluice.service.engine import kv_sizing
 
     monkeypatch.setattr(kv_sizing, "cgroup_memory_limit",
-                        lambda root: None if limit_gib is None else (int(limit_gib * GiB), "memory.max"))
+                        lambda root, own: None if limit_gib is None else (int(limit_gib * GiB), "memory.max"))
     monkeypatch.setattr(kv_sizing, "mem_available", lambda path: None if available_gib is None else int(available_gib * GiB))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_CPU_MAX = CGROUP_ROOT / "cpu.max"
 MEMINFO = Path("/proc/meminfo")
+PROC_CGROUP = Path("/proc/self/cgroup")
 CPUINFO = Path("/proc/cpuinfo")
 # cgroup v1 writes "no limit" as the largest page-aligned int64; anything this large means unlimited.
 _UNLIMITED = 1 << 60
@@ -42,22 +43,43 @@ def configure_torch_threads() -> int:
     return threads
 
 
-def cgroup_memory_limit(root: Path = CGROUP_ROOT) -> tuple[int, str] | None:
-    """(bytes, file) of the cgroup memory limit: v2 `memory.max`, else v1 `memory/memory.limit_in_bytes`; None
-    when no limit is set or none can be read. In a container (cgroup namespace) the root is its own cgroup."""
-    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text == "max":
-            return None
-        try:
-            limit = int(text)
-        except ValueError:
-            continue
-        return None if limit >= _UNLIMITED else (limit, str(path))
-    return None
+def own_cgroups(proc_cgroup: Path = PROC_CGROUP) -> tuple[str, str]:
+    """(v2 path, v1 memory-controller path) of this process's cgroup, from /proc/self/cgroup; "/" when unknown."""
+    v2 = v1 = "/"
+    try:
+        for line in proc_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                v2 = path
+            elif "memory" in controllers.split(","):
+                v1 = path
+    except (OSError, ValueError):
+        pass
+    return v2, v1
+
+
+def _read_limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+        return None if text == "max" or int(text) >= _UNLIMITED else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def cgroup_memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> tuple[int, str] | None:
+    """(bytes, file) of the tightest cgroup memory limit over this process's cgroup and its ancestors: v2
+    `memory.max`, v1 `memory/.../memory.limit_in_bytes`; None when no limit is set or none can be read. In a
+    container with its own cgroup namespace the root itself is the container's cgroup."""
+    v2, v1 = own_cgroups(proc_cgroup)
+    found = []
+    for base, own, name in ((root, v2, "memory.max"), (root / "memory", v1, "memory.limit_in_bytes")):
+        parts = [p for p in own.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # own cgroup first, then each parent up to the root
+            path = base.joinpath(*parts[:depth], name)
+            limit = _read_limit(path)
+            if limit is not None:
+                found.append((limit, str(path)))
+    return min(found) if found else None
 
 
 def mem_available(meminfo: Path = MEMINFO) -> int | None:

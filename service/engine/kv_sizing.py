@@ -24,7 +24,7 @@ from sluice.kvcache.config import AUTO, CacheConfig, gib_or_auto
 from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
 from sluice.kvcache.paged_attention import AttentionMetadata
 from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
-from sluice.service.engine.cpu import CGROUP_ROOT, MEMINFO, cgroup_memory_limit, mem_available
+from sluice.service.engine.cpu import CGROUP_ROOT, MEMINFO, PROC_CGROUP, cgroup_memory_limit, mem_available
 
 GiB = 1 << 30
 # Half of what is left: the rest covers activations, the tokenizer, Python, other tenants and page cache.
@@ -81,11 +81,15 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def cpu_kv_budget(
-    weight_bytes: int, fraction: float = CPU_KV_FRACTION, cgroup_root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO
+    weight_bytes: int,
+    fraction: float = CPU_KV_FRACTION,
+    cgroup_root: Path = CGROUP_ROOT,
+    meminfo: Path = MEMINFO,
+    proc_cgroup: Path = PROC_CGROUP,
 ) -> KVBudget:
     """`fraction` of the memory left to the process after the model is loaded (see the module docstring)."""
     left: list[tuple[int, str]] = []
-    limit = cgroup_memory_limit(cgroup_root)
+    limit = cgroup_memory_limit(cgroup_root, proc_cgroup)
     if limit is not None:
         left.append((limit[0] - weight_bytes,
                      f"cgroup memory limit {format_bytes(limit[0])} ({limit[1]}) less {format_bytes(weight_bytes)} of weights"))
