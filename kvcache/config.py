@@ -27,6 +27,9 @@ def gib_or_auto(value: float | int | str) -> float | str:
     return float(value)
 
 
+gib_or_auto.__name__ = "'auto' or GiB"  # how argparse and the env-variable check name the expected value
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """How the paged KV cache is laid out and sized."""
@@ -59,6 +62,13 @@ class CacheConfig:
         "CPU fp32: decode attention in a small C kernel that reads the paged cache in place (built on first use "
         "with the system C compiler; the torch path when none is found).",
         flag="--no-cpu-decode-kernel",
+    )
+    attention_backend: str = knob(
+        "auto",
+        "Paged attention: 'flex' (torch FlexAttention, reads blocks in place; CUDA needs a block size >= 16), "
+        "'flash' (flash-attn, CUDA, block size a multiple of 256), 'torch' (SDPA over gathered blocks, and the C "
+        "decode kernel on CPU); 'auto': flash where it fits, else flex on CUDA, torch on CPU.",
+        choices=("auto", "torch", "flex", "flash"),
     )
 
     def validate(self) -> None:

@@ -1,4 +1,5 @@
-"""Paged attention over packed variable-length sequences, in plain torch (flash-attn on CUDA when it fits).
+"""Paged attention over packed variable-length sequences: plain torch, FlexAttention (`flex_attention.py`) or
+flash-attn, picked per step by `AttentionMetadata.backend` (see `resolve_backend`).
 
 Query i of a sequence with kv length L and q length Q sees kv positions j <= L - Q + i (and, with a sliding
 window W, j > L - Q + i - W). Decodes (Q == 1) are batched into one gather + one SDPA call; prefill chunks run
@@ -19,11 +20,32 @@ try:  # optional CUDA kernel; the torch path below is the reference
 except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
 
+from sluice.kvcache import flex_attention as flex
+
 if TYPE_CHECKING:
     from sluice.kvcache.cpu_kernel import DecodeKernel
 
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256
+BACKENDS = ("auto", "torch", "flex", "flash")
+
+
+def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
+    """'auto': flash-attn on CUDA when installed and the block size fits it, else FlexAttention on CUDA; on CPU
+    the torch path (SDPA, and the C decode kernel). An explicit choice this device cannot run is a ValueError."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    flash_fits = flash_attn_varlen_func is not None and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        return "flash" if flash_fits else "flex" if flex.available(device, block_size) else "torch"
+    if name == "flash" and not flash_fits:
+        raise ValueError(f"flash attention needs flash-attn, CUDA and a block size multiple of {FLASH_BLOCK_MULTIPLE}")
+    if name == "flex" and not flex.available(device, block_size):
+        raise ValueError(f"flex attention needs torch.nn.attention.flex_attention and, on CUDA, a block size of at "
+                         f"least {flex.MIN_CUDA_BLOCK_SIZE}")
+    return name
 
 
 @dataclass(slots=True)
@@ -65,6 +87,8 @@ class AttentionMetadata:
     max_seqlen_k: int
     decode: DecodeBatch | None
     prefills: list[PrefillSeq]
+    backend: str = "torch"  # resolved: torch, flex or flash
+    flex_groups: list = field(default_factory=list)  # the flex backend's calls (flex_attention.FlexGroup)
 
     @classmethod
     def build(
@@ -75,15 +99,26 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_size: int,
         decode_kernel: DecodeKernel | None = None,
+        backend: str = "auto",
     ) -> AttentionMetadata:
         """Metadata for sequences packed in order; lengths are host lists so planning needs no device sync."""
         device = block_tables.device
+        backend = resolve_backend(backend, device, block_size)
         cu_q = [0]
         for n in query_lens:
             cu_q.append(cu_q[-1] + n)
         cu_k = [0]
         for n in seq_lens:
             cu_k.append(cu_k[-1] + n)
+        if backend == "flex":
+            return cls(
+                slot_mapping=slot_mapping, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables=block_tables,
+                block_size=block_size, max_seqlen_q=max(query_lens, default=0), max_seqlen_k=max(seq_lens, default=0),
+                decode=None, prefills=[], backend=backend,
+                flex_groups=flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size),
+            )
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
         decode = (_plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size, decode_kernel)
                   if decode_idx else None)
@@ -103,6 +138,7 @@ class AttentionMetadata:
             max_seqlen_k=max(seq_lens, default=0),
             decode=decode,
             prefills=prefills,
+            backend=backend,
         )
 
 
@@ -149,7 +185,10 @@ def paged_attention(
     """Write the new K/V into the cache, then attend: query [T, H, D] → output [T, H, D]."""
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if _can_use_flash(query, meta):
+    if meta.backend == "flex":
+        return flex.flex_paged_attention(query, key_cache, value_cache, meta.flex_groups, meta.block_size, scale,
+                                         sliding_window, softcap)
+    if meta.backend == "flash" and _can_use_flash(query, meta):
         return _flash_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     num_tokens = query.shape[0]
     decode, prefills = meta.decode, meta.prefills

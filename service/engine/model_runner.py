@@ -10,7 +10,7 @@ import torch
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.cpu_kernel import load as load_decode_kernel
 from sluice.kvcache.kv_tensors import KVTensors, num_blocks_for_budget
-from sluice.kvcache.paged_attention import AttentionMetadata
+from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from sluice.service.engine.attention_backend import (
     ATTN_IMPLEMENTATION,
@@ -47,6 +47,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.block_size = cache_config.block_size
+        self.attention_backend = resolve_backend(cache_config.attention_backend, self.device, self.block_size)
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -120,7 +121,7 @@ class ModelRunner:
                 for t in (input_ids, positions, slot_mapping, block_tables, sample_rows)
             )
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size,
-                                       self.decode_kernel)
+                                       self.decode_kernel, self.attention_backend)
         return input_ids, positions, meta, sample_rows
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
