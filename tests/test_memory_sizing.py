@@ -220,12 +220,18 @@ def test_memory_knobs_are_validated(field, bad, match):
     CacheConfig(num_kv_blocks=4, kv_cache_memory=0).validate()  # blocks given: the size is not used
 
 
-def test_kv_cache_memory_flag_takes_a_number_or_auto():
+def test_kv_cache_memory_flag_takes_a_number_or_auto(capsys, monkeypatch):
     assert cli([]).cache.kv_cache_memory == "auto"
     assert cli(["--kv-cache-memory", "1.5"]).cache.kv_cache_memory == 1.5
     assert cli(["--gpu-memory-utilization", "0.8"]).cache.gpu_memory_utilization == 0.8
     with pytest.raises(SystemExit):
         cli(["--kv-cache-memory", "half"])
+    err = capsys.readouterr().err
+    assert "--kv-cache-memory: invalid 'auto' or GiB value: 'half'" in err
+    monkeypatch.setenv("SLUICE_KV_CACHE_MEMORY", "lots")
+    with pytest.raises(SystemExit):
+        cli([])
+    assert "SLUICE_KV_CACHE_MEMORY='lots' is not a valid 'auto' or GiB" in capsys.readouterr().err
 
 
 def engine_config(**cache):
