@@ -21,6 +21,10 @@ class ScheduledRequest:
     output_token_ids: list[int] = field(default_factory=list)  # generated so far (penalties, min_tokens)
     eos_token_id: int | None = None
     min_tokens_pending: bool = False  # min_tokens not yet reached: EOS / stop_token_ids must not be sampled
+    # The request's tokens so far (a reference, not a copy), only for rows whose penalties or bad words need
+    # them; the first num_prompt_tokens are the prompt.
+    token_history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

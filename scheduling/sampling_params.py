@@ -42,6 +42,27 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N >= 0: sampled token plus top-N alternatives
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None  # grammar-constrained decoding (service/engine/grammar.py)
+    # Logit controls (service/engine/logits_controls.py); each is neutral at its default.
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
+    repetition_penalty: float = 1.0  # transformers/vLLM: over prompt and output, logit / p if > 0 else logit * p
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never generate these (as text)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # their tokenizations (the engine fills)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """True when a logit control is away from its neutral value (the processor then touches this row)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Penalties and bad words look at the tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +88,16 @@ class SamplingParams:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.structured_output is not None and self.structured_output.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured_output kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError("repetition_penalty must be in (0, 100]")
+        if self.logit_bias and any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

@@ -143,6 +143,8 @@ class Scheduler:
                     num_output_tokens=request.num_output_tokens,
                     eos_token_id=request.eos_token_id,
                     min_tokens_pending=request.num_output_tokens < request.sampling_params.min_tokens,
+                    token_history=request.all_token_ids if request.sampling_params.needs_token_history else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
                 )
             )
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget

@@ -104,12 +104,30 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "priority": 2**40}, "priority"),
     ({"prompt": "a", "user": 5}, "user"),
     ({"prompt": "a", "model": 5}, "model"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "a", "frequency_penalty": -1}, "frequency_penalty"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "a", "suffix": "x"}, "suffix"),
-    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 5}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": 101}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": True}}, "logit_bias"),
+    ({"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "a", "allowed_token_ids": [1.5]}, "allowed_token_ids"),
+    ({"prompt": "a", "bad_words": "x"}, "bad_words"),
+    ({"prompt": "a", "bad_words": [""]}, "bad_words"),
+    ({"prompt": "a", "skip_special_tokens": "no"}, "skip_special_tokens"),
 ]
+
+
+def test_sampling_controls_are_parsed():
+    p = parse_completion({"prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+                          "logit_bias": {"7": -100, "9": 2.5}, "allowed_token_ids": [1, 2], "bad_words": ["no"],
+                          "skip_special_tokens": False, "echo": True}).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert p.logit_bias == {7: -100.0, 9: 2.5} and p.allowed_token_ids == [1, 2] and p.bad_words == ["no"]
+    assert not p.skip_special_tokens and p.has_logit_controls
+    assert not parse_completion({"prompt": "a", "presence_penalty": 0, "logit_bias": {}}).params.has_logit_controls
 
 
 @pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
@@ -134,7 +152,7 @@ BAD_CHATS = [
     ({"messages": MSG, "logprobs": 3}, "logprobs"),
     ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
      "response_format.json_schema.schema"),

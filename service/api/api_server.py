@@ -31,6 +31,9 @@ from sluice.service.api.protocol import (
     parse_completion,
     resolve_params,
 )
+from sluice.service.api.tokenize import detokenize, tokenize
+from sluice.service.api.tool_parsers import ToolOutput, finish_collected, stream_deltas
+from sluice.service.api.tools import ToolPlan, plan_tools, template_args
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.async_engine import (
     AsyncEngine,
@@ -144,7 +147,8 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     engine = aengine.engine
     if req.model is not None and req.model != engine.served_model_name:
         raise RequestError(f"the model '{req.model}' does not exist", "model", status=404, code="model_not_found")
-    prompts = [_chat_prompt_ids(engine.tokenizer, req.messages)] if req.chat else [
+    plan = plan_tools(req, engine.tokenizer, state.config.server.tool_call_parser) if req.chat else None
+    prompts = [_chat_prompt_ids(engine.tokenizer, req.messages, plan)] if req.chat else [
         engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts
     ]
     vocab = getattr(engine, "vocab_size", None) or len(engine.tokenizer)
@@ -156,7 +160,8 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
             index = p * req.n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             batch.append((f"{prefix}-{index}", ids, seeded))
-            choices[f"{prefix}-{index}"] = Choice(index, p)
+            choices[f"{prefix}-{index}"] = Choice(index, p, echo=_echo_text(req, p, ids, engine.tokenizer),
+                                                  tools=ToolOutput(plan.parser) if plan and plan.active else None)
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
                 "chat" if req.chat else "completion", len(prompts), req.n, [len(x) for x in prompts],
                 batch[0][2].max_tokens, req.stream)
@@ -182,10 +187,18 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
         return await _collect(stream, choices, fmt)
 
 
-def _chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def _echo_text(req: GenerateRequest, p: int, ids: list[int], tokenizer) -> str:
+    if not req.echo:
+        return ""
+    prompt = req.prompts[p]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+
+
+def _chat_prompt_ids(tokenizer, messages: list[dict], plan: ToolPlan) -> list[int]:
     """Render the model's chat template; its special tokens are in the text, so none are added again."""
+    messages, kwargs = template_args(plan, messages)  # tools: native template arguments or prompt text
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # jinja raises for what the template refuses (role order, missing template, ...)
         raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -226,6 +239,8 @@ async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> w
         choice.text.append(out.text)
         choice.logprobs.extend(out.logprobs)
         record(choice, out)
+    for choice in choices.values():
+        finish_collected(choice)  # tools: content and tool calls
     ordered = sorted(choices.values(), key=lambda c: c.index)
     return _json(fmt.response(ordered, usage(choices)))
 
@@ -255,16 +270,18 @@ async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt:
         for choice in sorted(choices.values(), key=lambda c: c.index):
             if fmt.req.chat:  # OpenAI opens each chat choice with the role
                 await _send(resp, fmt.chunk(choice, "", None, role=True))
+            elif choice.echo:
+                await _send(resp, fmt.chunk(choice, choice.echo, None))
+                choice.text_offset += len(choice.echo)
         async for out in _outputs():
             choice = choices[out.request_id]
             if out.error:
                 await _send(resp, _error_of(out).to_dict())
                 break
             record(choice, out)
-            if out.text or out.logprobs or out.finished:
-                await _send(resp, fmt.chunk(choice, out.text, out.finish_reason if out.finished else None,
-                                            logprobs=out.logprobs))
-                choice.text_offset += len(out.text)
+            for text, calls, finish, logprobs in stream_deltas(choice.tools, out):  # tools: calls held, parsed
+                await _send(resp, fmt.chunk(choice, text, finish, logprobs=logprobs, tool_calls=calls))
+                choice.text_offset += len(text)
         else:
             if fmt.req.include_usage:
                 await _send(resp, fmt.usage_chunk(usage(choices)))
@@ -322,6 +339,8 @@ def create_app(config: SluiceConfig) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", models),
+        web.post("/tokenize", tokenize),
+        web.post("/detokenize", detokenize),
         web.get("/health", health),
         web.get("/ready", ready),
         web.get("/metrics", metrics),

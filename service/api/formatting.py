@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from sluice.service.api.protocol import GenerateRequest
+from sluice.service.engine.detokenizer import token_bytes
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -23,6 +24,9 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0  # characters sent so far: completions logprobs' text_offset
+    echo: str = ""  # completions with echo: the prompt's text, sent before the output
+    tools: object = None  # chat with tools: its tool_parsers.ToolOutput
+    tool_calls: list | None = None  # the parsed calls of a non-streamed reply
 
 
 def record(choice: Choice, out) -> None:
@@ -58,12 +62,14 @@ class ResponseFormat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, choice: Choice, text: str, finish_reason: str | None, role: bool = False,
-              logprobs=()) -> dict:
+              logprobs=(), tool_calls: list | None = None) -> dict:
         """One SSE chunk for one choice."""
         want = self.req.params.logprobs is not None and not role
         lp = self._logprobs(logprobs, choice.text_offset) if want else None
         if self.req.chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+            if tool_calls:  # [{"index", "id", "type", "function": {"name", "arguments"}}]
+                delta["tool_calls"] = tool_calls
             body = {**self._head("chat.completion.chunk"), "choices": [
                 {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
         else:
@@ -82,11 +88,13 @@ class ResponseFormat:
         """The non-streaming response body."""
         out = []
         for c in choices:
-            text = "".join(c.text)
+            text = c.echo + "".join(c.text)
             lp = self._logprobs(c.logprobs, 0) if self.req.params.logprobs is not None else None
             if self.req.chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
+                message = {"role": "assistant", "content": text}
+                if c.tool_calls:  # OpenAI: content null unless the model wrote text before the calls
+                    message = {"role": "assistant", "content": text or None, "tool_calls": c.tool_calls}
+                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": out,
@@ -98,8 +106,8 @@ class ResponseFormat:
         if self.req.chat:
             return {"content": [{
                 "token": decode(t.token_id), "logprob": max(t.logprob, _MIN_LOGPROB),
-                "bytes": list(decode(t.token_id).encode()),
-                "top_logprobs": [{"token": decode(i), "logprob": max(lp, _MIN_LOGPROB), "bytes": list(decode(i).encode())}
+                "bytes": list(token_bytes(self.tokenizer, t.token_id)),
+                "top_logprobs": [{"token": decode(i), "logprob": max(lp, _MIN_LOGPROB), "bytes": list(token_bytes(self.tokenizer, i))}
                                  for i, lp in t.top],
             } for t in items]}
         tokens = [decode(t.token_id) for t in items]

@@ -30,10 +30,6 @@ def _int(lo: int, hi: int, doc: str, default: int | None = None) -> dict:
     return s
 
 
-def _zero(doc: str) -> dict:
-    return {"type": "number", "minimum": 0, "maximum": 0, "nullable": True, "description": doc + " Only 0 is supported."}
-
-
 _STRUCTURED = {
     "response_format": {
         "type": "object", "nullable": True, "required": ["type"],
@@ -81,9 +77,19 @@ _SAMPLING = {
     "priority": _int(-INT32, INT32 - 1, "Scheduling priority under --scheduling-policy priority: lower is served "
                      "first; FCFS among equals.", 0),
     "user": {"type": "string", "nullable": True, "description": "End-user id (accepted, not used)."},
-    "presence_penalty": _zero("Presence penalty."),
-    "frequency_penalty": _zero("Frequency penalty."),
-    "logit_bias": {"type": "object", "nullable": True, "maxProperties": 0, "description": "Not supported."},
+    "presence_penalty": _num(-2, 2, 0, "OpenAI: subtracted once from every token already generated."),
+    "frequency_penalty": _num(-2, 2, 0, "OpenAI: subtracted per occurrence of a token in the output."),
+    "repetition_penalty": {**_num(0, 100, 1, "vLLM/transformers: seen tokens (prompt and output) have positive "
+                                  "logits divided, negative ones multiplied by it."), "exclusiveMinimum": True},
+    "logit_bias": {"type": "object", "nullable": True, "maxProperties": 1024,
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "Token id (as a string) to a bias added to its logit; -100 bans, 100 forces."},
+    "allowed_token_ids": {"type": "array", "items": _TOKEN_ID, "minItems": 1, "nullable": True,
+                          "description": "Only these token ids may be generated."},
+    "bad_words": {"type": "array", "nullable": True, "maxItems": MAX_STOP,
+                  "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+                  "description": "Words never generated (their last token is banned after the rest of them)."},
+    "skip_special_tokens": {"type": "boolean", "nullable": True, "default": True},
     **_STRUCTURED,
 }
 
@@ -98,7 +104,8 @@ _COMPLETION_REQUEST = {
                              {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": _TOKEN_IDS}]},
         "max_tokens": _int(1, INT32, "Most tokens to generate; prompt + max_tokens must fit the context.", 16),
         "logprobs": _int(0, MAX_LOGPROBS, "Return the sampled token's logprob and this many alternatives."),
-        "echo": {"type": "boolean", "nullable": True, "enum": [False, None], "description": "Only false."},
+        "echo": {"type": "boolean", "nullable": True, "default": False,
+                 "description": "Start the reply with the prompt's text (not with logprobs)."},
         "suffix": {"type": "string", "nullable": True, "enum": [None], "description": "Not supported."},
         **_SAMPLING,
     },

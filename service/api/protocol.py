@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api.errors import RequestError
 from sluice.service.api.structured import parse_structured_output
+from sluice.service.api.tools import ToolSpec, parse_history_calls, parse_tools
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -17,6 +18,8 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
+MAX_TOKEN_LIST = 65536  # allowed_token_ids
 MAX_MESSAGES = 4096
 INT32 = 2**31
 INT64 = 2**63
@@ -41,6 +44,8 @@ class GenerateRequest:
     include_usage: bool = False
     priority: int = 0
     user: str | None = None
+    echo: bool = False  # completions: the reply starts with the prompt's text
+    tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls (service/api/tools.py)
 
 
 # ---- typed getters: bool is not a number, NaN and infinities are not numbers either ----
@@ -85,19 +90,8 @@ def _str(body: dict, name: str) -> str | None:
 
 def _unsupported(body: dict) -> None:
     """Reject parameters Sluice accepts only at their neutral value, rather than silently ignoring them."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _float(body, name, -2.0, 2.0, 0.0) != 0.0:
-            raise RequestError(f"'{name}' is not supported (only 0)", name)
-    if _float(body, "repetition_penalty", 0.0, 100.0, 1.0) != 1.0:
-        raise RequestError("'repetition_penalty' is not supported (only 1)", "repetition_penalty")
-    if _bool(body, "echo"):
-        raise RequestError("'echo' is not supported", "echo")
     if body.get("suffix") is not None:
         raise RequestError("'suffix' is not supported", "suffix")
-    if body.get("logit_bias"):
-        raise RequestError("'logit_bias' is not supported", "logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise RequestError("tool calling is not supported", "tools")
 
 
 def _stop(body: dict) -> list[str]:
@@ -120,6 +114,45 @@ def _stop_token_ids(body: dict) -> list[int]:
         return []
     if not isinstance(v, list) or len(v) > MAX_STOP_TOKEN_IDS or not all(_is_token_id(t) for t in v):
         raise RequestError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    return v
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id as a string": bias in [-100, 100]}."""
+    v = body.get("logit_bias")
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not _is_token_id(token) or not ok or not -100 <= bias <= 100:
+            raise RequestError("'logit_bias' maps token ids to numbers between -100 and 100", "logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _token_list(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or len(v) > MAX_TOKEN_LIST or not all(_is_token_id(t) for t in v):
+        raise RequestError(f"'{name}' must be a non-empty list of at most {MAX_TOKEN_LIST} token ids", name)
+    return v
+
+
+def _strings(body: dict, name: str) -> list[str]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if (not isinstance(v, list) or len(v) > MAX_STOP
+            or not all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_LEN for w in v)):
+        raise RequestError(f"'{name}' must be a list of at most {MAX_STOP} non-empty strings", name)
     return v
 
 
@@ -152,7 +185,16 @@ def _common(body: dict, chat: bool) -> GenerateRequest:
         min_tokens=_int(body, "min_tokens", 0, INT32, 0),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         structured_output=parse_structured_output(body),
+        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_float(body, "repetition_penalty", 0.0, 100.0, 1.0),
+        logit_bias=_logit_bias(body),
+        allowed_token_ids=_token_list(body, "allowed_token_ids"),
+        bad_words=_strings(body, "bad_words"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
     )
+    if params.repetition_penalty == 0.0:
+        raise RequestError("'repetition_penalty' must be greater than 0", "repetition_penalty")
     if params.top_p == 0.0:
         raise RequestError("'top_p' must be greater than 0", "top_p")
     stream = _bool(body, "stream")
@@ -172,6 +214,11 @@ def parse_completion(body: dict) -> GenerateRequest:
     """Validate a /v1/completions body."""
     req = _common(body, chat=False)
     req.params.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    req.echo = _bool(body, "echo")
+    if req.echo and req.params.logprobs is not None:
+        raise RequestError("'echo' with 'logprobs' (the prompt's logprobs) is not supported", "echo")
+    if body.get("tools") is not None:
+        raise RequestError("'tools' are supported on /v1/chat/completions only", "tools")
     req.prompts = _prompts(body.get("prompt"))
     if len(req.prompts) * req.n > MAX_CHOICES:
         raise RequestError(f"prompts x n must be at most {MAX_CHOICES}", "n")
@@ -203,6 +250,10 @@ def parse_chat(body: dict) -> GenerateRequest:
         req.params.logprobs = top or 0
     elif top is not None:
         raise RequestError("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.active and req.params.structured_output is not None:
+        raise RequestError("tools with tool_choice other than 'none' cannot be combined with "
+                           f"'{req.params.structured_output.param.split('.')[0]}'", "tool_choice")
     req.messages = _messages(body.get("messages"))
     return req
 
@@ -226,7 +277,13 @@ def _messages(v) -> list[dict]:
         msg = {"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content")}
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None:
-                msg[key] = _str(m, key)
+                if not isinstance(m[key], str):
+                    raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
+                msg[key] = m[key]
+        if role == "tool" and "tool_call_id" not in msg:
+            raise RequestError(f"{where}.tool_call_id is required for a tool message", f"{where}.tool_call_id")
+        if m.get("tool_calls") is not None and role == "assistant":
+            msg["tool_calls"] = parse_history_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(msg)
     return out
 
@@ -253,9 +310,11 @@ def resolve_params(req: GenerateRequest, prompt_ids: list[int], max_model_len: i
     bad = next((t for t in prompt_ids if t >= vocab_size), None)
     if bad is not None:
         raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param)
-    bad = next((t for t in req.params.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"stop token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "stop_token_ids")
+    for name, ids in (("stop_token_ids", req.params.stop_token_ids), ("logit_bias", req.params.logit_bias or ()),
+                      ("allowed_token_ids", req.params.allowed_token_ids or ())):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} in '{name}' is outside the vocabulary (0..{vocab_size - 1})", name)
     n = len(prompt_ids)
     max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - n
     if n + max(max_tokens, 1) > max_model_len:

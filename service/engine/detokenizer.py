@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 # Prompt tokens decoded as left context, so the first output token keeps the leading space or byte
 # merge it would have inside the full text (SentencePiece "▁word", byte-level "Ġword").
 _PROMPT_CONTEXT_TOKENS = 5
@@ -112,3 +115,42 @@ class IncrementalDetokenizer:
                     break
                 i = window.find(s[0], i + 1)
         return held
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes a token stands for, also when they are not valid UTF-8 on their own (OpenAI's `bytes`).
+
+    Byte-fallback tokens (`<0xE2>`) are one byte; byte-level BPE tokens map each character back through GPT-2's
+    alphabet; SentencePiece pieces use U+2581 for a space; anything else is its decoded text.
+    """
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is None:
+        return b""
+    m = _BYTE_TOKEN.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    if token_id in getattr(tokenizer, "all_special_ids", ()):
+        return piece.encode()
+    decoder = _byte_decoder()
+    if all(ch in decoder for ch in piece):
+        return bytes(decoder[ch] for ch in piece)
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode()
+    return tokenizer.decode([token_id]).encode()

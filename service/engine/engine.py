@@ -21,6 +21,7 @@ from sluice.service.config import SluiceConfig
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarCompiler, GrammarState
+from sluice.service.engine.logits_controls import apply_logit_controls
 
 logger = logging.getLogger("sluice.engine")
 
@@ -141,6 +142,7 @@ class LLMEngine:
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = list(eos_ids[1:])
         self._eos_ids = list(eos_ids)
+        self.runner.logits_processors.append(apply_logit_controls)  # first: grammar masks come after biases
         self._grammar: GrammarState | None = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -198,6 +200,8 @@ class LLMEngine:
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
                 f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
             )
+        if params.bad_words and not params.bad_words_token_ids:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         if self._extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids]
@@ -213,12 +217,22 @@ class LLMEngine:
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,
-            skip_special_tokens=True,
+            skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.metrics.track(request)
         return len(token_ids)
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, alone and after a space (how it appears mid-sentence)."""
+        seqs = []
+        for word in words:
+            for variant in dict.fromkeys((word, word if word.startswith(" ") else " " + word)):
+                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request now (its blocks are freed at once); a final 'abort' output follows on next step()."""

@@ -78,7 +78,9 @@ class GrammarCompiler:
             return compiler.compile_regex(c.spec)
         if c.kind == "choice":
             choices = json.loads(c.spec)
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
+            # Raw UTF-8 in the literals: JSON's \ud83d-style escapes would be read as lone surrogate code points.
+            literals = (json.dumps(x, ensure_ascii=False) for x in choices)
+            return compiler.compile_grammar("root ::= " + " | ".join(literals))
         if c.kind == "grammar":
             return compiler.compile_grammar(c.spec)
         raise GrammarError(f"unknown structured output kind {c.kind!r}", c.param)
