@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint bench model clean prometheus-check k8s-manifests k8s-check scaling soak
+.PHONY: install serve test test-fast lint bench model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,3 +60,11 @@ SOAK_ARGS ?=
 soak: model  ## a few minutes past capacity on SmolLM2: nothing lost, nothing leaked (report: soak.json)
 	$(BIN)/python -m sluice.service.bench.soak --duration 180 --concurrency 32 --request-timeout 300 --output soak.json \
 	  --serve-flags "--max-model-len 256 --num-kv-blocks 48 --swap-space 0.005" $(SOAK_ARGS)
+
+# On a GPU machine (no install needed: torch, transformers, aiohttp, uvloop, prometheus-client suffice):
+# CUDA parity, the sampler's sync check and the 1B bf16 benchmark, into one JSON. `GPU_CHECK_ARGS=--tiny`: CPU self-test.
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_OUTPUT ?= gpu_check.json
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_CHECK_PYTHON) bench/gpu_check.py --output $(GPU_CHECK_OUTPUT) $(GPU_CHECK_ARGS)

@@ -1,0 +1,272 @@
+"""`make gpu-check`: the GPU path in one run, on random-weight models (no downloads), written to one JSON.
+
+1. Parity: tiny random Llama / Qwen2 / Qwen3 models, greedy Sluice against transformers' `generate` on the same
+   device, under chunked prefill, shared prefixes and preemption, for each attention backend that runs here.
+   fp32 must match token for token; bf16 agreement is reported (rounding may legitimately diverge late).
+2. Sampler: one mixed batch (greedy, seeded, top-k/top-p/min-p, logprobs) under CUDA's sync debug mode set to
+   'error', the one designated read-back excepted.
+3. Benchmark: a ~1.1B-parameter Llama-shaped random model (TinyLlama's shape) in bf16: A, 64 requests at once;
+   B, one stream; beside transformers' static-batch `generate` on the same prompts in the same process.
+
+`--tiny` runs all of it on CPU on a tiny config in well under a minute (what CI runs). The launcher is
+`bench/gpu_check.py`, which also works from a bare checkout (no install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.bench.baselines import hf_generate
+from sluice.service.bench.offline import run_workload, warmup
+from sluice.service.bench.workloads import Workload
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# TinyLlama-1.1B's shape: 1.1B parameters with a 32000-token vocabulary.
+ONE_B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+             num_key_value_heads=4)
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer with exactly `vocab_size` ids (id 0 is EOS), built in-process."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<pad>": 1, "<unk>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def model_config(arch: str, shape: dict, vocab_size: int):
+    import transformers
+
+    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, initializer_range=0.2, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=1, tie_word_embeddings=False, **shape)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=shape["hidden_size"] // shape["num_attention_heads"], **common)
+    return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch](**common)
+
+
+def random_model(arch: str, shape: dict, vocab_size: int, dtype: torch.dtype, device: torch.device, seed: int = 1234):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config(arch, shape, vocab_size), attn_implementation="sdpa",
+                                                 dtype=dtype)
+    return model.eval()
+
+
+def make_engine(model, tokenizer, device, dtype, backend: str, sched: dict | None = None, **cache):
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+
+    cfg = SluiceConfig()
+    cfg.model.device, cfg.model.dtype = str(device), str(dtype).removeprefix("torch.")
+    cfg.cache.attention_backend = backend
+    for k, v in cache.items():
+        setattr(cfg.cache, k, v)
+    for k, v in (sched or {}).items():
+        setattr(cfg.scheduler, k, v)
+    return LLMEngine(cfg, model=model, tokenizer=tokenizer)
+
+
+def parity_prompts(vocab_size: int, n: int = 12, seed: int = 0) -> list[list[int]]:
+    """Half of them share a 48-token prefix (cross-request prefix hits); lengths 1..89 past it."""
+    import random
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab_size) for _ in range(48)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, 90))]
+        prompts.append(shared + tail if i % 2 == 0 else tail)
+    return prompts
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=1)  # the configs have no EOS: exactly max_new_tokens, as ignore_eos
+    return out[0, len(prompt):].tolist()
+
+
+def backends_here(device: torch.device) -> list[str]:
+    from sluice.kvcache.paged_attention import resolve_backend
+
+    names = []
+    for name in ("torch", "flex", "flash"):
+        try:
+            names.append(resolve_backend(name, device, 16))
+        except ValueError:
+            pass
+    return names
+
+
+def check_parity(device: torch.device, archs: list[str], num_prompts: int = 12, max_new: int = 16) -> dict:
+    """Per backend, dtype and arch: prompts whose greedy output equals generate's, and tokens agreeing."""
+    vocab = 512
+    tokenizer = word_tokenizer(vocab)
+    prompts = parity_prompts(vocab, num_prompts)
+    report: dict = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for arch in archs:
+            reference = random_model(arch, TINY, vocab, dtype, device)
+            expected = [hf_greedy(reference, p, max_new) for p in prompts]
+            for backend in backends_here(device):
+                model = random_model(arch, TINY, vocab, dtype, device)
+                # 24 blocks of 16 for 12 prompts of up to 137 tokens: chunking, prefix hits and preemption.
+                sched = dict(max_num_batched_tokens=64, max_num_seqs=16,
+                             preemption_mode="swap" if arch == "qwen2" else "recompute")
+                engine = make_engine(model, tokenizer, device, dtype, backend, sched, num_kv_blocks=24, swap_space=0.01)
+                got = engine.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
+                same = sum(g.token_ids == e for g, e in zip(got, expected, strict=True))
+                agree = sum(_common_prefix(g.token_ids, e) for g, e in zip(got, expected, strict=True))
+                report[f"{backend}/{str(dtype).removeprefix('torch.')}/{arch}"] = {
+                    "prompts_identical": same, "prompts": len(prompts),
+                    "token_agreement": round(agree / (max_new * len(prompts)), 4),
+                }
+                del engine, model
+    fp32 = [v for k, v in report.items() if "/float32/" in k]
+    report["fp32_exact"] = all(v["prompts_identical"] == v["prompts"] for v in fp32)
+    return report
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def check_sampler_syncs(device: torch.device) -> dict:
+    """The sampler on a mixed batch with CUDA's sync debug mode 'error' outside its one read-back."""
+    from sluice.scheduling.output import ScheduledRequest
+    from sluice.service.engine import sampler
+
+    if device.type != "cuda":
+        return {"skipped": "no CUDA"}
+    kinds = [dict(temperature=0.0), dict(seed=7), dict(top_k=5, seed=1), dict(top_p=0.9, seed=2),
+             dict(min_p=0.05), dict(top_k=40, top_p=0.8, min_p=0.01, seed=4), dict(temperature=0.0, logprobs=3),
+             dict(top_p=0.5, logprobs=0, seed=5)]
+    requests = [ScheduledRequest("r", [1], 0, [0], True, SamplingParams(**k), i, eos_token_id=0,
+                                 min_tokens_pending=i == 2) for i, k in enumerate(kinds)]
+    logits = torch.randn(len(requests), 32000, device=device)
+    real = sampler.read_back
+
+    def read_back(values):
+        torch.cuda.set_sync_debug_mode(0)
+        return real(values)
+
+    sampler.read_back = read_back
+    try:
+        sampler.sample(logits, requests)
+        torch.cuda.set_sync_debug_mode("error")
+        out = sampler.sample(logits, requests)
+        return {"ok": True, "tokens": out.token_ids}
+    except RuntimeError as e:
+        return {"ok": False, "error": str(e)[:300]}
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        sampler.read_back = real
+
+
+def run_benchmark(device: torch.device, tiny: bool) -> dict:
+    """A: 64 requests at once; B: one stream. transformers' static-batch generate on A's prompts and B's first."""
+    dtype = torch.float32 if tiny else torch.bfloat16
+    vocab = 512 if tiny else 32000
+    shape = TINY if tiny else ONE_B
+    input_len, output_len = (32, 16) if tiny else (256, 128)
+    tokenizer = word_tokenizer(vocab)
+    model = random_model("llama", shape, vocab, dtype, device)
+    params = sum(p.numel() for p in model.parameters())
+    a = Workload(name="A_64_at_once", num_prompts=64, input_len=input_len, output_len=output_len, seed=1)
+    b = Workload(name="B_one_stream", num_prompts=2 if tiny else 4, input_len=input_len, output_len=output_len,
+                 max_concurrency=1, seed=2)
+    from sluice.service.bench.workloads import token_prompts
+
+    prompts_a, prompts_b = (token_prompts(w, vocab, frozenset({0, 1, 2})) for w in (a, b))
+    # The baseline first: the engine switches the model's attention to the paged backend.
+    hf_generate(model, prompts_a[:2], 4, pad_token_id=1)  # warm-up
+    base_a = hf_generate(model, prompts_a, output_len, pad_token_id=1)
+    base_b = hf_generate(model, prompts_b[:1], output_len, pad_token_id=1)
+    cache = {"num_kv_blocks": 1024} if tiny else {"kv_cache_memory": 16.0}
+    engine = make_engine(model, tokenizer, device, dtype, "auto", **cache)
+    warmup(engine)
+    run_workload(engine, Workload(name="warmup", num_prompts=8, input_len=input_len, output_len=8, seed=3))
+    run_a = run_workload(engine, a, prompts_a)
+    run_b = run_workload(engine, b, prompts_b)
+    return {
+        "model": {"shape": shape, "vocab_size": vocab, "parameters": params, "dtype": str(dtype)},
+        "attention_backend": engine.runner.attention_backend,
+        "A": _summary(run_a) | {"hf_generate_tokens_per_s": round(base_a.tokens_per_s, 1),
+                                "hf_generate_duration_s": round(base_a.duration_s, 2)},
+        "B": _summary(run_b) | {"hf_generate_tpot_ms": round(1000 * base_b.duration_s / output_len, 2)},
+    }
+
+
+def _summary(run) -> dict:
+    r = run.result
+    return {"requests": r.completed, "failed": r.failed, "output_tokens": r.output_tokens,
+            "duration_s": round(r.duration_s, 2), "output_tokens_per_s": round(r.output_throughput, 1),
+            "tpot_ms_p50": round(r.tpot_ms.p50, 2), "ttft_ms_p50": round(r.ttft_ms.p50, 2),
+            "mean_step_ms": round(run.mean_step_ms, 2), "errors": r.errors}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny config: a quick self-test (CI)")
+    parser.add_argument("--output", default="gpu_check.json")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("no CUDA device here; --tiny runs the CPU self-test")
+    device = torch.device("cpu" if args.tiny else "cuda")
+    import transformers
+
+    report: dict = {
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "tiny": args.tiny,
+    }
+    archs = ["llama"] if args.tiny else ["llama", "qwen2", "qwen3"]
+    stages = [("parity", lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12)),
+              ("sampler_syncs", lambda: check_sampler_syncs(device))]
+    if not args.skip_bench:
+        stages.append(("bench", lambda: run_benchmark(device, args.tiny)))
+    for name, stage in stages:
+        t0 = time.perf_counter()
+        try:
+            report[name] = stage()
+        except Exception as e:  # one stage failing must not lose the others' figures
+            report[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        report.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        _write(args.output, report | {"elapsed_s": round(time.perf_counter() - start, 1)})
+        print(f"gpu-check: {name} done in {report['stage_seconds'][name]} s", flush=True)
+    report["elapsed_s"] = round(time.perf_counter() - start, 1)
+    report["ok"] = bool(report["parity"].get("fp32_exact")) and report["sampler_syncs"].get("ok", True) and (
+        args.skip_bench or "error" not in report["bench"])
+    _write(args.output, report)
+    print(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def _write(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if main().get("ok") else 1)
