@@ -135,7 +135,7 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]
         return logits
     logits = logits.clone()
     index = to_device([rows, cols], torch.long, logits.device)
-    logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+    logits[index[0], index[1]] = float("-inf")  # a Python scalar: filled on the device, no copy
     return logits
 
 
