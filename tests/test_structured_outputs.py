@@ -114,3 +114,11 @@ def test_compiled_grammars_are_cached_by_their_text(engine):
     compiler = engine.grammar.compiler
     c = StructuredOutput("regex", "[0-9]{4}", "x")
     assert compiler.compile(c) is compiler.compile(StructuredOutput("regex", "[0-9]{4}", "other param"))
+
+
+def test_grammar_overhead_bench_reports_shares_of_a_step(engine):
+    from sluice.service.bench.grammar_overhead import grammar_overhead
+
+    g = grammar_overhead(engine, batch=8, constrained=4, steps=2, repeats=5)
+    assert g["step_ms"] > 0 and 0 <= g["grammar_share"] < 1 and 0 <= g["no_constraint_share"] < 1
+    assert not engine.has_unfinished_requests() and not engine.grammar.matchers

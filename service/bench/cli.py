@@ -61,6 +61,11 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     sched.add_argument("--sizes", default="64,256,1024", help="Running-request counts (default: %(default)s).")
     sched.add_argument("--steps", type=int, default=30, help="Timed steps per size (default: %(default)s).")
     sched.set_defaults(func=_scheduler_command)
+
+    grammar = commands.add_parser("grammar", help="Grammar-constrained rows' share of a batch-64 decode step.")
+    grammar.add_argument("--constrained", type=int, default=16, help="Constrained rows (default: %(default)s).")
+    add_config_flags(grammar)
+    grammar.set_defaults(func=_grammar_command)
     return bench
 
 
@@ -160,6 +165,18 @@ def _offline_command(args) -> int:
         path = write_json(args.output, results)
         Path(path).with_suffix(".md").write_text(text)
         suite.log(f"wrote {path} and {Path(path).with_suffix('.md')}")
+    return 0
+
+
+def _grammar_command(args) -> int:
+    from sluice.service.bench.grammar_overhead import grammar_overhead
+    from sluice.service.config import config_from_args
+    from sluice.service.engine.engine import LLMEngine
+
+    g = grammar_overhead(LLMEngine(config_from_args(args)), constrained=args.constrained)
+    print(f"batch {g['batch']}: step {g['step_ms']:.1f} ms; {g['constrained_rows']} constrained rows "
+          f"{g['grammar_ms']:.2f} ms ({100 * g['grammar_share']:.1f}%); no constrained row "
+          f"{g['no_constraint_ms'] * 1e3:.0f} us ({100 * g['no_constraint_share']:.3f}%)")
     return 0
 
 

@@ -108,6 +108,13 @@ def markdown(results: dict) -> str:
             if p.get("top_ops"):
                 ops = ", ".join(f"{name} {ms:.1f}" for name, ms in p["top_ops"][:8])
                 out += ["", f"Top ops at batch {p['batch']} (self ms per step, torch.profiler): {ops}."]
+    if results.get("grammar"):
+        g = results["grammar"]
+        out += ["", "## Structured outputs: grammar work per decode step", "",
+                f"Batch {g['batch']}, median step {g['step_ms']:.1f} ms. {g['constrained_rows']} constrained rows "
+                f"(bitmask fill, mask, matcher advance): {g['grammar_ms']:.2f} ms = {100 * g['grammar_share']:.1f}% "
+                f"of the step. No constrained row: {g['no_constraint_ms'] * 1e3:.0f} µs = "
+                f"{100 * g['no_constraint_share']:.3f}%."]
     if results.get("scheduler"):
         out += ["", "## Scheduler + KV manager alone (no model)", "",
                 "| running requests | schedule µs | update µs | per step µs | µs per request |", "|---|---|---|---|---|"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from sluice.service.bench.grammar_overhead import grammar_overhead
 from sluice.service.bench.profile import profile_decode
 from sluice.service.bench.sched_micro import scheduler_scaling
 from sluice.service.bench.suite import Suite, _loadavg, meta
@@ -35,6 +36,8 @@ def run_standard(suite: Suite, profile: bool = True) -> dict:
     suite.log("scheduler + KV manager micro-benchmark")
     results["scheduler"] = scheduler_scaling()
 
+    suite.log("grammar overhead: 16 constrained rows in a batch of 64")
+    results["grammar"] = grammar_overhead(engine)
     _, wl["A"] = suite.evaluate(A, ("ceiling", "generate_batch"))
     if profile:  # right after A, whose prompts are cached: the profile's own prefill costs next to nothing
         suite.log("profile: batch 64 and batch 1 decode steps")
@@ -76,6 +79,12 @@ def targets(results: dict) -> list[dict]:
             profiles[64].phase_ms["scheduling"], profiles[64].step_ms), 0.05, at_most=True))
         out.append(target("batch 64: all but forward + sampling, share of a step", profiles[64].overhead_share, 0.05,
                           at_most=True))
+    if results.get("grammar"):
+        g = results["grammar"]
+        out.append(target("batch 64: 16 grammar-constrained rows, share of a decode step", g["grammar_share"], 0.10,
+                          at_most=True))
+        out.append(target("batch 64: logits processing with no constrained row, share of a step",
+                          g["no_constraint_share"], 0.005, at_most=True))
     sched = {p.num_running: p for p in results.get("scheduler", [])}
     if 64 in sched and 1024 in sched:
         out.append(target("scheduler µs per request, 1024 vs 64 running (1 = linear)",
