@@ -12,7 +12,7 @@ from sluice.service.config import SluiceConfig
 from sluice.service.engine import model_loader
 from sluice.service.engine.cpu import native_bf16_flags
 from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
-from sluice.service.engine.prepack import PackedLinear
+from sluice.service.engine.prepack import PackedLinear, PaddedLinear, pad_linear_rows, unpack_linears
 
 CPU = torch.device("cpu")
 
@@ -86,8 +86,10 @@ def test_bf16_engine_skips_prepacking_and_the_c_kernel_and_still_generates(tmp_p
     assert eng.dtype == torch.bfloat16 and eng.model.dtype == torch.bfloat16
     assert eng.runner.kv.kv.dtype == torch.bfloat16
     assert packed(eng) == 0 and eng.runner.decode_kernel is None
+    linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is PaddedLinear for m in linears)
     assert "dtype auto: bfloat16 on cpu, as the CPU multiplies bf16 natively (avx512_bf16)" in caplog.text
-    assert "oneDNN prepacking and the C decode kernel are fp32-only" in caplog.text
+    assert "linears unpacked with padded row counts, decode attention on the torch path" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 6
 
@@ -108,3 +110,30 @@ def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monk
     model, tok = model_loader.load_model(path, "cpu", "float32")
     eng = engine(path, "auto", model=model, tokenizer=tok)  # ... but a given fp32 model stays fp32, KV included
     assert eng.dtype == torch.float32 and eng.runner.kv.kv.dtype == torch.float32
+
+
+def test_padded_linears_compute_the_same_on_a_few_row_counts_and_share_the_weight(monkeypatch):
+    from sluice.service.engine.prepack import padded_rows
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 5, bias=False)).to(torch.bfloat16)
+    weight = model[0].weight
+    plain = [torch.nn.Linear(8, 12), torch.nn.Linear(12, 5, bias=False)]
+    for a, b in zip(plain, model, strict=True):
+        a.load_state_dict(b.state_dict())
+        a.to(torch.bfloat16)
+    assert pad_linear_rows(model) == 2 and pad_linear_rows(model) == 0
+    assert model[0].weight is weight and list(model.state_dict()) == ["0.weight", "0.bias", "1.weight"]
+    with torch.inference_mode():
+        cases = [torch.randn(2, rows, 8, dtype=torch.bfloat16) for rows in (1, 3, 17, 100)]
+        wants = [plain[1](plain[0](x)) for x in cases]
+        seen = []
+        real = torch.nn.functional.linear
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: seen.append(x.shape) or real(x, w, b))
+        for x, want in zip(cases, wants, strict=True):
+            torch.testing.assert_close(model(x), want)
+    # oneDNN builds a kernel per row count it sees: only padded ones reach it (2 x 17 = 34 rows run as 48)
+    assert [shape[0] for shape in seen] == [padded_rows(2 * r) for r in (1, 3, 17, 100) for _ in range(2)]
+    assert all(len(shape) == 2 for shape in seen) and 48 in [shape[0] for shape in seen]
+    unpack_linears(model)
+    assert type(model[0]) is torch.nn.Linear and model[0].weight is weight

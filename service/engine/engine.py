@@ -75,7 +75,7 @@ class LLMEngine:
             resolve_device_dtype,
         )
         from sluice.service.engine.model_runner import ModelRunner
-        from sluice.service.engine.prepack import can_prepack, prepack_linears
+        from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
 
         config = config or SluiceConfig()
         config.validate()
@@ -101,8 +101,10 @@ class LLMEngine:
             if packed:
                 logger.info("prepacked %d linear layers for oneDNN", packed)
         elif self.device.type == "cpu" and self.dtype != torch.float32:
-            logger.info("CPU %s: plain linears and decode attention on the torch path (oneDNN prepacking and the C "
-                        "decode kernel are fp32-only)", str(self.dtype).removeprefix("torch."))
+            padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
+            logger.info("CPU %s: %d linears unpacked with padded row counts, decode attention on the torch path "
+                        "(oneDNN prepacking and the C decode kernel are fp32-only)",
+                        str(self.dtype).removeprefix("torch."), padded)
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)
