@@ -424,7 +424,8 @@ async def test_drain_on_sigterm(limited):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_smollm2_knows_paris(smollm2_dir, tmp_path):  # the fixture fetches and caches the model
-    srv = Server("default", tmp_path, "--max-model-len", "2048").wait_ready(timeout=300)
+    # 1 GiB of KV, not --kv-cache-memory auto's half of the machine's free memory: the suite shares the box
+    srv = Server("default", tmp_path, "--max-model-len", "2048", "--kv-cache-memory", "1").wait_ready(timeout=300)
     try:
         status, body, _ = await post(srv.url, "/v1/chat/completions", {
             "model": MODEL, "temperature": 0, "max_tokens": 40,
