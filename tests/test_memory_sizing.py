@@ -107,7 +107,8 @@ def test_cgroup_memory_limit_reads_v2_then_v1(tmp_path):
     write(tmp_path / "v1" / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "unlimited"
     assert cgroup_memory_limit(tmp_path / "v1", own) is None
     write(tmp_path / "v1" / "memory" / "memory.limit_in_bytes", f"{GiB}\n")
-    assert cgroup_memory_limit(tmp_path / "v1", own) == (GiB, str(tmp_path / "v1" / "memory" / "memory.limit_in_bytes"))
+    v1_file = tmp_path / "v1" / "memory" / "memory.limit_in_bytes"
+    assert cgroup_memory_limit(tmp_path / "v1", own) == (GiB, str(v1_file))
 
 
 def test_cgroup_memory_limit_is_the_tightest_over_own_cgroup_and_ancestors(tmp_path):
@@ -157,13 +158,13 @@ def test_cpu_budget_is_half_of_what_is_left_after_the_weights(tmp_path):
     # A cgroup limit of 8 GiB with 2 GiB of weights leaves 6: half of it.
     write(tmp_path / "cg" / "memory.max", str(8 * GiB))
     b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20), proc_cgroup=own)
-    assert b.num_bytes == 3 * GiB and "cgroup memory limit 8.00 GiB" in b.source and "2.00 GiB of weights" in b.source
+    assert b.num_bytes == 3 * GiB and "cgroup memory limit 8.00 GiB" in b.source and "2.00 GiB weights" in b.source
     # ... unless the machine has less available than the limit: never more than either.
     b = cpu_kv_budget(2 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 4), proc_cgroup=own)
     assert b.num_bytes == 2 * GiB and "MemAvailable" in b.source
     assert cpu_kv_budget(2 * GiB, 0.25, tmp_path / "cg", meminfo(tmp_path, 20), own).num_bytes == int(1.5 * GiB)
     # Weights beyond the limit leave nothing (kv_cache_blocks then refuses to start).
-    assert cpu_kv_budget(9 * GiB, cgroup_root=tmp_path / "cg", meminfo=meminfo(tmp_path, 20), proc_cgroup=own).num_bytes == 0
+    assert cpu_kv_budget(9 * GiB, 0.5, tmp_path / "cg", meminfo(tmp_path, 20), own).num_bytes == 0
     with pytest.raises(ValueError, match="--kv-cache-memory"):
         cpu_kv_budget(GiB, cgroup_root=no_cgroup, meminfo=tmp_path / "absent", proc_cgroup=own)
 
@@ -173,7 +174,8 @@ def fake_host(monkeypatch, limit_gib: float | None, available_gib: float | None)
 
     monkeypatch.setattr(kv_sizing, "cgroup_memory_limit",
                         lambda root, own: None if limit_gib is None else (int(limit_gib * GiB), "memory.max"))
-    monkeypatch.setattr(kv_sizing, "mem_available", lambda path: None if available_gib is None else int(available_gib * GiB))
+    monkeypatch.setattr(kv_sizing, "mem_available",
+                        lambda path: None if available_gib is None else int(available_gib * GiB))
 
 
 def test_kv_cache_blocks_precedence(monkeypatch):

@@ -91,8 +91,8 @@ def cpu_kv_budget(
     left: list[tuple[int, str]] = []
     limit = cgroup_memory_limit(cgroup_root, proc_cgroup)
     if limit is not None:
-        left.append((limit[0] - weight_bytes,
-                     f"cgroup memory limit {format_bytes(limit[0])} ({limit[1]}) less {format_bytes(weight_bytes)} of weights"))
+        text = f"cgroup memory limit {format_bytes(limit[0])} ({limit[1]}) less {format_bytes(weight_bytes)} weights"
+        left.append((limit[0] - weight_bytes, text))
     available = mem_available(meminfo)
     if available is not None:
         left.append((available, f"MemAvailable {format_bytes(available)} ({meminfo}) with the model loaded"))
@@ -100,7 +100,8 @@ def cpu_kv_budget(
         raise ValueError("--kv-cache-memory auto: no cgroup memory limit and no MemAvailable in "
                          f"{meminfo}; pass --kv-cache-memory in GiB or --num-kv-blocks")
     usable, source = min(left)
-    return KVBudget(max(0, int(usable * fraction)), f"auto: {fraction:g} x {format_bytes(max(usable, 0))} left, from {source}")
+    usable = max(usable, 0)
+    return KVBudget(int(usable * fraction), f"auto: {fraction:g} x {format_bytes(usable)} left, from {source}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,15 +155,15 @@ def gpu_kv_budget(
     after = cuda_memory(device, reset_peak=True)  # the scratch cache and activations released
     activations = max(0, peak - weights)
     wanted = int(utilization * before.total) - weights - activations
-    what = (f"{utilization:g} x {format_bytes(before.total)} less {format_bytes(weights)} of weights and {format_bytes(activations)} of "
-            f"peak activations at {max_num_batched_tokens} tokens")
+    what = (f"{utilization:g} x {format_bytes(before.total)} less {format_bytes(weights)} of weights and "
+            f"{format_bytes(activations)} of peak activations at {max_num_batched_tokens} tokens")
     if wanted <= 0:
         raise ValueError(f"the model does not fit: {what} leaves nothing for the KV cache; raise "
                          "--gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller dtype")
     room = after.free - activations  # other processes may hold memory that utilization assumed was ours
     if room < wanted:
-        return KVBudget(max(0, room), f"auto: {format_bytes(after.free)} free on the device less {format_bytes(activations)} of "
-                                      f"peak activations (less than {what})")
+        return KVBudget(max(0, room), f"auto: {format_bytes(after.free)} free on the device less "
+                                      f"{format_bytes(activations)} of peak activations (less than {what})")
     return KVBudget(wanted, f"auto: {what}")
 
 
