@@ -36,6 +36,16 @@ Q_BLOCK = 128
 MIN_CUDA_BLOCK_SIZE = 16
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without a sync: through pinned memory and a non-blocking copy on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def available(device: torch.device, block_size: int) -> bool:
     """Whether this path can run here: flex_attention importable, and on CUDA a block size Triton can tile."""
     if flex_attention is None:
@@ -53,6 +63,7 @@ class FlexGroup:
     tables: torch.Tensor  # [num_seqs, max_blocks] int32 physical block ids (padding: 0, masked)
     num_blocks: list[int]  # blocks per sequence, host
     q_start: torch.Tensor  # [num_seqs] int32: logical position of each row's first query (kv_len - q_len)
+    q_starts: list[int] = field(default_factory=list)  # the same, on the host
     logical: torch.Tensor | None = None  # [num_seqs, num_physical_blocks] int32, built on first use
     masks: dict = field(default_factory=dict)  # sliding window -> BlockMask
 
@@ -68,17 +79,18 @@ def plan_groups(query_lens: list[int], seq_lens: list[int], cu_q: list[int], blo
         q_len = query_lens[idx[0]]
         num_blocks = [-(-seq_lens[i] // block_size) for i in idx]
         contiguous = idx[-1] - idx[0] == len(idx) - 1
-        seq_index = slice(idx[0], idx[-1] + 1) if contiguous else torch.tensor(idx, device=device)
+        seq_index = slice(idx[0], idx[-1] + 1) if contiguous else to_device(idx, torch.long, device)
         if q_len > 1:
             rows = slice(cu_q[idx[0]], cu_q[idx[0]] + q_len)
         elif contiguous and cu_q[idx[-1]] - cu_q[idx[0]] == len(idx) - 1:
             rows = slice(cu_q[idx[0]], cu_q[idx[-1]] + 1)
         else:
-            rows = torch.tensor([cu_q[i] for i in idx], device=device)
+            rows = to_device([cu_q[i] for i in idx], torch.long, device)
         groups.append(FlexGroup(
             rows=rows, num_seqs=len(idx), q_len=q_len, tables=block_tables[seq_index, : max(num_blocks)],
             num_blocks=num_blocks,
-            q_start=torch.tensor([seq_lens[i] - q_len for i in idx], dtype=torch.int32, device=device),
+            q_start=to_device([seq_lens[i] - q_len for i in idx], torch.int32, device),
+            q_starts=[seq_lens[i] - q_len for i in idx],
         ))
     return groups
 
@@ -87,7 +99,7 @@ def _inverse_tables(group: FlexGroup, num_physical: int, block_size: int) -> tor
     """logical[b, p] = index of physical block p in sequence b's table, -1 if p is not one of its blocks."""
     device = group.tables.device
     width = group.tables.shape[1]
-    valid = torch.arange(width, device=device) < torch.tensor(group.num_blocks, device=device)[:, None]
+    valid = torch.arange(width, device=device) < to_device(group.num_blocks, torch.long, device)[:, None]
     # Padding entries land in an extra column that is cut off afterwards.
     target = torch.where(valid, group.tables.long(), num_physical)
     logical = torch.full((group.num_seqs, num_physical + 1), -1, dtype=torch.int32, device=device)
@@ -111,18 +123,46 @@ def build_block_mask(group: FlexGroup, num_physical: int, block_size: int, windo
         return visible
 
     device = group.tables.device
-    num_q_blocks = -(-group.q_len // Q_BLOCK)
-    width = group.tables.shape[1]
-    kv_num_blocks = torch.tensor(group.num_blocks, dtype=torch.int32, device=device)
-    kv_num_blocks = kv_num_blocks[:, None, None].expand(group.num_seqs, 1, num_q_blocks).contiguous()
+    partial, full = _tile_blocks(group, block_size, window)
+    counts = to_device([[len(t) for t in row] for row in partial] + [[len(t) for t in row] for row in full],
+                       torch.int32, device)
+    b, num_q_blocks = group.num_seqs, len(partial[0])
+    width = max(1, max(len(t) for rows in (partial, full) for row in rows for t in row))
+    listed = to_device([[t + [0] * (width - len(t)) for t in row] for row in partial + full], torch.long, device)
+    # Logical block indices -> physical ids through the block tables, on the device.
+    tables = group.tables.long().repeat(2, 1)
+    physical = tables.gather(1, listed.view(2 * b, -1)).view(2 * b, 1, num_q_blocks, width).to(torch.int32)
     # As in torch's PagedAttention, the index rows are as wide as the physical cache (the compiled kernels check
-    # that the mask covers the whole KV length); only the first num_blocks entries of a row are read.
-    kv_indices = torch.zeros(group.num_seqs, 1, num_q_blocks, num_physical, dtype=torch.int32, device=device)
-    kv_indices[..., :width] = group.tables.to(torch.int32)[:, None, None, :]
+    # that the mask covers the whole KV length); only the first kv_num_blocks entries of a row are read.
+    indices = torch.zeros(2 * b, 1, num_q_blocks, num_physical, dtype=torch.int32, device=device)
+    indices[..., :width] = physical
+    counts = counts.view(2 * b, 1, num_q_blocks)
     return BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
+        counts[:b], indices[:b], counts[b:], indices[b:], BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
         seq_lengths=(group.q_len, num_physical * block_size), compute_q_blocks=False,
     )
+
+
+def _tile_blocks(group: FlexGroup, block_size: int, window: int | None):
+    """Per row and query tile, the logical blocks the tile sees in part (mask_mod decides slot by slot) and in
+    full (no mask_mod): blocks wholly before every query of the tile and, with a window, wholly inside it.
+    Blocks the tile cannot see at all are left out. Host arithmetic on the step's lengths only."""
+    partial, full = [], []
+    for start, n_blocks in zip(group.q_starts, group.num_blocks, strict=True):
+        row_partial, row_full = [], []
+        for first in range(0, group.q_len, Q_BLOCK):
+            q_min, q_max = start + first, start + min(first + Q_BLOCK, group.q_len) - 1
+            hi = min(n_blocks, q_max // block_size + 1)  # blocks holding a position <= q_max
+            lo = 0 if window is None else max(0, (q_min - window + 1) // block_size)
+            full_hi = min(hi, (q_min + 1) // block_size)  # every slot <= q_min
+            full_lo = lo if window is None else max(lo, -(-(q_max - window + 1) // block_size))
+            if full_lo >= full_hi:
+                full_lo = full_hi = hi
+            row_full.append(list(range(full_lo, full_hi)))
+            row_partial.append(list(range(lo, full_lo)) + list(range(full_hi, hi)))
+        partial.append(row_partial)
+        full.append(row_full)
+    return partial, full
 
 
 @lru_cache(maxsize=1)

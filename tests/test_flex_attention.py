@@ -76,8 +76,11 @@ def test_groups_and_block_masks_list_each_sequences_own_blocks():
     assert decodes.rows.tolist() == [0, 10, 11] and prefill.rows == slice(1, 10)
     assert decodes.num_blocks == [2, 3, 1] and decodes.q_start.tolist() == [4, 10, 1]
     mask = flex.build_block_mask(decodes, 8, 4, None)
-    assert mask.kv_num_blocks[:, 0, 0].tolist() == [2, 3, 1]
-    assert [mask.kv_indices[b, 0, 0, :n].tolist() for b, n in enumerate([2, 3, 1])] == [[5, 2], [1, 3, 6], [4]]
+    # Queries at positions 4, 10 and 1: blocks wholly before them are full, the one holding them partial.
+    assert mask.kv_num_blocks[:, 0, 0].tolist() == [1, 1, 1]
+    assert [mask.kv_indices[b, 0, 0, :1].tolist() for b in range(3)] == [[2], [6], [4]]
+    assert mask.full_kv_num_blocks[:, 0, 0].tolist() == [1, 2, 0]
+    assert [mask.full_kv_indices[b, 0, 0, :n].tolist() for b, n in enumerate([1, 2, 0])] == [[5], [1, 3], []]
     assert decodes.logical[0].tolist() == [-1, -1, 1, -1, -1, 0, -1, -1]  # padding (block 0) is not owned
     assert mask.shape[-2:] == (1, 8 * 4)  # queries x the whole physical cache
 
@@ -121,3 +124,55 @@ def test_greedy_parity_with_generate_on_the_flex_backend():
     assert calls
     for got, want in zip(results, expected[:8], strict=True):
         assert got.token_ids == want[:12]
+
+
+def visibility_from_block_mask(mask, group, num_physical: int, block_size: int) -> torch.Tensor:
+    """[B, q_len, num_physical * block_size] as a block-sparse kernel reads the mask: full blocks wholly, partial
+    blocks through mask_mod, unlisted blocks not at all (the unfused CPU path cannot tell these apart)."""
+    kv = torch.arange(num_physical * block_size)
+    out = torch.zeros(group.num_seqs, group.q_len, len(kv), dtype=torch.bool)
+    for b in range(group.num_seqs):
+        for q in range(group.q_len):
+            tile = q // flex.Q_BLOCK
+            for lists, counts, is_full in ((mask.full_kv_indices, mask.full_kv_num_blocks, True),
+                                           (mask.kv_indices, mask.kv_num_blocks, False)):
+                for p in lists[b, 0, tile, : counts[b, 0, tile]].tolist():
+                    slots = slice(p * block_size, (p + 1) * block_size)
+                    assert not out[b, q, slots].any(), "a block listed twice"
+                    out[b, q, slots] = True if is_full else mask.mask_mod(
+                        torch.tensor(b), torch.tensor(0), torch.tensor(q), kv[slots])
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3, 20, 150])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_block_masks_are_exact_where_the_kernel_skips_mask_mod(window, block_size):
+    """Full blocks skip mask_mod in the compiled kernels: their lists must be exactly right (CPU, no kernel)."""
+    rng = random.Random(block_size)
+    seqs = [(rng.randrange(0, 200), 1) for _ in range(4)] + [(rng.randrange(0, 90), rng.randrange(2, 300))
+                                                             for _ in range(2)] + [(0, 140)]
+    blocks = [-(-(c + q) // block_size) for c, q in seqs]
+    num_physical = sum(blocks) + 3
+    free = list(range(num_physical))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks]
+    width = max(blocks)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query_lens, seq_lens = [q for _, q in seqs], [c + q for c, q in seqs]
+    cu_q = [0]
+    for n in query_lens:
+        cu_q.append(cu_q[-1] + n)
+    groups = flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size)
+    order = [[i for i, q in enumerate(query_lens) if q == 1]] + [[i] for i, q in enumerate(query_lens) if q > 1]
+    for group, members in zip(groups, order, strict=True):
+        mask = flex.build_block_mask(group, num_physical, block_size, window)
+        got = visibility_from_block_mask(mask, group, num_physical, block_size)
+        for b, i in enumerate(members):
+            expected = torch.zeros(group.q_len, num_physical * block_size, dtype=torch.bool)
+            for j, p in enumerate(tables[i]):
+                for o in range(block_size):
+                    pos_k = j * block_size + o
+                    for q in range(group.q_len):
+                        pos_q = seq_lens[i] - group.q_len + q
+                        expected[q, p * block_size + o] = pos_k <= pos_q and (window is None or pos_k > pos_q - window)
+            assert torch.equal(got[b], expected), (i, seqs[i])
