@@ -165,8 +165,18 @@ def _tile_blocks(group: FlexGroup, block_size: int, window: int | None):
     return partial, full
 
 
+# Compiled entries per code object: (dtype, head shape, decode/prefill, static/dynamic) multiply quickly, and
+# past the limit dynamo would silently run flex's unfused path, which scores the whole physical cache.
+RECOMPILE_LIMIT = 64
+
+
 @lru_cache(maxsize=1)
 def _compiled_flex():
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
     return torch.compile(flex_attention, dynamic=None)
 
 
