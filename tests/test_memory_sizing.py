@@ -326,8 +326,8 @@ def test_kv_cache_blocks_on_cuda_uses_the_gpu_budget(monkeypatch):
 
     calls = []
 
-    def fake(model, shape, device, utilization, tokens, seqs):
-        calls.append((device.type, utilization, tokens, seqs))
+    def fake(model, shape, device, utilization, tokens, seqs, backend):
+        calls.append((device.type, utilization, tokens, seqs, backend))
         return kv_sizing.KVBudget(100 * shape.block_bytes + 1, "auto: fake")
 
     monkeypatch.setattr(kv_sizing, "gpu_kv_budget", fake)
@@ -335,7 +335,7 @@ def test_kv_cache_blocks_on_cuda_uses_the_gpu_budget(monkeypatch):
     shape = kv_sizing.KVShape.of(model, 16, torch.bfloat16)
     cache = CacheConfig(gpu_memory_utilization=0.7)
     assert kv_sizing.kv_cache_blocks(model, cache, torch.device("cuda"), shape, 2048, 64) == (100, "auto: fake")
-    assert calls == [("cuda", 0.7, 2048, 64)]
+    assert calls == [("cuda", 0.7, 2048, 64, "auto")]
     # An explicit size skips the profile altogether.
     assert kv_sizing.kv_cache_blocks(model, CacheConfig(kv_cache_memory=1), torch.device("cuda"), shape, 2048, 64)[0]
     assert len(calls) == 1
@@ -379,3 +379,17 @@ def test_prepacking_frees_the_plain_weights_it_replaces(tied):
     after = model_weight_bytes(model)
     # Same bytes in oneDNN's layout (a little padding at most), plus the packed copy of a tied head.
     assert before <= after <= before * 1.05 + (head if tied else 0)
+
+
+def test_profile_forward_goes_through_the_runners_attention_backend(monkeypatch):
+    from sluice.kvcache.paged_attention import AttentionMetadata
+    from sluice.service.engine import kv_sizing
+
+    seen = []
+    real = AttentionMetadata.build.__func__
+    monkeypatch.setattr(AttentionMetadata, "build",
+                        classmethod(lambda cls, *a, **kw: seen.append(kw.get("backend")) or real(cls, *a, **kw)))
+    model = tiny_model()
+    shape = kv_sizing.KVShape.of(model, 16, torch.float32)
+    kv_sizing.profile_forward(model, shape, torch.device("cpu"), 40, 4, backend="torch")
+    assert seen == ["torch"]

@@ -126,14 +126,17 @@ def cuda_memory(device: torch.device, reset_peak: bool = False) -> CudaMemory:
 
 
 @torch.inference_mode()
-def profile_forward(model, shape: KVShape, device: torch.device, num_tokens: int, num_logits: int) -> None:
-    """One prefill of `num_tokens` tokens as a single sequence on a scratch cache just big enough for it."""
+def profile_forward(
+    model, shape: KVShape, device: torch.device, num_tokens: int, num_logits: int, backend: str = "auto"
+) -> None:
+    """One prefill of `num_tokens` tokens as a single sequence on a scratch cache just big enough for it, through
+    the attention backend the runner will use."""
     bs = shape.block_size
     num_blocks = -(-num_tokens // bs)
     kv = KVTensors(num_blocks, shape.num_layers, shape.num_kv_heads, shape.head_dim, bs, shape.dtype, device)
     block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     positions = torch.arange(num_tokens, device=device)
-    meta = AttentionMetadata.build([num_tokens], [num_tokens], block_table, positions.clone(), bs)
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], block_table, positions.clone(), bs, backend=backend)
     input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
     kw = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
@@ -145,12 +148,18 @@ def profile_forward(model, shape: KVShape, device: torch.device, num_tokens: int
 
 
 def gpu_kv_budget(
-    model, shape: KVShape, device: torch.device, utilization: float, max_num_batched_tokens: int, max_num_seqs: int
+    model,
+    shape: KVShape,
+    device: torch.device,
+    utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    backend: str = "auto",
 ) -> KVBudget:
     """vLLM's sizing: utilization * total - (weights + peak activations of the largest step)."""
     before = cuda_memory(device, reset_peak=True)
     weights = before.allocated  # nothing but the model lives on the device yet
-    profile_forward(model, shape, device, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
+    profile_forward(model, shape, device, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens), backend)
     peak = cuda_memory(device).peak
     after = cuda_memory(device, reset_peak=True)  # the scratch cache and activations released
     activations = max(0, peak - weights)
@@ -180,7 +189,7 @@ def kv_cache_blocks(
         budget = cpu_kv_budget(model_weight_bytes(model))
     elif device.type == "cuda":
         budget = gpu_kv_budget(model, shape, device, cache.gpu_memory_utilization, max_num_batched_tokens,
-                               max_num_seqs)
+                               max_num_seqs, cache.attention_backend)
     else:
         raise ValueError(f"--kv-cache-memory auto is not supported on {device.type}; pass it in GiB")
     num_blocks = budget.num_bytes // shape.block_bytes
