@@ -17,12 +17,16 @@ GiB = 1 << 30
 
 
 def tiny_model():
+    from sluice.service.engine.attention_backend import register
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256,
     )
-    return transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(register())  # the paged attention, as ModelRunner sets it: profiles run it
+    return model
 
 
 def cli(argv: list[str]) -> SluiceConfig:
@@ -391,5 +395,10 @@ def test_profile_forward_goes_through_the_runners_attention_backend(monkeypatch)
                         classmethod(lambda cls, *a, **kw: seen.append(kw.get("backend")) or real(cls, *a, **kw)))
     model = tiny_model()
     shape = kv_sizing.KVShape.of(model, 16, torch.float32)
+    calls = []
+    real_attention = kv_sizing.set_forward_context
+    monkeypatch.setattr(kv_sizing, "set_forward_context", lambda ctx: calls.append(ctx) or real_attention(ctx))
     kv_sizing.profile_forward(model, shape, torch.device("cpu"), 40, 4, backend="torch")
-    assert seen == ["torch"]
+    assert seen == ["torch"] and len(calls) == 1
+    # the forward wrote its 40 tokens' K/V into the scratch cache: the paged attention really ran
+    assert all(k[:3].abs().sum() > 0 for k, _ in calls[0].kv_caches)
