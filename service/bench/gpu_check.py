@@ -112,14 +112,19 @@ def backends_here(device: torch.device) -> list[str]:
     return names
 
 
-def check_parity(device: torch.device, archs: list[str], num_prompts: int = 12, max_new: int = 16) -> dict:
-    """Per backend, dtype and arch: prompts whose greedy output equals generate's, and tokens agreeing."""
+def check_parity(device: torch.device, archs: list[str], num_prompts: int = 12, max_new: int = 16,
+                 deadline: float = math.inf) -> dict:
+    """Per backend, dtype and arch: prompts whose greedy output equals generate's, and tokens agreeing.
+    fp32 runs first; combinations not started by `deadline` (perf_counter) are listed as skipped."""
     vocab = 512
     tokenizer = word_tokenizer(vocab)
     prompts = parity_prompts(vocab, num_prompts)
     report: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         for arch in archs:
+            if time.perf_counter() > deadline:
+                report.setdefault("skipped_for_time", []).append(f"{str(dtype).removeprefix('torch.')}/{arch}")
+                continue
             reference = random_model(arch, TINY, vocab, dtype, device)
             expected = [hf_greedy(reference, p, max_new) for p in prompts]
             for backend in backends_here(device):
@@ -131,13 +136,15 @@ def check_parity(device: torch.device, archs: list[str], num_prompts: int = 12, 
                 got = engine.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
                 same = sum(g.token_ids == e for g, e in zip(got, expected, strict=True))
                 agree = sum(_common_prefix(g.token_ids, e) for g, e in zip(got, expected, strict=True))
-                report[f"{backend}/{str(dtype).removeprefix('torch.')}/{arch}"] = {
-                    "prompts_identical": same, "prompts": len(prompts),
-                    "token_agreement": round(agree / (max_new * len(prompts)), 4),
-                }
+                key = f"{backend}/{str(dtype).removeprefix('torch.')}/{arch}"
+                report[key] = {"prompts_identical": same, "prompts": len(prompts),
+                               "token_agreement": round(agree / (max_new * len(prompts)), 4)}
+                print(f"gpu-check: parity {key}: {same}/{len(prompts)} identical", flush=True)
                 del engine, model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     fp32 = [v for k, v in report.items() if "/float32/" in k]
-    report["fp32_exact"] = all(v["prompts_identical"] == v["prompts"] for v in fp32)
+    report["fp32_exact"] = bool(fp32) and all(v["prompts_identical"] == v["prompts"] for v in fp32)
     return report
 
 
@@ -229,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny config: a quick self-test (CI)")
     parser.add_argument("--output", default="gpu_check.json")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="parity combinations not started by half of this are skipped, to leave the benchmark time")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if not args.tiny and not torch.cuda.is_available():
@@ -242,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(), "tiny": args.tiny,
     }
     archs = ["llama"] if args.tiny else ["llama", "qwen2", "qwen3"]
-    stages = [("parity", lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12)),
+    deadline = start + args.budget_s / 2
+    stages = [("parity", lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12, deadline=deadline)),
               ("sampler_syncs", lambda: check_sampler_syncs(device))]
     if not args.skip_bench:
         stages.append(("bench", lambda: run_benchmark(device, args.tiny)))
