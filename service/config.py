@@ -59,6 +59,11 @@ class ServerConfig:
         262144, "Kernel send buffer in bytes per SSE stream: bounds what a client that stops reading holds (0: OS)."
     )
     log_level: str = knob("info", "Log level: debug, info, warning, error.")
+    tool_call_parser: str = knob(
+        "auto", "How free ('auto') tool calls are read from a model whose chat template renders tools: 'auto' "
+        "(detected from the template), 'hermes', 'llama3_json', 'mistral', 'json'.",
+        choices=["auto", "hermes", "llama3_json", "mistral", "json"],
+    )
 
 
 @dataclass(slots=True)

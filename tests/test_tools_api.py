@@ -1,0 +1,277 @@
+"""Tool calling over HTTP with the official `openai` client (and LangChain where it installs): forced calls always
+name a declared function with arguments that validate, streamed calls reassemble to the non-streamed ones,
+tool history is accepted, bad tools are 400s naming the parameter, and SmolLM2 makes a full auto round trip."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests._server import MODEL, Server, wait_idle
+from tests.test_tools import NATIVE_TEMPLATE
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two small integers.",
+    "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": -5, "maximum": 5}},
+        "required": ["a", "b"]}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def long_tiny(model_dir: str, path, template: str | None = None) -> str:
+    """The tiny model with room for a tool prompt (its byte-level tokenizer spends a token per character or
+    so), optionally with another chat template."""
+    shutil.copytree(model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    if template is not None:
+        tok = json.loads((path / "tokenizer_config.json").read_text())
+        tok.pop("chat_template", None)
+        (path / "tokenizer_config.json").write_text(json.dumps(tok))
+        (path / "chat_template.jinja").write_text(template)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir, tmp_path_factory):
+    """The tiny model, whose template knows nothing of tools: the prompted path."""
+    path = long_tiny(model_dir, tmp_path_factory.mktemp("tiny") / "model")
+    srv = Server(path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512").wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_native(model_dir, tmp_path_factory):
+    """The tiny model with a Hermes-style template that renders tools: the native path."""
+    path = long_tiny(model_dir, tmp_path_factory.mktemp("tiny") / "model", NATIVE_TEMPLATE)
+    srv = Server(path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512").wait_ready()
+    yield srv
+    srv.stop()
+
+
+def client(srv) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+
+def check_calls(calls, allowed=tuple(SCHEMAS)) -> list[tuple[str, dict]]:
+    """Every call names an allowed function and its arguments validate against that function's parameters."""
+    assert calls, "no tool calls"
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in allowed, call
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+async def streamed(c, **kwargs) -> tuple[str, list[tuple[str, dict]], str]:
+    """(content, calls, finish_reason) of a streamed reply, tool-call deltas reassembled by index."""
+    content, calls, finish = "", {}, None
+    async for chunk in await c.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    assert all(e["id"] and e["id"].startswith("call_") for e in calls.values())
+    return content, [(e["name"], json.loads(e["arguments"])) for _, e in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("tool_choice,parallel,allowed", [
+    ("required", False, ("get_weather", "add")),
+    ("required", True, ("get_weather", "add")),
+    ({"type": "function", "function": {"name": "add"}}, True, ("add",)),
+])
+@pytest.mark.parametrize("path", ["prompted", "native"])
+async def test_forced_calls_always_validate_on_the_tiny_model(request, path, tool_choice, parallel, allowed):
+    srv = request.getfixturevalue("tiny" if path == "prompted" else "tiny_native")
+    async with client(srv) as c:
+        for seed in range(3):
+            reply = await c.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
+                temperature=1.0, seed=seed, n=2, max_tokens=1000)  # room for 8 parallel calls
+            for choice in reply.choices:
+                assert choice.finish_reason == "tool_calls", (seed, choice.message.content)
+                assert choice.message.content is None
+                calls = check_calls(choice.message.tool_calls, allowed)
+                if not parallel or isinstance(tool_choice, dict):
+                    assert len(calls) == 1
+    await wait_idle(srv)
+
+
+async def test_auto_on_a_template_without_tools_always_parses(tiny):
+    async with client(tiny) as c:
+        for seed in range(4):
+            reply = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0,
+                                                    seed=seed, max_tokens=120)
+            choice = reply.choices[0]
+            if choice.finish_reason == "tool_calls":
+                check_calls(choice.message.tool_calls)
+            else:  # a text answer, unwrapped from {"content": ...} (salvaged when max_tokens cut it)
+                assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+                assert not choice.message.content.startswith('{"content"')
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+async def test_streamed_calls_reassemble_to_the_non_streamed_ones(tiny, tool_choice):
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=1000)
+    async with client(tiny) as c:
+        reply = await c.chat.completions.create(**kwargs)
+        content, calls, finish = await streamed(c, **kwargs)
+    choice = reply.choices[0]
+    assert finish == choice.finish_reason
+    expected = [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls or []]
+    assert calls == expected
+    assert content == (choice.message.content or "")
+    if tool_choice == "required":
+        assert finish == "tool_calls" and calls
+
+
+async def test_tool_history_and_tool_choice_none(tiny):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abc", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "21 degrees, sunny"}]
+    async with client(tiny) as c:
+        for choice in ("auto", "none"):
+            reply = await c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice=choice,
+                                                    max_tokens=8, temperature=0)
+            assert reply.choices[0].message.role == "assistant"
+        plain = await c.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "nonsense"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+async def test_bad_tools_are_400s_naming_the_parameter(tiny, extra, param):
+    async with client(tiny) as c:
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **extra)
+    assert info.value.body["param"] == param, info.value.body
+
+
+# --- LangChain, for real ---------------------------------------------------------------------------------
+
+
+def _langchain(srv):
+    lc = pytest.importorskip("langchain_openai")
+    return lc.ChatOpenAI(base_url=srv.url + "/v1", api_key="none", model=MODEL, temperature=0, max_tokens=200,
+                         max_retries=0)
+
+
+# Sync calls: LangChain caches its async HTTP client across tests, and each async test has its own event loop.
+def test_langchain_bind_tools_and_tool_message(tiny):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from pydantic import BaseModel, Field
+
+    class AddArgs(BaseModel):  # bounded: a random model could write digits until max_tokens
+        a: int = Field(ge=0, le=99)
+        b: int = Field(ge=0, le=99)
+
+    @tool(args_schema=AddArgs)
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = _langchain(tiny)
+    ai = llm.bind_tools([add], tool_choice="add").invoke([HumanMessage("What is 2 + 3?")])
+    assert [c["name"] for c in ai.tool_calls] == ["add"], ai
+    args = ai.tool_calls[0]["args"]
+    assert set(args) == {"a", "b"} and all(isinstance(v, int) and 0 <= v <= 99 for v in args.values())
+    result = ToolMessage(str(add.invoke(args)), tool_call_id=ai.tool_calls[0]["id"])
+    final = llm.bind_tools([add]).invoke([HumanMessage("What is 2 + 3?"), ai, result])
+    assert isinstance(final.content, str)
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_langchain_with_structured_output(tiny, method):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        """A weather forecast."""
+
+        city: str = Field(max_length=10)
+        unit: Literal["celsius", "fahrenheit"]
+        high: int = Field(ge=-40, le=50)
+
+    out = _langchain(tiny).with_structured_output(Forecast, method=method).invoke("Forecast for Paris?")
+    assert isinstance(out, Forecast)
+
+
+# --- the real model ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir, tmp_path_factory):
+    srv = Server(smollm2_dir, tmp_path_factory.mktemp("logs"), "--max-model-len", "2048",
+                 "--max-num-batched-tokens", "512").wait_ready(timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice,allowed", [
+    ("required", ("get_weather", "add")), ({"type": "function", "function": {"name": "get_weather"}}, ("get_weather",))])
+async def test_smollm2_forced_calls_validate(smol, tool_choice, allowed):
+    async with client(smol) as c:
+        for temperature in (0.0, 0.8):
+            reply = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                                    temperature=temperature, seed=3, max_tokens=200)
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            check_calls(choice.message.tool_calls, allowed)
+    await wait_idle(smol)
+
+
+@pytest.mark.slow
+async def test_smollm2_auto_round_trip(smol):
+    messages = [{"role": "system", "content": "You are a weather assistant. Use the tools to look up the weather."},
+                {"role": "user", "content": "What is the weather in Paris right now, in celsius?"}]
+    async with client(smol) as c:
+        first = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                                max_tokens=200)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        [(name, args)] = check_calls(choice.message.tool_calls)
+        assert name == "get_weather"
+        call = choice.message.tool_calls[0]
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "21 degrees celsius and sunny"}]
+        final = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                                max_tokens=200)
+        answer = final.choices[0]
+        assert answer.finish_reason == "stop" and answer.message.tool_calls is None, answer.message
+        assert answer.message.content and not answer.message.content.lstrip().startswith("{")
+        # streamed, the same turn gives the same text
+        content, calls, finish = await streamed(c, model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                                max_tokens=200)
+        assert (content, calls, finish) == (answer.message.content, [], "stop")
+    await wait_idle(smol)
