@@ -15,12 +15,12 @@ replays the same positions). So the same seed and prompt give the same output wh
 the same device and dtype: another device may round the logits differently). Unseeded rows draw u from
 torch's default CPU generator.
 
-Filters (top-k, then top-p over the top-k-renormalised distribution, then min-p relative to the best token)
-are prefix conditions on the row's tokens sorted by logit, so they run as one sort + mask over the batch; on
-CUDA that is a full sort (or a top-k of the largest k when no row uses top-p/min-p). On CPU, where reading a
-value back costs nothing, the sort is replaced by top-`w` candidate pools that widen (256, 4096, vocabulary)
-until every row's support ends inside the pool: a full 49k-entry sort costs ~15 ms per row on CPU, a pool
-a few hundred microseconds. A row's kept set is the same whichever pool closes it.
+Filters: top-k, then top-p over the top-k-renormalised distribution, are prefix conditions on the row's
+tokens sorted by logit, so they run as one sort + mask over the batch; on CUDA that is a full sort (or a top-k
+of the largest k when no row uses top-p). On CPU, where reading a value back costs nothing, the sort is replaced
+by top-`w` candidate pools that widen (256, 4096, vocabulary) until every row's nucleus ends inside the pool: a
+full 49k-entry sort costs ~15 ms per row on CPU, a pool a few hundred microseconds. A row's kept set is the same
+whichever pool closes it. min-p (p < min_p x the best token's p) is a threshold, applied without sorting.
 """
 
 from __future__ import annotations
@@ -153,10 +153,13 @@ def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> to
                                                                                       strict=True)],
                        torch.float64, logits.device)
     x = logits / packed[:, 0:1].to(logits.dtype)
-    use_k, use_p, use_min_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in params), any(
-        p.min_p > 0.0 for p in params)
-    if use_k or use_p or use_min_p:
-        x = _filter(x, packed, max(top_k) if use_k else vocab, use_k, use_p, use_min_p)
+    use_k, use_p = any(k < vocab for k in top_k), any(p.top_p < 1.0 for p in params)
+    if use_k or use_p:
+        x = _filter(x, packed, max((k for k in top_k if k < vocab), default=0), use_k, use_p)
+    if any(p.min_p > 0.0 for p in params):
+        # min-p is a threshold relative to the best token (p_i < min_p * p_max, i.e. x_i - x_max < log min_p), the
+        # same set before or after renormalising: no sort needed. min_p 0 gives log 0 = -inf, which masks nothing.
+        x = x.masked_fill(x - x.amax(dim=-1, keepdim=True) < packed[:, 2:3].to(x.dtype).log(), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
@@ -168,39 +171,33 @@ def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> to
     return torch.where(bad, x.argmax(dim=-1), ids)
 
 
-def _filter(x: torch.Tensor, packed: torch.Tensor, max_k: int, use_k: bool, use_p: bool, use_min_p: bool):
+def _filter(x: torch.Tensor, packed: torch.Tensor, max_k: int, use_k: bool, use_p: bool):
     """-inf outside each row's support: its top_k best, then the nucleus (the best tokens while the mass strictly
-    before them is < top_p; the best always stays), then tokens with at least min_p x the best one's prob."""
+    before them is < top_p, over the top-k-renormalised distribution; the best always stays).
+    `max_k`: the largest top_k of the rows that set one (0: none does)."""
     vocab = x.shape[-1]
     k_eff = packed[:, 3].long()[:, None]
     top_p = packed[:, 1:2].to(x.dtype)
-    min_p = packed[:, 2:3].to(x.dtype)
-    active = (k_eff < vocab) | (top_p < 1.0) | (min_p > 0.0)
-    only_k = not (use_p or use_min_p)
-    if pools_allowed(x.device) and not only_k:
+    active = (k_eff < vocab) | (top_p < 1.0)
+    if pools_allowed(x.device) and use_p:
         widths = [w for w in CPU_CANDIDATES if max_k <= w < vocab] + [vocab]
     else:
-        widths = [max_k if only_k else vocab]  # closes every row at once: no read-back needed
-    log_norm_all = torch.logsumexp(x, dim=-1, keepdim=True) if use_p or use_min_p else None
+        widths = [vocab if use_p else max_k]  # closes every row at once: no read-back needed
+    log_norm_all = torch.logsumexp(x, dim=-1, keepdim=True) if use_p else None
     for width in widths:
         if width == vocab:
             values, order = x.sort(dim=-1, descending=True, stable=True)
         else:
             values, order = x.topk(width, dim=-1)
-        pos = torch.arange(width, device=x.device)
-        drop = pos >= k_eff
+        drop = torch.arange(width, device=x.device) >= k_eff
         closed = k_eff <= width
-        if use_p or use_min_p:
+        if use_p:
+            log_norm = log_norm_all
             if use_k:
                 kept = values.masked_fill(drop, float("-inf"))
                 log_norm = torch.where(k_eff < vocab, torch.logsumexp(kept, dim=-1, keepdim=True), log_norm_all)
-            else:
-                log_norm = log_norm_all
             probs = (values - log_norm).exp().masked_fill(drop, 0.0)
-            if use_p:
-                drop |= ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
-            if use_min_p:
-                drop |= probs < min_p * probs[:, :1]
+            drop |= ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
             drop[:, 0] = False  # the best token always stays
             closed = closed | (drop[:, -1:] if width < vocab else True)
         closed = closed | ~active
