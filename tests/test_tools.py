@@ -14,6 +14,7 @@ from sluice.service.api.tool_parsers import ToolOutput, parse, stream_deltas
 from sluice.service.api.tools import (
     ToolPlan,
     detect_parser,
+    just_answered,
     plan_tools,
     reply_schema,
     template_args,
@@ -128,6 +129,24 @@ def test_reply_schema_allows_exactly_the_declared_calls(choice, parallel, good, 
         assert _accepts(xgr, compiled, value), value
     for value in bad:
         assert not _accepts(xgr, compiled, value), value
+
+
+def test_a_prompted_auto_reply_after_results_may_not_repeat_the_answered_functions():
+    xgr, compiler = _compiler()
+    req = parse_chat({"messages": HISTORY, "tools": [WEATHER, TIME]})
+    assert just_answered(req.messages) == {"get_weather"}
+    plan_tools(req, SimpleNamespace(chat_template="{{ m.content }}"))
+    compiled = compiler.compile_json_schema(req.params.structured_output.spec, any_whitespace=False)
+    assert _accepts(xgr, compiled, OTHER) and _accepts(xgr, compiled, {"content": "21C in Paris"})
+    assert not _accepts(xgr, compiled, CALL)
+    only = parse_chat({"messages": HISTORY, "tools": [WEATHER]})
+    plan_tools(only, SimpleNamespace(chat_template="{{ m.content }}"))
+    assert json.loads(only.params.structured_output.spec)["properties"] == {"content": {"type": "string"}}
+    forced = parse_chat({"messages": HISTORY, "tools": [WEATHER], "tool_choice": "required"})
+    plan_tools(forced, SimpleNamespace(chat_template="{{ m.content }}"))  # forced: the client's word wins
+    compiled = compiler.compile_json_schema(forced.params.structured_output.spec, any_whitespace=False)
+    assert _accepts(xgr, compiled, [CALL])
+    assert just_answered(HISTORY[:2]) == set() and just_answered(HISTORY[:3]) == {"get_weather"}
 
 
 def test_plan_per_template_and_choice():

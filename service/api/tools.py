@@ -200,7 +200,9 @@ def plan_tools(req, tokenizer, parser_flag: str = "auto") -> ToolPlan:
     if spec is None or not spec.active:
         return ToolPlan(spec, native, "none")
     if spec.forced or not native:
-        req.params.structured_output = StructuredOutput("json", json.dumps(reply_schema(spec, native)), "tools")
+        answered = () if spec.forced else just_answered(req.messages)
+        schema = reply_schema(spec, native, answered)
+        req.params.structured_output = StructuredOutput("json", json.dumps(schema), "tools")
         return ToolPlan(spec, native, "constrained")
     parser = parser_flag if parser_flag != "auto" else detect_parser(template)
     if parser in ("mistral", "llama3_json"):  # their markers are special tokens: keep them in the text
@@ -213,19 +215,34 @@ def _call_schema(fn: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def reply_schema(spec: ToolSpec, native: bool) -> dict:
-    """The JSON schema a forced or prompted reply is held to."""
+def just_answered(messages: list[dict]) -> set[str]:
+    """Functions whose results end the conversation (the tool messages after the last assistant turn)."""
+    ids = set()
+    for m in reversed(messages):
+        if m["role"] != "tool":
+            calls = m.get("tool_calls") or [] if m["role"] == "assistant" else []
+            return {c["function"]["name"] for c in calls if c["id"] in ids}
+        ids.add(m.get("tool_call_id"))
+    return set()
+
+
+def reply_schema(spec: ToolSpec, native: bool, answered=()) -> dict:
+    """The JSON schema a forced or prompted reply is held to. A prompted `auto` reply right after tool results
+    may not call the functions that were just answered (models without tool training repeat the call forever);
+    a client that wants that call again forces it with tool_choice."""
     allowed = [f for f in spec.functions if spec.choice != "named" or f["name"] == spec.named]
+    if spec.choice == "auto":
+        allowed = [f for f in allowed if f["name"] not in answered]
     calls = [_call_schema(f) for f in allowed]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    many = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+    many = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS} if calls else None
     if spec.choice == "named" or (spec.choice == "required" and not spec.parallel):
         return one
     if spec.choice == "required":
         return many
     answer = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
               "additionalProperties": False}
-    return {"anyOf": [*calls, *([many] if spec.parallel else []), answer]}
+    return {"anyOf": [*calls, *([many] if spec.parallel and calls else []), answer]} if calls else answer
 
 
 # ---- rendering the conversation -------------------------------------------------------------------------
