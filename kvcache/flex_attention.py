@@ -20,6 +20,7 @@ kernel / SDPA path there.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -200,8 +201,10 @@ def flex_paged_attention(query, key_cache, value_cache, groups: list[FlexGroup],
         if mask is None:
             mask = group.masks[window] = build_block_mask(group, num_physical, block_size, window)
         q = query[group.rows].view(group.num_seqs, group.q_len, num_heads, head_dim).transpose(1, 2)
-        o = attend(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
-                   kernel_options=kernel_options)
+        with warnings.catch_warnings():  # off CUDA the unfused path is the point: no advice to compile it
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            o = attend(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
+                       enable_gqa=num_heads != num_kv_heads, kernel_options=kernel_options)
         o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
         if out is None:
             return o

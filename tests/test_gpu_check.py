@@ -20,7 +20,8 @@ def test_gpu_check_tiny_runs_on_cpu_and_writes_its_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] and report["tiny"] and report["device"] == "cpu"
-    assert report["parity"]["fp32_exact"]
+    assert report["parity"]["fp32_exact"] and report["attention"]["ok"]
+    assert {"torch/float32", "flex/float32", "flex/bfloat16"} <= set(report["attention"])
     assert {k.split("/")[0] for k in report["parity"] if "/" in k} >= {"torch", "flex"}
     for run in ("A", "B"):
         figures = report["bench"][run]

@@ -157,6 +157,88 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+ATTENTION_MIXES = {
+    "decodes": [(37, 1), (5, 1), (0, 1), (64, 1), (300, 1)],
+    "mixed": [(33, 1), (0, 17), (12, 1), (20, 9), (0, 1), (50, 1)],
+    "chunk_with_context": [(40, 200), (0, 130)],
+}
+
+
+def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)) -> dict:
+    """Each backend here against a dense float64 reference: mixes of decodes and chunks over shuffled block
+    tables in a cache full of garbage, block sizes 16 and 64, with and without a sliding window and softcap."""
+    from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
+
+    report: dict = {}
+    cases = [(mix, bs, window, softcap) for mix in ATTENTION_MIXES for bs in (16, 64)
+             for window, softcap in ((None, None), (8, None), (None, 5.0))]
+    for backend in backends_here(device):
+        for dtype in dtypes:
+            worst = 0.0
+            for i, (mix, bs, window, softcap) in enumerate(cases):
+                q, k, v, kc, vc, args, expected = _attention_case(ATTENTION_MIXES[mix], bs, device, dtype, i, window,
+                                                                  softcap)
+                meta = AttentionMetadata.build(*args, backend=backend)
+                out = paged_attention(q, k, v, kc, vc, meta, q.shape[-1] ** -0.5, window, softcap)
+                worst = max(worst, (out.double() - expected).abs().max().item())
+            name = str(dtype).removeprefix("torch.")
+            report[f"{backend}/{name}"] = {"max_abs_error": worst, "cases": len(cases),
+                                           "ok": worst < (1e-4 if dtype == torch.float32 else 5e-2)}
+    report["ok"] = all(v["ok"] for v in report.values())
+    return report
+
+
+def _attention_case(seqs, block_size, device, dtype, seed, window, softcap, num_heads=8, num_kv_heads=2,
+                    head_dim=64):
+    import random
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    needed = [-(-(c + q) // block_size) for c, q in seqs]
+    num_blocks = sum(needed) + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 100
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 100
+    tables, queries, keys, values, slots, full = [], [], [], [], [], []
+    for (ctx, q_len), n in zip(seqs, needed, strict=True):
+        table = [free.pop() for _ in range(n)]
+        tables.append(table)
+        k = torch.randn(ctx + q_len, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(ctx + q_len, num_kv_heads, head_dim, generator=gen)
+        for pos in range(ctx):
+            kc[table[pos // block_size], pos % block_size] = k[pos]
+            vc[table[pos // block_size], pos % block_size] = v[pos]
+        queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen))
+        keys.append(k[ctx:])
+        values.append(v[ctx:])
+        full.append((k, v))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q_len)]
+    width = max(needed)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    args = ([q for _, q in seqs], [c + q for c, q in seqs], block_tables, torch.tensor(slots, device=device),
+            block_size)
+    on = [t.to(device, dtype) for t in (torch.cat(queries), torch.cat(keys), torch.cat(values), kc, vc)]
+    expected = torch.cat([_dense(q.to(dtype), k.to(dtype), v.to(dtype), head_dim ** -0.5, window, softcap)
+                          for q, (k, v) in zip(queries, full, strict=True)]).to(device)
+    return (*on, args, expected)
+
+
+def _dense(q, k, v, scale, window=None, softcap=None):
+    """q [Q, H, D] at the last Q of k/v's L positions; float64."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos_q = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+    pos_k = torch.arange(k.shape[0])[None, :]
+    mask = pos_k <= pos_q
+    if window is not None:
+        mask &= pos_k > pos_q - window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+
 def check_sampler_syncs(device: torch.device) -> dict:
     """The sampler on a mixed batch with CUDA's sync debug mode 'error' outside its one read-back."""
     from sluice.scheduling.output import ScheduledRequest
@@ -252,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     archs = ["llama"] if args.tiny else ["llama", "qwen2", "qwen3"]
     deadline = start + args.budget_s / 2
-    stages = [("parity", lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12, deadline=deadline)),
+    stages = [("attention", lambda: check_attention(device)),
+              ("parity", lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12, deadline=deadline)),
               ("sampler_syncs", lambda: check_sampler_syncs(device))]
     if not args.skip_bench:
         stages.append(("bench", lambda: run_benchmark(device, args.tiny)))
@@ -266,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         _write(args.output, report | {"elapsed_s": round(time.perf_counter() - start, 1)})
         print(f"gpu-check: {name} done in {report['stage_seconds'][name]} s", flush=True)
     report["elapsed_s"] = round(time.perf_counter() - start, 1)
-    report["ok"] = bool(report["parity"].get("fp32_exact")) and report["sampler_syncs"].get("ok", True) and (
+    report["ok"] = bool(report["attention"].get("ok")) and bool(report["parity"].get("fp32_exact")) and report["sampler_syncs"].get("ok", True) and (
         args.skip_bench or "error" not in report["bench"])
     _write(args.output, report)
     print(json.dumps(report, indent=2, default=str))
