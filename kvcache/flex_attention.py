@@ -6,7 +6,11 @@ for each sequence, exactly its own physical blocks (its block table), so the ker
 and never gathers a sequence's history; inside a visited block `mask_mod` maps the physical slot back to its
 logical position through a per-step inverse table (`logical[b, physical block]`, -1 when the block is not
 the sequence's, as in torch's own `PagedAttention`) and applies the causal rule (and sliding window):
-query i of a sequence with kv length L and q length Q sees logical positions j <= L - Q + i.
+query i of a sequence with kv length L and q length Q sees logical positions j <= L - Q + i. Per query tile
+(Q_BLOCK queries) a row lists its blocks in two parts: *full* blocks, wholly visible to every query of the tile,
+which the compiled kernels read without calling mask_mod, and *partial* ones (the diagonal, the window's edge);
+blocks the tile cannot see at all are not listed. The unfused CPU path ignores the lists and applies mask_mod
+everywhere, so `tests/test_flex_attention.py` checks the lists themselves against the causal rule.
 
 Decodes (q_len 1) go in one call with one batch row per sequence (flex's decoding kernel on CUDA); each
 prefill chunk (with or without cached context) goes in its own call. Everything built from the step's metadata
