@@ -117,19 +117,48 @@ _CONTENT = {"nullable": True, "oneOf": [
                                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
 ]}
 
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "The arguments as JSON text."}}}}}
+_FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+_TOOLS = {  # service/api/tools.py; README "Tool calling"
+    "tools": {"type": "array", "nullable": True, "maxItems": 128, "description": "Functions the model may call.",
+              "items": {"type": "object", "required": ["type", "function"], "properties": {
+                  "type": {"type": "string", "enum": ["function"]},
+                  "function": {"type": "object", "required": ["name"], "properties": {
+                      "name": _FUNCTION_NAME, "description": {"type": "string"},
+                      "parameters": {"type": "object", "description": "JSON schema of the arguments (an object)."},
+                      "strict": {"type": "boolean", "nullable": True}}}}}},
+    "tool_choice": {"nullable": True, "description": "none, auto (the default with tools), required (at least one "
+                    "call, grammar-enforced) or a named function (exactly that call). Only with tools.",
+                    "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                              {"type": "object", "required": ["type", "function"], "properties": {
+                                  "type": {"type": "string", "enum": ["function"]},
+                                  "function": {"type": "object", "required": ["name"],
+                                               "properties": {"name": _FUNCTION_NAME}}}}]},
+    "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True,
+                            "description": "Allow several calls in one reply."},
+}
+
 _CHAT_REQUEST = {
     "type": "object", "required": ["messages"], "additionalProperties": True,
     "properties": {
         "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": {
             "type": "object", "required": ["role"],
             "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)}, "content": _CONTENT,
-                           "name": {"type": "string", "nullable": True}},
+                           "name": {"type": "string", "nullable": True},
+                           "tool_calls": {"type": "array", "nullable": True, "items": _TOOL_CALL,
+                                          "description": "assistant: the calls it made (content may be null)."},
+                           "tool_call_id": {"type": "string", "nullable": True,
+                                            "description": "tool: the call this result answers (required)."}},
             "description": "content is required except for assistant messages."}},
         "max_tokens": _int(1, INT32, "Most tokens to generate (default: what the context leaves)."),
         "max_completion_tokens": _int(1, INT32, "Same as max_tokens; takes precedence."),
         "logprobs": {"type": "boolean", "nullable": True, "default": False},
         "top_logprobs": _int(0, MAX_LOGPROBS, "Alternatives per token; needs logprobs: true."),
         **_SAMPLING,
+        **_TOOLS,
     },
 }
 
@@ -155,8 +184,11 @@ _COMPLETION_RESPONSE = _response("text_completion", {"type": "object", "properti
     "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
     "logprobs": {"type": "object", "nullable": True}}})
 _CHAT_RESPONSE = _response("chat.completion", {"type": "object", "properties": {
-    "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": {"type": "object", "nullable": True},
-    "message": {"type": "object", "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}})
+    "index": {"type": "integer"}, "logprobs": {"type": "object", "nullable": True},
+    "finish_reason": {**_FINISH, "enum": ["stop", "length", "tool_calls", None]},
+    "message": {"type": "object", "properties": {"role": {"type": "string"},
+                                                 "content": {"type": "string", "nullable": True},
+                                                 "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}})
 
 _ERRORS = {
     "400": "Invalid parameters, or a prompt longer than the context or the KV cache can ever hold.",
