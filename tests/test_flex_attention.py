@@ -102,13 +102,22 @@ def test_resolve_backend():
 
 
 def test_greedy_parity_with_generate_on_the_flex_backend():
-    """The engine end to end on flex (chunked prefill over cached context, prefix hits, preemption)."""
+    """The engine end to end on flex, chosen by --attention-backend (chunked prefill over cached context, prefix
+    hits, preemption)."""
     from sluice.scheduling.sampling_params import SamplingParams
-    from tests.test_parity import make_engine, reference_case
+    from sluice.service.cli import build_parser
+    from sluice.service.config import config_from_args
+    from sluice.service.engine.engine import LLMEngine
+    from tests import _tiny
+    from tests.test_parity import reference_case
 
+    cfg = config_from_args(build_parser().parse_args(
+        ["serve", "--attention-backend", "flex", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "24",
+         "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]))
+    assert cfg.cache.attention_backend == "flex"
     ours, prompts, expected = reference_case("llama")
-    engine = make_engine(ours, "recompute", num_blocks=24)
-    engine.runner.attention_backend = "flex"
+    engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    assert engine.runner.attention_backend == "flex"
     calls = []
     real = flex.flex_paged_attention
 
@@ -124,6 +133,16 @@ def test_greedy_parity_with_generate_on_the_flex_backend():
     assert calls
     for got, want in zip(results, expected[:8], strict=True):
         assert got.token_ids == want[:12]
+
+
+def test_an_explicit_backend_this_device_cannot_run_fails_at_start():
+    from sluice.kvcache.config import CacheConfig
+    from sluice.service.engine.model_runner import ModelRunner
+    from tests.test_parity import build_pair
+
+    _, model = build_pair("llama")
+    with pytest.raises(ValueError, match="flash"):
+        ModelRunner(model, CacheConfig(num_kv_blocks=4, attention_backend="flash"), "cpu", torch.float32, 64, 4)
 
 
 def visibility_from_block_mask(mask, group, num_physical: int, block_size: int) -> torch.Tensor:
