@@ -297,3 +297,18 @@ def test_streamed_pieces_reassemble_to_the_same_reply(parser, text, content, cal
     assert chunks[-1][2] == ("tool_calls" if calls else "stop")
     if parser in ("hermes", "mistral") and calls:  # nothing of the markup leaks into the content
         assert "<tool_call>" not in streamed and "[TOOL_CALLS]" not in streamed
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5])
+def test_a_constrained_text_answer_streams_as_it_is_decoded(piece):
+    answer = 'Caf\u00e9 \U0001f600 "quoted"\n\\ tab\t end'
+    text = json.dumps({"content": answer})  # \u escapes, a surrogate pair, quotes, backslashes
+    assert "\\ud83d\\ude00" in text
+    tools = ToolOutput("constrained")
+    outs = [SimpleNamespace(text=text[i:i + piece], logprobs=[], finished=False, finish_reason=None)
+            for i in range(0, len(text), piece)]
+    outs[-1].finished, outs[-1].finish_reason = True, "stop"
+    pieces = [[c[0] for c in stream_deltas(tools, out) if c[0]] for out in outs]
+    assert "".join(p for ps in pieces for p in ps) == answer
+    assert sum(len(ps) for ps in pieces[: len(pieces) // 2]) > 0  # the first half streamed before the end
+    assert parse(text, "constrained").content == answer

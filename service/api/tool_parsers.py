@@ -170,11 +170,15 @@ _PARSERS = {"constrained": parse_constrained, "hermes": parse_hermes, "llama3_js
             "mistral": parse_mistral, "json": parse_json}
 
 
+_ANSWER = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+
+
 class ToolOutput:
     """One choice's reply under tools: text streams until a call may have started, then it is held and parsed
-    when the reply ends. A constrained reply is JSON from its first character, so it is held whole."""
+    when the reply ends. A constrained reply is JSON from its first character: a call is held whole, a text
+    answer `{"content": "..."}` streams its string as it is decoded."""
 
-    __slots__ = ("parser", "pending", "held", "holding", "logprobs", "streamed")
+    __slots__ = ("parser", "pending", "held", "holding", "logprobs", "streamed", "answer_at", "answer_sent")
 
     def __init__(self, parser: str):
         self.parser = parser
@@ -183,12 +187,14 @@ class ToolOutput:
         self.holding = parser == "constrained"
         self.logprobs: list = []  # of held text: sent with the next chunk
         self.streamed = False  # some non-blank content went out
+        self.answer_at: int | None = None  # constrained text answer: where in `held` its undecoded rest starts
+        self.answer_sent = 0  # characters of the answer streamed so far
 
     def feed(self, text: str) -> str:
         """Take new text; return what may be streamed as content now."""
         if self.holding:
             self.held += text
-            return ""
+            return self._answer() if self.parser == "constrained" else ""
         text = self.pending + text
         markers = MARKERS[self.parser]
         hits = [i for i in (text.find(m) for m in markers) if i >= 0]
@@ -206,13 +212,44 @@ class ToolOutput:
         self.streamed = self.streamed or bool(out.strip())
         return out
 
+    def _answer(self) -> str:
+        """The newly decodable part of a constrained text answer's JSON string."""
+        if self.answer_at is None:
+            m = _ANSWER.match(self.held)
+            if m is None:
+                return ""
+            self.answer_at = m.end()
+        held, start = self.held, self.answer_at
+        i = start
+        while i < len(held) and held[i] != '"':
+            if held[i] == "\\":
+                size = 6 if held[i + 1:i + 2] == "u" else 2
+                if size == 6 and "d800" <= held[i + 2:i + 6].lower() <= "dbff":
+                    size = 12  # a surrogate pair: decode both halves together
+                if i + size > len(held):
+                    break
+                i += size
+            else:
+                i += 1
+        if i == start:
+            return ""
+        try:
+            out = _DECODER.decode('"' + held[start:i] + '"')
+        except ValueError:  # not what the grammar allows: leave it to finish()
+            return ""
+        self.answer_at, self.answer_sent = i, self.answer_sent + len(out)
+        return out
+
     def finish(self) -> Parsed:
         """The rest of the reply: content not yet streamed, and the calls."""
         rest = self.pending + self.held
         self.pending = self.held = ""
         if not rest:
             return Parsed("")
-        return parse(rest, self.parser)
+        parsed = parse(rest, self.parser)
+        if self.answer_sent:  # the streamed part of a text answer
+            parsed.content = parsed.content[self.answer_sent:]
+        return parsed
 
 
 def finish_reason(calls: list, reason: str | None) -> str | None:
