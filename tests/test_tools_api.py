@@ -226,6 +226,55 @@ def test_langchain_with_structured_output(tiny, method):
     assert isinstance(out, Forecast)
 
 
+# What LangChain 1.x (langchain-openai 1.7) sends, captured from its client: bind_tools + a tool message, then
+# with_structured_output by function_calling and by json_schema. Checked even where LangChain is not installed
+# (max_tokens added: a random model's free text answer would otherwise run to the end of the context).
+LANGCHAIN_BODIES = [
+    {"model": "tiny", "stream": False, "messages": [
+        {"content": "What is 2 + 3?", "role": "user"},
+        {"content": None, "role": "assistant", "tool_calls": [
+            {"type": "function", "id": "call_1", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+        {"content": "5", "role": "tool", "tool_call_id": "call_1"}],
+     "temperature": 0.0, "tools": [{"type": "function", "function": {
+         "name": "add", "description": "Add two integers.", "parameters": {
+             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+             "type": "object"}}}]},
+    {"model": "tiny", "stream": False, "messages": [{"content": "Forecast for Paris?", "role": "user"}],
+     "parallel_tool_calls": False, "temperature": 0.0, "tool_choice": {"type": "function", "function": {"name": "Forecast"}},
+     "tools": [{"type": "function", "function": {"name": "Forecast", "description": "A weather forecast.", "parameters": {
+         "properties": {"city": {"maxLength": 10, "type": "string"},
+                        "unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}},
+         "required": ["city", "unit"], "type": "object"}}}]},
+    {"model": "tiny", "stream": False, "messages": [{"content": "Forecast for Paris?", "role": "user"}],
+     "response_format": {"type": "json_schema", "json_schema": {"schema": {
+         "description": "A weather forecast.", "properties": {
+             "city": {"maxLength": 10, "title": "City", "type": "string"},
+             "unit": {"enum": ["celsius", "fahrenheit"], "title": "Unit", "type": "string"}},
+         "required": ["city", "unit"], "title": "Forecast", "type": "object", "additionalProperties": False},
+         "name": "Forecast", "strict": True}}, "temperature": 0.0},
+]
+
+
+@pytest.mark.parametrize("index", range(len(LANGCHAIN_BODIES)))
+async def test_langchain_request_bodies_literally(tiny, index):
+    import aiohttp
+
+    body = {**LANGCHAIN_BODIES[index], "max_tokens": 64 if index == 0 else 400}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(tiny.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            reply = await resp.json()
+    message = reply["choices"][0]["message"]
+    if index == 0:  # after the result: `add` was just answered, so the prompted grammar only allows an answer
+        assert not message.get("tool_calls") and isinstance(message["content"], str)
+    elif index == 1:
+        [call] = message["tool_calls"]
+        assert call["function"]["name"] == "Forecast" and reply["choices"][0]["finish_reason"] == "tool_calls"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), body["tools"][0]["function"]["parameters"])
+    else:
+        jsonschema.validate(json.loads(message["content"]), body["response_format"]["json_schema"]["schema"])
+
+
 # --- the real model ----------------------------------------------------------------------------------
 
 
