@@ -291,12 +291,16 @@ def smol(smollm2_dir, tmp_path_factory):
     ("required", ("get_weather", "add")), ({"type": "function", "function": {"name": "get_weather"}}, ("get_weather",))])
 async def test_smollm2_forced_calls_validate(smol, tool_choice, allowed):
     async with client(smol) as c:
-        for temperature in (0.0, 0.8):
+        for temperature in (0.8, 0.0):
             reply = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
                                                     temperature=temperature, seed=3, max_tokens=200)
             choice = reply.choices[0]
             assert choice.finish_reason == "tool_calls", choice
-            check_calls(choice.message.tool_calls, allowed)
+            calls = check_calls(choice.message.tool_calls, allowed)
+        # greedy and streamed: the same calls
+        _, streamed_calls, finish = await streamed(c, model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                                   temperature=0, max_tokens=200)
+        assert (streamed_calls, finish) == (calls, "tool_calls")
     await wait_idle(smol)
 
 
