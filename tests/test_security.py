@@ -45,7 +45,8 @@ async def call(url: str, method: str, path: str, headers=None, body=None) -> tup
 
 
 BODIES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
-          "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}}
+          "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+          "/tokenize": {"model": MODEL, "prompt": "Hi"}, "/detokenize": {"model": MODEL, "tokens": [5, 6]}}
 
 
 async def test_every_route_but_the_probes_needs_the_key(server):
