@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint bench model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
+.PHONY: install serve test test-fast lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ lint: install
 
 bench: model
 	$(BIN)/sluice bench offline --standard --dtype float32 --output bench/results.json
+
+bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/peers.{json,md}
+	$(BIN)/sluice bench peers --output bench/peers.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

