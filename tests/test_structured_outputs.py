@@ -122,3 +122,18 @@ def test_grammar_overhead_bench_reports_shares_of_a_step(engine):
     g = grammar_overhead(engine, batch=8, constrained=4, steps=2, repeats=5)
     assert g["step_ms"] > 0 and 0 <= g["grammar_share"] < 1 and 0 <= g["no_constraint_share"] < 1
     assert not engine.has_unfinished_requests() and not engine.grammar.matchers
+
+
+def test_length_bounded_strings_refuse_control_characters(engine):
+    """xgrammar lets a maxLength string hold raw control characters (invalid JSON); Sluice's rewrite must not."""
+    import xgrammar as xgr
+
+    spec = json.dumps({"type": "object", "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 3}},
+                       "required": ["a"], "additionalProperties": False})
+    compiled = engine.grammar.compiler.compile(StructuredOutput("json", spec, "x"))
+
+    def accepts(text):
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('{"a": "ab"}') and accepts('{"a": "é😀"')
+    assert not accepts('{"a": "a\x01') and not accepts('{"a": "abcd') and not accepts('{"a": ""}')

@@ -72,8 +72,9 @@ class GrammarCompiler:
                 json.loads(c.spec)
             except ValueError:
                 raise GrammarError(f"invalid {c.param}: the schema is not valid JSON", c.param) from None
+            schema = _bounded_strings_without_controls(json.loads(c.spec))
             # Compact separators: a small model free to emit "any whitespace" can pad a reply until max_tokens.
-            return compiler.compile_json_schema(c.spec, any_whitespace=False)
+            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         if c.kind == "regex":
             return compiler.compile_regex(c.spec)
         if c.kind == "choice":
@@ -84,6 +85,26 @@ class GrammarCompiler:
         if c.kind == "grammar":
             return compiler.compile_grammar(c.spec)
         raise GrammarError(f"unknown structured output kind {c.kind!r}", c.param)
+
+
+def _bounded_strings_without_controls(node):
+    """Length-bounded strings as a pattern that keeps control characters out.
+
+    xgrammar (0.2.9) lets a string with minLength/maxLength hold raw control characters, which no JSON parser
+    accepts. The pattern form is exact about length and refuses them; it also refuses escapes (quotes,
+    backslashes, \\n) inside such strings, a smaller loss than a reply that does not parse.
+    """
+    if isinstance(node, list):
+        return [_bounded_strings_without_controls(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded_strings_without_controls(v) for k, v in node.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and bounded and plain:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (low, "" if high is None else int(high))
+    return out
 
 
 class GrammarState:
