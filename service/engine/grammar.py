@@ -103,7 +103,8 @@ def _bounded_strings_without_controls(node):
     plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
     if out.get("type") == "string" and bounded and plain:
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (low, "" if high is None else int(high))
+        upper = "" if high is None else str(int(high))
+        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{" + f"{low},{upper}" + "}$"
     return out
 
 
