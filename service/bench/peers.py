@@ -86,6 +86,9 @@ def f32_gguf(cache: Path, log=print) -> Path:
     if not target.is_file():
         tree = llama_tree(cache)
         log("converting the default model to F32 GGUF")
+        # The converter imports sentencepiece before it finds the model's BPE tokenizer.json.
+        if subprocess.run([sys.executable, "-c", "import sentencepiece"], capture_output=True).returncode:
+            _run([sys.executable, "-m", "pip", "install", "-q", "sentencepiece"])
         env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": ""}
         _run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(ensure_default_model()), "--outtype", "f32",
               "--outfile", str(target)], env=env)
@@ -106,8 +109,9 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print)
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "context": context,
                         "parallel": parallel, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, "servers": {}}
     threads = str(len(os.sched_getaffinity(0)))
+    # The same context capacity for everyone: llama.cpp's -c tokens of KV cache, Sluice's blocks of 16.
     commands = {"Sluice fp32": [sys.executable, "-m", "sluice.service.cli", "serve", "--dtype", "float32",
-                                "--max-model-len", "2048"]}
+                                "--max-model-len", "2048", "--block-size", "16", "--num-kv-blocks", str(context // 16)]}
     for name, gguf in models.items():
         commands[name] = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
     for name, cmd in commands.items():
@@ -136,7 +140,8 @@ def _measure(cmd: list[str], sluice: bool, log) -> dict:
             log(f"{w.name}: {r.output_throughput:.1f} tok/s, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
                 f"TTFT p50 {r.ttft_ms.p50:.0f} ms, failed {r.failed}")
             out[w.name] = {"output_tok_s": r.output_throughput, "tpot_p50_ms": r.tpot_ms.p50,
-                           "ttft_p50_ms": r.ttft_ms.p50, "completed": r.completed, "failed": r.failed}
+                           "ttft_p50_ms": r.ttft_ms.p50, "completed": r.completed, "failed": r.failed,
+                           "errors": r.errors}
         out["rss_mib"] = _rss_mib(proc.pid)
         return out
     finally:
@@ -165,12 +170,14 @@ def ratios(servers: dict) -> dict:
 
 def table(results: dict) -> str:
     """The Markdown report."""
-    lines = ["# Sluice beside llama.cpp (same machine, one server at a time)", "",
+    lines = ["# Sluice beside llama.cpp (same machine, one server at a time, same KV capacity)", "",
              f"CPU features used by the llama.cpp build: {', '.join(results['meta']['cpu_flags'])}.", "",
-             "| server | A output tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | RSS MiB |", "|---|---|---|---|---|---|"]
+             "| server | A output tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | RSS MiB | failed A/B/C |",
+             "|---|---|---|---|---|---|---|"]
     for name, s in results["servers"].items():
+        failed = "/".join(str(s[w].get("failed", 0)) for w in ("A", "B", "C"))
         lines.append(f"| {name} | {s['A']['output_tok_s']:.1f} | {s['B']['tpot_p50_ms']:.1f} | "
-                     f"{s['C']['output_tok_s']:.1f} | {s['C']['ttft_p50_ms']:.0f} | {s['rss_mib']:.0f} |")
+                     f"{s['C']['output_tok_s']:.1f} | {s['C']['ttft_p50_ms']:.0f} | {s['rss_mib']:.0f} | {failed} |")
     lines += ["", "| Sluice / peer | A tok/s | B TPOT | C TTFT | RSS |", "|---|---|---|---|---|"]
     for name, r in results["ratios"].items():
         lines.append(f"| {name} | {r['A_throughput_sluice_over_peer']:.2f} | {r['B_tpot_sluice_over_peer']:.2f} | "
