@@ -30,6 +30,8 @@ from functools import lru_cache
 
 import torch
 
+from sluice.kvcache.transfer import to_device
+
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - torch too old
@@ -39,16 +41,6 @@ except ImportError:  # pragma: no cover - torch too old
 Q_BLOCK = 128
 # Triton's dot needs tiles of at least 16: smaller engine blocks cannot be a KV tile on CUDA.
 MIN_CUDA_BLOCK_SIZE = 16
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on `device` without a sync: through pinned memory and a non-blocking copy on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def available(device: torch.device, block_size: int) -> bool:

@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
 
 from sluice.kvcache import flex_attention as flex
+from sluice.kvcache.transfer import to_device
 
 if TYPE_CHECKING:
     from sluice.kvcache.cpu_kernel import DecodeKernel
@@ -112,9 +113,9 @@ class AttentionMetadata:
             cu_k.append(cu_k[-1] + n)
         if backend == "flex":
             return cls(
-                slot_mapping=slot_mapping, cu_seqlens_q=flex.to_device(cu_q, torch.int32, device),
-                cu_seqlens_k=flex.to_device(cu_k, torch.int32, device),
-                seq_lens=flex.to_device(seq_lens, torch.int32, device), block_tables=block_tables,
+                slot_mapping=slot_mapping, cu_seqlens_q=to_device(cu_q, torch.int32, device),
+                cu_seqlens_k=to_device(cu_k, torch.int32, device),
+                seq_lens=to_device(seq_lens, torch.int32, device), block_tables=block_tables,
                 block_size=block_size, max_seqlen_q=max(query_lens, default=0), max_seqlen_k=max(seq_lens, default=0),
                 decode=None, prefills=[], backend=backend,
                 flex_groups=flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size),
@@ -129,9 +130,9 @@ class AttentionMetadata:
         ]
         return cls(
             slot_mapping=slot_mapping,
-            cu_seqlens_q=flex.to_device(cu_q, torch.int32, device),
-            cu_seqlens_k=flex.to_device(cu_k, torch.int32, device),
-            seq_lens=flex.to_device(seq_lens, torch.int32, device),
+            cu_seqlens_q=to_device(cu_q, torch.int32, device),
+            cu_seqlens_k=to_device(cu_k, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
             block_tables=block_tables,
             block_size=block_size,
             max_seqlen_q=max(query_lens, default=0),
@@ -147,11 +148,11 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
     """Gather indices for all decodes at once; rows stay a slice when the decodes are packed contiguously."""
     device = block_tables.device
     first, last = cu_q[idx[0]], cu_q[idx[-1]]
-    rows = slice(first, last + 1) if last - first == len(idx) - 1 else flex.to_device(
+    rows = slice(first, last + 1) if last - first == len(idx) - 1 else to_device(
         [cu_q[i] for i in idx], torch.long, device
     )
     num_blocks = -(-max(seq_lens[i] for i in idx) // block_size)
-    seq_index = slice(idx[0], idx[-1] + 1) if isinstance(rows, slice) else flex.to_device(idx, torch.long, device)
+    seq_index = slice(idx[0], idx[-1] + 1) if isinstance(rows, slice) else to_device(idx, torch.long, device)
     tables = block_tables[seq_index, :num_blocks]
     lens = [seq_lens[i] for i in idx]
     return DecodeBatch(
@@ -159,7 +160,7 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
         block_ids=tables.reshape(-1).long(),
         num_seqs=len(idx),
         padded_len=num_blocks * block_size,
-        seq_lens=flex.to_device(lens, torch.long, device),
+        seq_lens=to_device(lens, torch.long, device),
         lens=lens,
         kernel=kernel,
     )

@@ -37,3 +37,13 @@ def model_dir(tmp_path_factory) -> str:
     from tests._tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def tiny_server(model_dir, tmp_path_factory):
+    """`sluice serve` on the tiny model with a 64-block cache, for one test module."""
+    from tests._server import Server
+
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64").wait_ready()
+    yield srv
+    srv.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._server import MODEL, Server
+from tests._server import MODEL
 from tests.test_api_server import check_error, post
 
 openai = pytest.importorskip("openai")
@@ -12,10 +12,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def tiny(model_dir, tmp_path_factory):
-    srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64").wait_ready()
-    yield srv
-    srv.stop()
+def tiny(tiny_server):
+    return tiny_server
 
 
 async def test_tokenize_and_detokenize_round_trip(tiny):

@@ -17,10 +17,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def tiny(model_dir, tmp_path_factory):
-    srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64").wait_ready()
-    yield srv
-    srv.stop()
+def tiny(tiny_server):
+    return tiny_server
 
 
 def client(srv) -> openai.AsyncOpenAI:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ScheduledRequest, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -57,16 +58,6 @@ def row_seed(seed: int, num_output_tokens: int) -> int:
 def seeded_uniform(seed: int, num_output_tokens: int) -> float:
     """The uniform in [0, 1) a seeded request draws at an output position (53 bits of `row_seed`)."""
     return (row_seed(seed, num_output_tokens) >> 11) * 2.0**-53
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on `device` without a sync: through pinned memory and a non-blocking copy on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def read_back(values: torch.Tensor) -> list[float]:
