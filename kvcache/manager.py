@@ -205,17 +205,9 @@ class KVCacheManager:
 
         A request swapped out again in the same step drops that newer, unfinished host copy too.
         """
-        rid = request.request_id
-        host = self.swapping_in.pop(rid)
-        blocks = self.req_blocks.pop(rid, [])
-        self.req_num_cached.pop(rid, None)
-        for block in blocks:
-            self.pool.uncache_block(block)
-        self.pool.free_blocks(reversed(blocks))
-        newer = self.req_host_blocks.pop(rid, None)
-        if newer:
-            self.swap_space.free(newer)
-        self.req_host_blocks[rid] = host
+        host = self.swapping_in.pop(request.request_id)  # out of the way: free() would defer releasing it
+        self.free(request, uncache_from_block=0)  # device blocks, and any newer host copy
+        self.req_host_blocks[request.request_id] = host
 
     def drop_host_blocks(self, request: CacheableRequest) -> None:
         """Forget a swapped-out request's host copy (its copy failed): it must be recomputed."""

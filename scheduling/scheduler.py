@@ -328,15 +328,16 @@ class Scheduler:
         """
         outputs = []
         swapped_in = set(out.swapped_in_ids)
+        # Every block a swap-in was to fill, whoever holds it now: its contents are unknown. The forward's own
+        # blocks are handled per request below, from each one's start position on.
+        self.kv.uncache_block_ids([dev for _, dev in out.swap_in])
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended while the step ran (a WAITING one is a new request reusing the id)
             request.status = RequestStatus.FINISHED_ERROR
             self.running.remove(request)
-            # Blocks a swap-in was to fill are as unknown as those the forward was to fill.
-            first_unknown = 0 if sched.request_id in swapped_in else sched.start_pos // self.block_size
-            self._release(request, uncache_from_block=first_unknown)
+            self._release(request, uncache_from_block=sched.start_pos // self.block_size)
             outputs.append(self._make_output(request, [], []))
         for rid in out.swapped_in_ids:
             request = self.requests.get(rid)
@@ -357,10 +358,7 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
             self.waiting.push_front(request)
         for sched in self._ended_in_flight:  # ended while the step ran: their blocks are free, not yet reused
-            first_unknown = 0 if sched.request_id in swapped_in else sched.start_pos // self.block_size
-            self.kv.uncache_block_ids(sched.block_ids[first_unknown:])
-        # Every block a swap-in was to fill, whoever holds it now (a request ended mid-step freed its blocks).
-        self.kv.uncache_block_ids([dev for _, dev in out.swap_in])
+            self.kv.uncache_block_ids(sched.block_ids[sched.start_pos // self.block_size :])
         self._in_flight, self._ended_in_flight = {}, []
         self.kv.commit_swaps()  # what is left pending belongs to requests that ended: nothing reads it now
         return outputs
