@@ -47,3 +47,14 @@ def tiny_server(model_dir, tmp_path_factory):
     srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64").wait_ready()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_dir, tmp_path_factory):
+    """`sluice serve` on the real SmolLM2, started once for every slow API test that needs it."""
+    from tests._server import Server
+
+    srv = Server(smollm2_dir, tmp_path_factory.mktemp("logs"), "--max-model-len", "2048", "--kv-cache-memory", "1",
+                 "--max-num-batched-tokens", "512").wait_ready(timeout=300)
+    yield srv
+    srv.stop()

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests._server import MODEL, Server, wait_idle
+from tests._server import MODEL, wait_idle
 from tests.test_structured_outputs import SCHEMA
 
 openai = pytest.importorskip("openai")
@@ -58,11 +58,8 @@ async def test_guided_choice_and_regex_on_both_endpoints(tiny):
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_dir, tmp_path_factory):
-    srv = Server(smollm2_dir, tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
-                 "--max-num-batched-tokens", "512").wait_ready(timeout=300)
-    yield srv
-    srv.stop()
+def smol(smol_server):
+    return smol_server
 
 
 PERSON = [{"role": "system", "content": "You answer in JSON."},

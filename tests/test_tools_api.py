@@ -279,11 +279,8 @@ async def test_langchain_request_bodies_literally(tiny, index):
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_dir, tmp_path_factory):
-    srv = Server(smollm2_dir, tmp_path_factory.mktemp("logs"), "--max-model-len", "2048",
-                 "--max-num-batched-tokens", "512").wait_ready(timeout=300)
-    yield srv
-    srv.stop()
+def smol(smol_server):
+    return smol_server
 
 
 @pytest.mark.slow

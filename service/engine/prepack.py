@@ -55,11 +55,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Same result as nn.Linear.forward, via oneDNN."""
-        rows = x.reshape(-1, self.in_features)
-        m = rows.shape[0]
-        pad = padded_rows(m) - m
-        if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])
+        rows, m = _padded(x, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
         return out[:m].view(*x.shape[:-1], self.out_features)
 
@@ -89,12 +85,18 @@ class PaddedLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        m = rows.shape[0]
-        pad = padded_rows(m) - m
-        if pad:
-            rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])
+        rows, m = _padded(x, self.in_features)
         return nn.functional.linear(rows, self.weight, self.bias)[:m].view(*x.shape[:-1], self.out_features)
+
+
+def _padded(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
+    """x as a 2-D batch of rows, zero-padded to `padded_rows`, and the real row count."""
+    rows = x.reshape(-1, in_features)
+    m = rows.shape[0]
+    pad = padded_rows(m) - m
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, in_features)])
+    return rows, m
 
 
 def pad_linear_rows(model: nn.Module) -> int:
