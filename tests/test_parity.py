@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import random
 
 import pytest
 import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.bench.gpu_check import parity_prompts
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
 from tests import _tiny
@@ -58,13 +58,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def mixed_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, VOCAB) for _ in range(48)]
-    prompts = []
-    for i in range(n):
-        tail = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 90))]
-        prompts.append(shared + tail if i % 2 == 0 else tail)
-    return prompts
+    """The same prompt mix make gpu-check runs: half share a 48-token prefix."""
+    return parity_prompts(VOCAB, n, seed)
 
 
 def make_engine(model, mode: str, num_blocks: int, block_size: int = 16, budget: int = 64, **sched):
