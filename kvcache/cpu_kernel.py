@@ -32,12 +32,12 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-std=c99", "-shared", "-fPIC")
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sluice")
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -57,8 +57,8 @@ def load() -> DecodeKernel | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         source = SOURCE.read_bytes()
-        key = hashlib.sha256(source + repr(CFLAGS).encode() + version.encode() + _cpu_flags().encode()).hexdigest()
-        target = _cache_dir() / f"paged_decode-{key[:16]}.so"
+        key = hashlib.sha256(source + repr(CFLAGS).encode() + version.encode() + cpu_flags().encode()).hexdigest()
+        target = cache_dir() / f"paged_decode-{key[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

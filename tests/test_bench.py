@@ -276,9 +276,12 @@ def test_peers_report_ratios_and_table():
         return {"A": {"output_tok_s": a}, "B": {"tpot_p50_ms": tpot}, "C": {"output_tok_s": 1.0, "ttft_p50_ms": ttft},
                 "rss_mib": rss}
 
-    servers = {"Sluice fp32": server(200, 30, 1000, 1500), "llama.cpp F32": server(100, 20, 4000, 1000)}
+    servers = {"Sluice fp32": server(200, 30, 1000, 1500), "Sluice int8": server(100, 10, 1000, 1000),
+               "llama.cpp F32": server(100, 20, 4000, 1000)}
     r = ratios(servers)["llama.cpp F32"]
     assert r["A_throughput_sluice_over_peer"] == 2.0 and r["B_tpot_sluice_over_peer"] == 1.5
     assert r["C_ttft_sluice_over_peer"] == 0.25 and r["rss_sluice_over_peer"] == 1.5
     text = table({"meta": {"cpu_flags": ["avx2"]}, "servers": servers, "ratios": ratios(servers)})
     assert "| llama.cpp F32 | 2.00 | 1.50 | 0.25 | 1.50 |" in text
+    assert "| Sluice int8 / llama.cpp F32 | 1.00 | 0.50 | 0.25 | 1.00 |" in text
+    assert set(ratios(servers)) == {"llama.cpp F32", "Sluice int8 / llama.cpp F32"}

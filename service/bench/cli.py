@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 
 def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
@@ -70,6 +71,10 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     grammar.add_argument("--constrained", type=int, default=16, help="Constrained rows (default: %(default)s).")
     add_config_flags(grammar)
     grammar.set_defaults(func=_grammar_command)
+
+    quant = commands.add_parser("quant", help="int8 vs fp32 on the default model: perplexity, greedy agreement.")
+    quant.add_argument("--output", default="", help="Also write the result as JSON here.")
+    quant.set_defaults(func=_quant_command)
     return bench
 
 
@@ -119,7 +124,6 @@ def _serve_command(args) -> int:
 
 
 def _offline_command(args) -> int:
-    from pathlib import Path
 
     from sluice.service.bench.offline import warmup
     from sluice.service.bench.report import markdown, to_jsonable, write_json
@@ -173,7 +177,6 @@ def _offline_command(args) -> int:
 
 
 def _peers_command(args) -> int:
-    from pathlib import Path
 
     from sluice.service.bench.peers import run_peers
 
@@ -190,6 +193,25 @@ def _grammar_command(args) -> int:
     print(f"batch {g['batch']}: step {g['step_ms']:.1f} ms; {g['constrained_rows']} constrained rows "
           f"{g['grammar_ms']:.2f} ms ({100 * g['grammar_share']:.1f}%); no constrained row "
           f"{g['no_constraint_ms'] * 1e3:.0f} us ({100 * g['no_constraint_share']:.3f}%)")
+    return 0
+
+
+def _quant_command(args) -> int:
+    import json
+
+    import torch
+
+    from sluice.service.bench.quant_quality import quant_quality
+    from sluice.service.engine.model_loader import ensure_default_model, load_model
+
+    model, tokenizer = load_model(str(ensure_default_model()), torch.device("cpu"), torch.float32)
+    model.set_attn_implementation("sdpa")  # transformers' own attention: no paged cache outside the engine
+    q = quant_quality(model, tokenizer)
+    print(f"perplexity fp32 {q['perplexity']['fp32']:.3f}, int8 {q['perplexity']['int8']:.3f}; greedy: "
+          f"{q['greedy_identical']}/{q['greedy_prompts']} prompts identical over {q['greedy_tokens']} tokens, "
+          f"mean agreeing prefix {100 * q['greedy_mean_agreeing_prefix']:.0f}%")
+    if args.output:
+        Path(args.output).write_text(json.dumps(q, indent=2))
     return 0
 
 

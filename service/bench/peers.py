@@ -110,8 +110,9 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print)
                         "parallel": parallel, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, "servers": {}}
     threads = str(len(os.sched_getaffinity(0)))
     # The same context capacity for everyone: llama.cpp's -c tokens of KV cache, Sluice's blocks of 16.
-    commands = {"Sluice fp32": [sys.executable, "-m", "sluice.service.cli", "serve", "--dtype", "float32",
-                                "--max-model-len", "2048", "--block-size", "16", "--num-kv-blocks", str(context // 16)]}
+    sluice = [sys.executable, "-m", "sluice.service.cli", "serve", "--dtype", "float32", "--max-model-len", "2048",
+              "--block-size", "16", "--num-kv-blocks", str(context // 16)]
+    commands = {"Sluice fp32": sluice, "Sluice int8": [*sluice, "--quantization", "int8"]}
     for name, gguf in models.items():
         commands[name] = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
     for name, cmd in commands.items():
@@ -153,18 +154,24 @@ def _measure(cmd: list[str], sluice: bool, log) -> dict:
 
 
 def ratios(servers: dict) -> dict:
-    """Sluice over each peer: A throughput, B TPOT (lower is better, so peer / Sluice), C TTFT, memory."""
-    ours = servers.get("Sluice fp32")
+    """Each Sluice variant over each peer: A throughput, B TPOT (lower is better), C TTFT, memory.
+
+    Keyed by the peer's name for Sluice fp32 and by "<variant> / <peer>" for the other Sluice variants.
+    """
     out = {}
-    for name, peer in servers.items():
-        if ours is None or name == "Sluice fp32":
+    for ours_name, ours in servers.items():
+        if not ours_name.startswith("Sluice"):
             continue
-        out[name] = {
-            "A_throughput_sluice_over_peer": ours["A"]["output_tok_s"] / peer["A"]["output_tok_s"],
-            "B_tpot_sluice_over_peer": ours["B"]["tpot_p50_ms"] / peer["B"]["tpot_p50_ms"],
-            "C_ttft_sluice_over_peer": ours["C"]["ttft_p50_ms"] / peer["C"]["ttft_p50_ms"],
-            "rss_sluice_over_peer": ours["rss_mib"] / peer["rss_mib"],
-        }
+        for name, peer in servers.items():
+            if name.startswith("Sluice"):
+                continue
+            key = name if ours_name == "Sluice fp32" else f"{ours_name} / {name}"
+            out[key] = {
+                "A_throughput_sluice_over_peer": ours["A"]["output_tok_s"] / peer["A"]["output_tok_s"],
+                "B_tpot_sluice_over_peer": ours["B"]["tpot_p50_ms"] / peer["B"]["tpot_p50_ms"],
+                "C_ttft_sluice_over_peer": ours["C"]["ttft_p50_ms"] / peer["C"]["ttft_p50_ms"],
+                "rss_sluice_over_peer": ours["rss_mib"] / peer["rss_mib"],
+            }
     return out
 
 
@@ -178,7 +185,7 @@ def table(results: dict) -> str:
         failed = "/".join(str(s[w].get("failed", 0)) for w in ("A", "B", "C"))
         lines.append(f"| {name} | {s['A']['output_tok_s']:.1f} | {s['B']['tpot_p50_ms']:.1f} | "
                      f"{s['C']['output_tok_s']:.1f} | {s['C']['ttft_p50_ms']:.0f} | {s['rss_mib']:.0f} | {failed} |")
-    lines += ["", "| Sluice / peer | A tok/s | B TPOT | C TTFT | RSS |", "|---|---|---|---|---|"]
+    lines += ["", "| Sluice fp32 (or variant) / peer | A tok/s | B TPOT | C TTFT | RSS |", "|---|---|---|---|---|"]
     for name, r in results["ratios"].items():
         lines.append(f"| {name} | {r['A_throughput_sluice_over_peer']:.2f} | {r['B_tpot_sluice_over_peer']:.2f} | "
                      f"{r['C_ttft_sluice_over_peer']:.2f} | {r['rss_sluice_over_peer']:.2f} |")

@@ -80,10 +80,16 @@ class LLMEngine:
         config = config or SluiceConfig()
         config.validate()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
-        if config.model.dtype == "auto" and model is not None:  # a given model keeps the precision it was built in
+        int8 = config.model.quantization == "int8"
+        if int8 and config.model.dtype == "auto":
+            self.dtype = torch.float32  # int8 weights take float32 activations
+        if int8 and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"--quantization int8 runs on CPU with float32 activations, not {self.device} "
+                             f"{str(self.dtype).removeprefix('torch.')}")
+        if config.model.dtype == "auto" and model is not None and not int8:  # a given model keeps its precision
             self.dtype = next(model.parameters()).dtype
             logger.info("dtype auto: %s, the given model's", str(self.dtype).removeprefix("torch."))
-        elif config.model.dtype == "auto":
+        elif config.model.dtype == "auto" and not int8:
             logger.info("dtype auto: %s on %s, as %s", str(self.dtype).removeprefix("torch."), self.device,
                         auto_dtype(self.device)[1])
         threads = configure_torch_threads() if self.device.type == "cpu" else 0
@@ -96,7 +102,13 @@ class LLMEngine:
             )
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
-        if config.model.prepack_weights and can_prepack(self.device, self.dtype):
+        if int8:
+            from sluice.service.engine.int8_linear import quantize_linears
+
+            start = time.perf_counter()
+            logger.info("int8: quantized %d linear layers per output channel in %.1f s", quantize_linears(model),
+                        time.perf_counter() - start)
+        elif config.model.prepack_weights and can_prepack(self.device, self.dtype):
             packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
             if packed:
                 logger.info("prepacked %d linear layers for oneDNN", packed)

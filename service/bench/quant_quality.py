@@ -1,0 +1,67 @@
+"""`bench quant`: what int8 weights cost in accuracy: perplexity on a fixed text and greedy agreement with fp32.
+
+Both use transformers' own forward on the same loaded model, with and without `quantize_linears`, so only the
+weights differ. The text is public domain (the opening of the US Declaration of Independence), fixed so runs
+compare across commits.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from sluice.service.engine.int8_linear import quantize_linears
+
+TEXT = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
+    "have connected them with another, and to assume among the powers of the earth, the separate and equal station "
+    "to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of mankind "
+    "requires that they should declare the causes which impel them to the separation. We hold these truths to be "
+    "self-evident, that all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness. That to secure these rights, "
+    "Governments are instituted among Men, deriving their just powers from the consent of the governed, That "
+    "whenever any Form of Government becomes destructive of these ends, it is the Right of the People to alter or "
+    "to abolish it, and to institute new Government, laying its foundation on such principles and organizing its "
+    "powers in such form, as to them shall seem most likely to effect their Safety and Happiness."
+)
+PROMPTS = (
+    "The capital of France is", "Write a haiku about the sea.", "Explain what a hash table is.",
+    "List three prime numbers and say why they are prime.", "What is the boiling point of water?",
+    "Translate 'good morning' into Spanish.", "Give me a tip for learning to code.", "Who wrote Hamlet?",
+)
+
+
+@torch.inference_mode()
+def perplexity(model, tokenizer) -> float:
+    """exp(mean next-token cross-entropy) of TEXT."""
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+
+
+@torch.inference_mode()
+def greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    """Greedy continuation of a chat prompt, EOS ignored so every prompt yields max_new_tokens."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def quant_quality(model, tokenizer, max_new_tokens: int = 64) -> dict:
+    """fp32 vs int8: perplexity of each, and how far their greedy outputs agree (prefix before the first change)."""
+    int8 = copy.deepcopy(model)
+    quantize_linears(int8)
+    ppl = {"fp32": perplexity(model, tokenizer), "int8": perplexity(int8, tokenizer)}
+    prefixes, identical = [], 0
+    for prompt in PROMPTS:
+        a, b = greedy(model, tokenizer, prompt, max_new_tokens), greedy(int8, tokenizer, prompt, max_new_tokens)
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefixes.append(same / len(a))
+        identical += same == len(a)
+    return {"perplexity": ppl, "greedy_prompts": len(PROMPTS), "greedy_tokens": max_new_tokens,
+            "greedy_identical": identical, "greedy_mean_agreeing_prefix": sum(prefixes) / len(prefixes)}

@@ -1,0 +1,103 @@
+"""Weight-only int8 linears (`--quantization int8`): a quarter of the fp32 weight bytes streamed per decode step.
+
+Weights are quantized at load, symmetric, one scale per output channel: q = round(w / s), s = max|w_row| / 127.
+Up to KERNEL_MAX_ROWS input rows run through csrc/int8_linear.cpp, which reads each int8 row once and widens it
+in registers: at batch 1 that is what bounds a decode step on CPU (memory, not arithmetic). Larger batches are
+compute-bound, where oneDNN's fp32 GEMM wins: they dequantize the weight per call and use it. The kernel is built
+once per source, compiler, torch and CPU (it uses the running CPU's vector units) into $SLUICE_CACHE_DIR/kernels;
+without a C++ compiler every batch size takes the dequantize path, which is correct but slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.kvcache.cpu_kernel import cache_dir, cpu_flags
+
+logger = logging.getLogger("sluice.int8")
+
+SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
+CFLAGS = ("-O3", "-march=native")
+KERNEL_MAX_ROWS = 32  # measured on 2 Zen 4 cores: the kernel beats dequantize + GEMM up to about 48 rows
+
+
+@functools.cache
+def load_kernel():
+    """The built extension module, or None where it cannot be built here (the dequantize path is used then)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler: int8 linears dequantize per call (slower)")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = hashlib.sha256(SOURCE.read_bytes() + repr(CFLAGS).encode() + torch.__version__.encode()
+                             + cpu_flags().encode()).hexdigest()[:16]
+        build = cache_dir() / f"int8_linear-{key}"
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name=f"sluice_int8_linear_{key}", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                    build_directory=str(build), verbose=False)
+    except Exception as e:  # a failed build must not stop the server: it only costs speed
+        logger.warning("int8 linear kernel unavailable (%s): int8 linears dequantize per call", str(e)[-500:])
+        return None
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp weight [N, K] → (int8 [N, K], float32 scale [N]), symmetric per output channel."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class Int8Linear(nn.Module):
+    """An nn.Linear (no grad) with its weight kept as per-channel int8; float32 activations in and out."""
+
+    def __init__(self, linear: nn.Linear, kernel=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_weight(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+        self.kernel = kernel
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight these int8 values stand for."""
+        return self.qweight.float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] float32 → [..., N]."""
+        rows = x.reshape(-1, self.in_features)
+        if self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernel.int8_linear(rows, self.qweight, self.scale)
+            if self.bias is not None:
+                out += self.bias
+        else:
+            # Scaling the [M, N] output instead of the [N, K] weight: one temporary the weight's size, not two.
+            out = F.linear(rows, self.qweight.float()) * self.scale
+            if self.bias is not None:
+                out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of `model` (lm_head included) by an Int8Linear, in place; returns how many."""
+    kernel = load_kernel()
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear(linear, kernel))
+    return len(targets)

@@ -1,0 +1,102 @@
+"""--quantization int8: the kernel against plain torch, and the int8 engine against transformers on the same
+dequantized weights (so the oracle stays exact: only the weights' precision changed, not the computation)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sluice.service.engine.int8_linear as int8
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.engine import LLMEngine
+from tests import _tiny
+from tests.test_parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = int8.load_kernel()
+    if k is None:
+        pytest.skip("no C++ compiler to build the int8 kernel")
+    return k
+
+
+def test_quantize_weight_rounds_to_within_half_a_step_per_channel():
+    torch.manual_seed(0)
+    w = torch.randn(33, 70) * torch.linspace(0.01, 3, 33)[:, None]  # very different row ranges
+    w[5] = 0  # an all-zero row must not divide by zero
+    q, scale = int8.quantize_weight(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (33,)
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    assert (q.abs().amax(1)[torch.arange(33) != 5] == 127).all()  # each row uses the full range
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("in_features", [16, 70, 576])  # 70: a tail after the 16-wide vector loop
+def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows, in_features, monkeypatch):
+    torch.manual_seed(rows * 1000 + in_features)
+    linear = nn.Linear(in_features, 130, bias=True)
+    layer = int8.Int8Linear(linear, kernel)
+    x = torch.randn(2, rows, in_features)
+    want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
+    with torch.inference_mode():
+        monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 10**6)
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+        monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 0)
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(kernel):
+    q, s = int8.quantize_weight(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="int8_linear"):
+        kernel.int8_linear(torch.randn(2, 15), q, s)
+    with pytest.raises(RuntimeError, match="int8_linear"):
+        kernel.int8_linear(torch.randn(2, 16).double(), q, s)
+
+
+def _dequantized_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose linear weights are what int8 quantization will make of them."""
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if type(module) is nn.Linear:
+            q, scale = int8.quantize_weight(module.weight)
+            module.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+    return twin
+
+
+def int8_engine(model, budget: int, dtype: str = "auto", device: str = "cpu") -> LLMEngine:
+    cfg = SluiceConfig()
+    cfg.model.device, cfg.model.dtype, cfg.model.quantization = device, dtype, "int8"
+    cfg.cache.num_kv_blocks = 64
+    cfg.scheduler.max_num_batched_tokens = budget
+    cfg.scheduler.max_num_seqs = 16
+    return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
+
+
+def test_int8_needs_cpu_float32_and_a_known_name():
+    _, ours = build_pair("llama")
+    with pytest.raises(ValueError, match="float32"):
+        int8_engine(ours, 64, dtype="bfloat16")
+    cfg = SluiceConfig()
+    cfg.model.quantization = "int3"
+    with pytest.raises(ValueError, match="quantization must be one of none, int8"):
+        LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+
+
+@pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over KERNEL_MAX_ROWS
+def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget):
+    reference, ours = build_pair("llama")
+    reference = _dequantized_twin(reference)
+    engine = int8_engine(ours, budget)
+    assert all(type(m) is not nn.Linear for m in engine.model.modules())
+    assert isinstance(engine.model.lm_head, int8.Int8Linear)
+    prompts = mixed_prompts(12)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    want = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    assert got == want
