@@ -115,3 +115,23 @@ def native_bf16_flags(cpuinfo: Path = CPUINFO) -> list[str]:
         except (AttributeError, RuntimeError):
             pass
     return found
+
+
+def release_freed_memory() -> bool:
+    """Hand memory the allocator keeps after frees back to the OS (glibc's malloc_trim); False where unsupported.
+
+    Replacing weights at load (prepacking, int8) frees hundreds of MiB that glibc keeps in its heap, so the
+    process would report them as resident and the auto KV size (sized from MemAvailable) would not see them.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return False
+    if trim is None:
+        return False
+    trim(0)
+    return True

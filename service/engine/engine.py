@@ -18,7 +18,7 @@ from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
 from sluice.scheduling.scheduler import Scheduler
 from sluice.service.config import SluiceConfig
-from sluice.service.engine.cpu import configure_torch_threads
+from sluice.service.engine.cpu import configure_torch_threads, release_freed_memory
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarCompiler, GrammarState
 from sluice.service.engine.logits_controls import apply_logit_controls
@@ -117,6 +117,8 @@ class LLMEngine:
             logger.info("CPU %s: %d linears unpacked with padded row counts, decode attention on the torch path "
                         "(oneDNN prepacking and the C decode kernel are fp32-only)",
                         str(self.dtype).removeprefix("torch."), padded)
+        if self.device.type == "cpu":
+            release_freed_memory()  # before the KV cache is sized from what is free
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)
