@@ -25,6 +25,22 @@ void rows_dot(const float* x, int64_t K, const int8_t* q, int64_t n0, int64_t n1
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 acc0[Rows], acc1[Rows];
     for (int r = 0; r < Rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    if constexpr (Rows == 1) {
+      // One row has only two FMA chains above; four more hide the FMA latency, so the loop runs at memory speed.
+      __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+      for (; k + 32 <= K; k += 32) {
+        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
+        acc0[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), acc0[0]);
+        acc1[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), acc1[0]);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24),
+                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), acc3);
+      }
+      acc0[0] = _mm256_add_ps(acc0[0], acc2);
+      acc1[0] = _mm256_add_ps(acc1[0], acc3);
+    }
     for (; k + 16 <= K; k += 16) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
       const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
