@@ -205,7 +205,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         injected = False
-        for _ in range(3000):
+        # Not a fixed count: with a 1-token step budget and recompute preemption, draining dozens of queued
+        # requests honestly takes thousands of steps (each preemption recomputes a prompt a token at a time).
+        # A real livelock runs past any bound, so a generous one proportional to the work left still catches it.
+        work = sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in self.sched.requests.values())
+        limit = 3000 + 50 * work
+        for _ in range(limit):
             if not self.sched.num_unfinished:
                 break
             out = self.sched.schedule()
@@ -215,7 +220,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 fault, injected = "swap_in", True
                 STATS["failed_swap_in_with_resumed_not_scheduled"] += 1
             self._run_step(out, fault, None)
-        assert not self.sched.num_unfinished, "livelock: requests left after 3000 steps"
+        assert not self.sched.num_unfinished, f"livelock: requests left after {limit} steps"
         kv = self.sched.kv
         assert kv.num_free_blocks == kv.num_blocks, "leaked device blocks"
         assert kv.swap_space.num_free_blocks == kv.swap_space.num_blocks, "leaked host slots"
