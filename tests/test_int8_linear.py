@@ -100,3 +100,13 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, bud
     got = [c.token_ids for c in engine.generate(prompts, params)]
     want = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     assert got == want
+
+
+def test_quantize_linears_replaces_every_linear_and_lets_the_loaded_weights_go():
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 50))
+    embed_ptr = model[0].weight.data_ptr()
+    assert int8.quantize_linears(model) == 2
+    assert isinstance(model[1], int8.Int8Linear) and isinstance(model[3], int8.Int8Linear)
+    assert "1.weight" not in model.state_dict()  # the fp32 weight is gone, not kept beside the int8 one
+    # the rest is copied, so a safetensors memory map behind the loaded weights can be released
+    assert model[0].weight.data_ptr() != embed_ptr

@@ -127,11 +127,11 @@ def release_freed_memory() -> bool:
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
+    if not name:
         return False
-    if trim is None:
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # no such library, or a libc without it (musl)
         return False
     trim(0)
     return True

@@ -81,15 +81,16 @@ class LLMEngine:
         config.validate()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
         int8 = config.model.quantization == "int8"
-        if int8 and config.model.dtype == "auto":
-            self.dtype = torch.float32  # int8 weights take float32 activations
-        if int8 and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(f"--quantization int8 runs on CPU with float32 activations, not {self.device} "
-                             f"{str(self.dtype).removeprefix('torch.')}")
-        if config.model.dtype == "auto" and model is not None and not int8:  # a given model keeps its precision
+        if int8:
+            if config.model.dtype == "auto":
+                self.dtype = torch.float32  # int8 weights take float32 activations
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError(f"--quantization int8 runs on CPU with float32 activations, not {self.device} "
+                                 f"{str(self.dtype).removeprefix('torch.')}")
+        elif config.model.dtype == "auto" and model is not None:  # a given model keeps the precision it was built in
             self.dtype = next(model.parameters()).dtype
             logger.info("dtype auto: %s, the given model's", str(self.dtype).removeprefix("torch."))
-        elif config.model.dtype == "auto" and not int8:
+        elif config.model.dtype == "auto":
             logger.info("dtype auto: %s on %s, as %s", str(self.dtype).removeprefix("torch."), self.device,
                         auto_dtype(self.device)[1])
         threads = configure_torch_threads() if self.device.type == "cpu" else 0

@@ -4,7 +4,7 @@ Weights are quantized at load, symmetric, one scale per output channel: q = roun
 Up to KERNEL_MAX_ROWS input rows run through csrc/int8_linear.cpp, which reads each int8 row once and widens it
 in registers: at batch 1 that is what bounds a decode step on CPU (memory, not arithmetic). Larger batches are
 compute-bound, where oneDNN's fp32 GEMM wins: they dequantize the weight per call and use it. The kernel is built
-once per source, compiler, torch and CPU (it uses the running CPU's vector units) into $SLUICE_CACHE_DIR/kernels;
+once per source, flags, torch version and CPU (it uses the running CPU's vector units) into $SLUICE_CACHE_DIR/kernels;
 without a C++ compiler every batch size takes the dequantize path, which is correct but slower.
 """
 
@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kvcache.cpu_kernel import cache_dir, cpu_flags
+from sluice.service.engine.prepack import replace_linears
 
 logger = logging.getLogger("sluice.int8")
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 CFLAGS = ("-O3", "-march=native")
-KERNEL_MAX_ROWS = 32  # measured on 2 Zen 4 cores: the kernel beats dequantize + GEMM up to about 48 rows
+KERNEL_MAX_ROWS = 32  # measured on 2 Zen 4 cores: the kernel beat dequantize + GEMM at 32 rows, lost at 48
 
 
 @functools.cache
@@ -79,13 +80,11 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
             out = self.kernel.int8_linear(rows, self.qweight, self.scale)
-            if self.bias is not None:
-                out += self.bias
         else:
             # Scaling the [M, N] output instead of the [N, K] weight: one temporary the weight's size, not two.
             out = F.linear(rows, self.qweight.float()) * self.scale
-            if self.bias is not None:
-                out += self.bias
+        if self.bias is not None:
+            out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -95,9 +94,4 @@ class Int8Linear(nn.Module):
 def quantize_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (lm_head included) by an Int8Linear, in place; returns how many."""
     kernel = load_kernel()
-    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(linear, kernel))
-    return len(targets)
+    return replace_linears(model, lambda linear: Int8Linear(linear, kernel))

@@ -10,6 +10,7 @@ for oneDNN. Packing happens once at load; the packed weight replaces the plain o
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -109,10 +110,19 @@ def pad_linear_rows(model: nn.Module) -> int:
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of the model by a PackedLinear, in place; returns how many were packed."""
+    return replace_linears(model, PackedLinear)
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every plain nn.Linear of the model by make(linear), in place; returns how many.
+
+    What replaces a weight holds its own copy (packed, quantized), so the model's remaining tensors are copied
+    out of the loader's file mapping too, and the original weights can go.
+    """
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     for name, linear in targets:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(linear))
+        setattr(model.get_submodule(parent) if parent else model, attr, make(linear))
     if targets:
         _copy_out_of_file_mappings(model)
     return len(targets)
