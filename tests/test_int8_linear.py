@@ -51,6 +51,18 @@ def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_kernel_runs_on_every_torch_thread(kernel):
+    # Without -fopenmp at::parallel_for silently runs on one thread: the kernel would be right, at half the speed.
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch built without OpenMP")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernel.parallel_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
     q, s = int8.quantize_weight(torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="int8_linear"):
@@ -88,8 +100,10 @@ def test_int8_needs_cpu_float32_and_a_known_name():
         LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
 
 
-@pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over KERNEL_MAX_ROWS
-def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget):
+@pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over the kernel's limit
+def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget, monkeypatch):
+    if budget == 8:
+        monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 4)
     reference, ours = build_pair("llama")
     reference = _dequantized_twin(reference)
     engine = int8_engine(ours, budget)
