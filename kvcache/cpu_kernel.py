@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,6 +29,10 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # floats everywhere, torch included, would read as 0).
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-std=c99", "-shared", "-fPIC")
+# The kernel's threads come from OpenMP. Its libgomp.so.1 resolves to the copy torch has already loaded, so
+# they are torch's own threads rather than a second runtime. Without OpenMP in torch, the pragmas are ignored
+# and the kernel runs on one thread.
+OPENMP_FLAGS = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
 
 
 def cache_dir() -> Path:
@@ -57,13 +60,13 @@ def load() -> DecodeKernel | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         source = SOURCE.read_bytes()
-        key = hashlib.sha256(source + repr(CFLAGS).encode() + version.encode() + cpu_flags().encode()).hexdigest()
+        key = hashlib.sha256(source + repr(CFLAGS + OPENMP_FLAGS).encode() + version.encode() + cpu_flags().encode()).hexdigest()
         target = cache_dir() / f"paged_decode-{key[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+                subprocess.run([cc, *CFLAGS, *OPENMP_FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
                                timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders (test workers, replicas) never see half a file
         return DecodeKernel(ctypes.CDLL(str(target)))
@@ -74,16 +77,15 @@ def load() -> DecodeKernel | None:
 
 
 class DecodeKernel:
-    """Calls the C function over slices of the batch, one slice per torch thread (ctypes releases the GIL)."""
+    """Calls the C function over the whole batch; it shares the sequences out among torch's thread count."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.path = lib._name  # the shared object loaded
         fn = lib.sluice_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 6 + [ctypes.c_float]
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
         self._fn = fn
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """fp32 CPU tensors in the layouts the kernel reads, and a head grouping it holds."""
@@ -95,47 +97,15 @@ class DecodeKernel:
             and num_heads % num_kv_heads == 0
         )
 
-    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, lens: list[int], scale: float):
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale: float):
         """query [n, H, D] → out [n, H, D]; block_tables [n, max_blocks] int64, seq_lens [n] int64 (CPU)."""
         query = query.contiguous()
         n, num_heads, head_dim = query.shape
         out = torch.empty_like(query)
-        args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr())
-        tail = (num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale)
-        parts = _split(lens, min(torch.get_num_threads(), n))
-        if len(parts) == 1:
-            self._run(args, 0, n, tail)
-            return out
-        pool = self._executor(len(parts) - 1)
-        futures = [pool.submit(self._run, args, a, b, tail) for a, b in parts[1:]]
-        self._run(args, *parts[0], tail)
-        for f in futures:
-            f.result()
-        return out
-
-    def _run(self, args, first: int, last: int, tail) -> None:
-        if self._fn(*args, first, last, *tail) != 0:
+        # ctypes releases the GIL for the call; the C side forks its OpenMP threads itself.
+        status = self._fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                          block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), 0, n, num_heads,
+                          key_cache.shape[2], head_dim, key_cache.shape[1], scale, torch.get_num_threads())
+        if status != 0:
             raise MemoryError("paged decode kernel: out of memory for its score buffer")
-
-    def _executor(self, workers: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_size != workers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sluice-attn")
-            self._pool_size = workers
-        return self._pool
-
-
-def _split(lens: list[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous index ranges of about equal total length (the work is proportional to each kv length)."""
-    if parts <= 1:
-        return [(0, len(lens))]
-    total, ranges, start, acc = sum(lens), [], 0, 0
-    for i, n in enumerate(lens):
-        acc += n
-        if acc * parts >= total * (len(ranges) + 1) and len(ranges) < parts - 1 and i + 1 < len(lens):
-            ranges.append((start, i + 1))
-            start = i + 1
-    ranges.append((start, len(lens)))
-    return ranges
+        return out

@@ -58,7 +58,6 @@ class DecodeBatch:
     num_seqs: int
     padded_len: int  # num_blocks * block_size
     seq_lens: torch.Tensor  # [n] long, device
-    lens: list[int] = field(default_factory=list)  # the same, on the host
     kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
 
@@ -161,7 +160,6 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
         num_seqs=len(idx),
         padded_len=num_blocks * block_size,
         seq_lens=to_device(lens, torch.long, device),
-        lens=lens,
         kernel=kernel,
     )
 
@@ -215,7 +213,7 @@ def _decode_attention(query, key_cache, value_cache, decode: DecodeBatch, scale,
     kernel = decode.kernel
     if kernel is not None and window is None and not softcap and kernel.supports(query, key_cache):
         tables = decode.block_ids.view(n, -1)
-        return kernel(query, key_cache, value_cache, tables, decode.seq_lens, decode.lens, scale)
+        return kernel(query, key_cache, value_cache, tables, decode.seq_lens, scale)
     num_kv_heads = key_cache.shape[2]
     # [n, L, Hkv, D] viewed as [n, Hkv, L, D]; strided, but SDPA reads it without another copy.
     k = key_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)

@@ -5,26 +5,51 @@
  * cache order with all heads of a token together, so each block is read front to back, once per pass.
  * Layouts (fp32, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
  * block_tables [n, table_stride] int64; seq_lens [n] int64. Plain C so it builds in a second with any cc.
+ * Sequences are shared out among `num_threads` OpenMP threads (built with -fopenmp, the runtime torch already
+ * loaded): Python threads beside torch's spinning OpenMP workers would fight them for the same cores.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+static int decode_range(const float *q, const float *key_cache, const float *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
+
 int sluice_paged_decode(const float *q, const float *key_cache, const float *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale) {
-    const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
-    const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+                        int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
+    int failed = 0;
     int64_t max_len = 1;
     for (int64_t i = first; i < last; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+#pragma omp parallel num_threads((int)num_threads) if (num_threads > 1 && last - first > 1) reduction(| : failed)
+    {
+        failed |= decode_range(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, first, last,
+                               num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
+    }
+    return failed;
+}
+
+/* Every sequence of [first, last) this thread is handed; 1 if its scratch buffers cannot be allocated. */
+static int decode_range(const float *q, const float *key_cache, const float *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
+    const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
+    const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
     /* scores [H][max_len]; acc [H][D] */
     float *scores = malloc(sizeof(float) * (size_t)(H * max_len));
     float *acc = malloc(sizeof(float) * (size_t)(H * D));
     float *maxs = malloc(sizeof(float) * (size_t)H), *sums = malloc(sizeof(float) * (size_t)H);
-    if (!scores || !acc || !maxs || !sums) { free(scores); free(acc); free(maxs); free(sums); return 1; }
+    /* No early return on failure: every thread of the team must reach the `omp for` below. */
+    const int ok = scores && acc && maxs && sums;
+    /* dynamic: the work per sequence is its length, and lengths differ */
+#pragma omp for schedule(dynamic)
     for (int64_t i = first; i < last; i++) {
+        if (!ok) continue;
         const int64_t len = seq_lens[i];
         const int64_t *table = block_tables + i * table_stride;
         const float *qi = q + i * H * D;
@@ -64,5 +89,5 @@ int sluice_paged_decode(const float *q, const float *key_cache, const float *val
         }
     }
     free(scores); free(acc); free(maxs); free(sums);
-    return 0;
+    return !ok;
 }
