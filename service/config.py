@@ -12,7 +12,7 @@ from sluice.knobs import knob
 from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.config import SchedulerConfig
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -41,8 +41,9 @@ class ModelConfig:
     )
     quantization: str = knob(
         "none",
-        "Weight-only quantization at load: 'none', or 'int8' (per-channel int8 linears, CPU fp32 only: a quarter "
-        "of the weight bytes per decode step; faster at small batches, slower at large ones).",
+        "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (one scale per "
+        "output channel: a quarter of the fp32 weight bytes per decode step); 'int4' (GGUF's Q4_1 layout, a "
+        "float16 scale and minimum per 32 inputs: 5 bits per weight, lossless for weights that came from Q4_1).",
         choices=QUANTIZATIONS,
     )
 

@@ -12,6 +12,7 @@ from torch import nn
 import sluice.service.engine.int8_linear as int8
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
+from sluice.service.engine import cpu_ops
 from sluice.service.engine.engine import LLMEngine
 from tests import _tiny
 from tests.test_parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
@@ -19,7 +20,7 @@ from tests.test_parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = int8.load_kernel()
+    k = cpu_ops.load()
     if k is None:
         pytest.skip("no C++ compiler to build the int8 kernel")
     return k

@@ -72,7 +72,7 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     add_config_flags(grammar)
     grammar.set_defaults(func=_grammar_command)
 
-    quant = commands.add_parser("quant", help="int8 vs fp32 on the default model: perplexity, greedy agreement.")
+    quant = commands.add_parser("quant", help="int8 and int4 vs fp32 on the default model: perplexity, greedy agreement.")
     quant.add_argument("--output", default="", help="Also write the result as JSON here.")
     quant.set_defaults(func=_quant_command)
     return bench
@@ -207,9 +207,11 @@ def _quant_command(args) -> int:
     model, tokenizer = load_model(str(ensure_default_model()), torch.device("cpu"), torch.float32)
     model.set_attn_implementation("sdpa")  # transformers' own attention: no paged cache outside the engine
     q = quant_quality(model, tokenizer)
-    print(f"perplexity fp32 {q['perplexity']['fp32']:.3f}, int8 {q['perplexity']['int8']:.3f}; greedy: "
-          f"{q['greedy_identical']}/{q['greedy_prompts']} prompts identical over {q['greedy_tokens']} tokens, "
-          f"mean agreeing prefix {100 * q['greedy_mean_agreeing_prefix']:.0f}%")
+    print(f"perplexity fp32 {q['perplexity']['fp32']:.3f}")
+    for method, g in q["greedy"].items():
+        print(f"{method}: perplexity {q['perplexity'][method]:.3f}; greedy against fp32: {g['identical']}/"
+              f"{q['greedy_prompts']} prompts identical over {q['greedy_tokens']} tokens, mean agreeing prefix "
+              f"{100 * g['mean_agreeing_prefix']:.0f}%")
     if args.output:
         Path(args.output).write_text(json.dumps(q, indent=2))
     return 0

@@ -112,7 +112,8 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print)
     # The same context capacity for everyone: llama.cpp's -c tokens of KV cache, Sluice's blocks of 16.
     sluice = [sys.executable, "-m", "sluice.service.cli", "serve", "--dtype", "float32", "--max-model-len", "2048",
               "--block-size", "16", "--num-kv-blocks", str(context // 16)]
-    commands = {"Sluice fp32": sluice, "Sluice int8": [*sluice, "--quantization", "int8"]}
+    commands = {"Sluice fp32": sluice, "Sluice int8": [*sluice, "--quantization", "int8"],
+                "Sluice int4": [*sluice, "--quantization", "int4"]}
     for name, gguf in models.items():
         commands[name] = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
     for name, cmd in commands.items():

@@ -1,7 +1,7 @@
-"""`bench quant`: what int8 weights cost in accuracy: perplexity on a fixed text and greedy agreement with fp32.
+"""`bench quant`: what int8 and int4 weights cost in accuracy: perplexity on a fixed text, greedy agreement with fp32.
 
-Both use transformers' own forward on the same loaded model, with and without `quantize_linears`, so only the
-weights differ. The text is public domain (the opening of the US Declaration of Independence), fixed so runs
+All use transformers' own forward on the same loaded model, with and without `quantize`, so only the weights
+differ. The text is public domain (the opening of the US Declaration of Independence), fixed so runs
 compare across commits.
 """
 
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from sluice.service.engine.int8_linear import quantize_linears
+from sluice.service.engine.quantize import quantize
 
 TEXT = (
     "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
@@ -52,16 +52,21 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def quant_quality(model, tokenizer, max_new_tokens: int = 64) -> dict:
-    """fp32 vs int8: perplexity of each, and how far their greedy outputs agree (prefix before the first change)."""
-    int8 = copy.deepcopy(model)
-    quantize_linears(int8)
-    ppl = {"fp32": perplexity(model, tokenizer), "int8": perplexity(int8, tokenizer)}
-    prefixes, identical = [], 0
-    for prompt in PROMPTS:
-        a, b = greedy(model, tokenizer, prompt, max_new_tokens), greedy(int8, tokenizer, prompt, max_new_tokens)
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        prefixes.append(same / len(a))
-        identical += same == len(a)
-    return {"perplexity": ppl, "greedy_prompts": len(PROMPTS), "greedy_tokens": max_new_tokens,
-            "greedy_identical": identical, "greedy_mean_agreeing_prefix": sum(prefixes) / len(prefixes)}
+def quant_quality(model, tokenizer, methods: tuple[str, ...] = ("int8", "int4"), max_new_tokens: int = 64) -> dict:
+    """fp32 vs each method: perplexity, and how far greedy outputs agree with fp32's (prefix before the first change)."""
+    result = {"perplexity": {"fp32": perplexity(model, tokenizer)}, "greedy_prompts": len(PROMPTS),
+              "greedy_tokens": max_new_tokens, "greedy": {}}
+    reference = [greedy(model, tokenizer, prompt, max_new_tokens) for prompt in PROMPTS]
+    for method in methods:
+        quantized = copy.deepcopy(model)
+        quantize(quantized, method)
+        result["perplexity"][method] = perplexity(quantized, tokenizer)
+        prefixes, identical = [], 0
+        for prompt, a in zip(PROMPTS, reference, strict=True):
+            b = greedy(quantized, tokenizer, prompt, max_new_tokens)
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            prefixes.append(same / len(a))
+            identical += same == len(a)
+        result["greedy"][method] = {"identical": identical, "mean_agreeing_prefix": sum(prefixes) / len(prefixes)}
+        del quantized
+    return result

@@ -22,6 +22,7 @@ from sluice.service.engine.cpu import configure_torch_threads, release_freed_mem
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarCompiler, GrammarState
 from sluice.service.engine.logits_controls import apply_logit_controls
+from sluice.service.engine.quantize import quantize
 
 logger = logging.getLogger("sluice.engine")
 
@@ -80,13 +81,13 @@ class LLMEngine:
         config = config or SluiceConfig()
         config.validate()
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
-        int8 = config.model.quantization == "int8"
-        if int8:
+        quantization = config.model.quantization
+        if quantization != "none":
             if config.model.dtype == "auto":
-                self.dtype = torch.float32  # int8 weights take float32 activations
+                self.dtype = torch.float32  # the quantized kernels take float32 activations
             if self.device.type != "cpu" or self.dtype != torch.float32:
-                raise ValueError(f"--quantization int8 runs on CPU with float32 activations, not {self.device} "
-                                 f"{str(self.dtype).removeprefix('torch.')}")
+                raise ValueError(f"--quantization {quantization} runs on CPU with float32 activations, not "
+                                 f"{self.device} {str(self.dtype).removeprefix('torch.')}")
         elif config.model.dtype == "auto" and model is not None:  # a given model keeps the precision it was built in
             self.dtype = next(model.parameters()).dtype
             logger.info("dtype auto: %s, the given model's", str(self.dtype).removeprefix("torch."))
@@ -103,11 +104,9 @@ class LLMEngine:
             )
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
-        if int8:
-            from sluice.service.engine.int8_linear import quantize_linears
-
+        if quantization != "none":
             start = time.perf_counter()
-            logger.info("int8: quantized %d linear layers per output channel in %.1f s", quantize_linears(model),
+            logger.info("%s: quantized %d linear layers in %.1f s", quantization, quantize(model, quantization),
                         time.perf_counter() - start)
         elif config.model.prepack_weights and can_prepack(self.device, self.dtype):
             packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)

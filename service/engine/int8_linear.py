@@ -1,59 +1,24 @@
 """Weight-only int8 linears (`--quantization int8`): a quarter of the fp32 weight bytes streamed per decode step.
 
 Weights are quantized at load, symmetric, one scale per output channel: q = round(w / s), s = max|w_row| / 127.
-Up to KERNEL_MAX_ROWS input rows run through csrc/int8_linear.cpp, which reads each int8 row once and widens it
-in registers: at batch 1 that is what bounds a decode step on CPU (memory, not arithmetic). Larger batches are
-compute-bound, where oneDNN's fp32 GEMM wins: they dequantize the weight per call and use it. The kernel is built
-once per source, flags, torch version and CPU (it uses the running CPU's vector units) into $SLUICE_CACHE_DIR/kernels;
-without a C++ compiler every batch size takes the dequantize path, which is correct but slower.
+Up to KERNEL_MAX_ROWS input rows run through csrc/int8_linear.cpp (built by `cpu_ops`), which reads each int8 row
+once and widens it in registers: at batch 1 that is what bounds a decode step on CPU (memory, not arithmetic).
+Larger batches (long prefill chunks) are compute-bound: they dequantize the weight per call and run fp32 GEMM.
+Without a C++ compiler every batch size takes the dequantize path, which is correct but slower.
 """
 
 from __future__ import annotations
-
-import functools
-import hashlib
-import logging
-import os
-import shutil
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.kvcache.cpu_kernel import cache_dir, cpu_flags
+from sluice.service.engine import cpu_ops
 from sluice.service.engine.prepack import replace_linears
 
-logger = logging.getLogger("sluice.int8")
-
-SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
-CFLAGS = ("-O3", "-march=native")
-# at::parallel_for is a header template around `#pragma omp parallel`: compiled without -fopenmp it runs on one
-# thread. Linked with -fopenmp the extension needs libgomp.so.1, which resolves to the copy torch already loaded.
-OPENMP_FLAGS = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
 # Measured on 2 Zen 4 cores over SmolLM2's linears: the kernel takes 62 ms at 32 rows, 113 at 64 and 471 at 256,
 # dequantize + GEMM 232, 178 and 625; at 512 rows they tie (916 vs 927 ms).
 KERNEL_MAX_ROWS = 512
-
-
-@functools.cache
-def load_kernel():
-    """The built extension module, or None where it cannot be built here (the dequantize path is used then)."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        logger.warning("no C++ compiler: int8 linears dequantize per call (slower)")
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        key = hashlib.sha256(SOURCE.read_bytes() + repr(CFLAGS + OPENMP_FLAGS).encode() + torch.__version__.encode()
-                             + cpu_flags().encode()).hexdigest()[:16]
-        build = cache_dir() / f"int8_linear-{key}"
-        build.mkdir(parents=True, exist_ok=True)
-        return load(name=f"sluice_int8_linear_{key}", sources=[str(SOURCE)], extra_cflags=[*CFLAGS, *OPENMP_FLAGS],
-                    extra_ldflags=list(OPENMP_FLAGS), build_directory=str(build), verbose=False)
-    except Exception as e:  # a failed build must not stop the server: it only costs speed
-        logger.warning("int8 linear kernel unavailable (%s): int8 linears dequantize per call", str(e)[-500:])
-        return None
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,5 +63,5 @@ class Int8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` (lm_head included) by an Int8Linear, in place; returns how many."""
-    kernel = load_kernel()
+    kernel = cpu_ops.load()
     return replace_linears(model, lambda linear: Int8Linear(linear, kernel))

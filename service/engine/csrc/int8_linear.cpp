@@ -3,13 +3,11 @@
 // each weight row is read once from memory, widened to float once, and used for up to kMaxRows input rows.
 // Threads split the output rows through ATen's own pool (at::parallel_for, built with -fopenmp so that it really
 // forks; the extension then shares the OpenMP runtime torch loaded). Built at run time for the CPU it runs on (AVX2 path, or scalar).
-#include <torch/extension.h>
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <mutex>
-#include <set>
-#include <thread>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -97,20 +95,4 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     }
   });
   return y;
-}
-
-// How many threads at::parallel_for really ran on: 1 where the build lost OpenMP (the kernel would then use one core).
-int64_t parallel_threads() {
-  std::mutex lock;
-  std::set<std::thread::id> seen;
-  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
-    std::lock_guard<std::mutex> guard(lock);
-    seen.insert(std::this_thread::get_id());
-  });
-  return static_cast<int64_t>(seen.size());
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear, few rows");
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
 }

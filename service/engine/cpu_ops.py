@@ -1,0 +1,52 @@
+"""The C++ CPU ops (csrc/*.cpp: weight-only int8 and int4 linears), built once into one torch extension.
+
+Built on first use with ninja and the system compiler into $SLUICE_CACHE_DIR/kernels, keyed by the sources,
+flags, torch version and CPU flags: -march=native code runs only on the CPU it was built for. A failed build
+is not fatal: `load()` returns None and the callers take their plain torch paths (correct, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from sluice.kvcache.cpu_kernel import cache_dir, cpu_flags
+
+logger = logging.getLogger("sluice.cpu_ops")
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("int8_linear.cpp", "int4_linear.cpp", "bindings.cpp")
+CFLAGS = ("-O3", "-march=native")
+# at::parallel_for is a header template around `#pragma omp parallel`: compiled without -fopenmp it runs on one
+# thread. Linked with -fopenmp the extension needs libgomp.so.1, which resolves to the copy torch already loaded.
+OPENMP_FLAGS = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
+
+
+@functools.cache
+def load():
+    """The built extension module, or None where it cannot be built here."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("no C++ compiler: quantized linears dequantize per call (slower)")
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        digest = hashlib.sha256()
+        for name in (*SOURCES, "cpu_ops.h"):
+            digest.update((CSRC / name).read_bytes())
+        digest.update((repr(CFLAGS + OPENMP_FLAGS) + torch.__version__ + cpu_flags()).encode())
+        key = digest.hexdigest()[:16]
+        directory = cache_dir() / f"cpu_ops-{key}"
+        directory.mkdir(parents=True, exist_ok=True)
+        return build(name=f"sluice_cpu_ops_{key}", sources=[str(CSRC / name) for name in SOURCES],
+                     extra_cflags=[*CFLAGS, *OPENMP_FLAGS], extra_ldflags=list(OPENMP_FLAGS),
+                     build_directory=str(directory), verbose=False)
+    except Exception as e:  # a failed build must not stop the server: it only costs speed
+        logger.warning("CPU ops unavailable (%s): quantized linears dequantize per call", str(e)[-500:])
+        return None

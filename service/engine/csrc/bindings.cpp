@@ -1,0 +1,24 @@
+// The Python module of the CPU ops; each op lives in its own file.
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <mutex>
+#include <set>
+#include <thread>
+
+int64_t parallel_threads() {
+  std::mutex lock;
+  std::set<std::thread::id> seen;
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> guard(lock);
+    seen.insert(std::this_thread::get_id());
+  });
+  return static_cast<int64_t>(seen.size());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear, few rows");
+  m.def("int4_linear", &int4_linear, "weight-only int4 linear (Q4_1 layout), few rows");
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
+}

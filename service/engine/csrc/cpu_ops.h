@@ -1,0 +1,14 @@
+// The CPU ops of the one extension built from csrc/*.cpp (see service/engine/cpu_ops.py); bindings.cpp exports them.
+#pragma once
+#include <torch/extension.h>
+
+// y = x @ dequant(q).T, q int8 [N, K] with one float scale per output row; x float32 [M, K].
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
+
+// y = x @ dequant(q).T in GGUF's Q4_1 layout: per 32 inputs of a row, 16 bytes of nibbles (byte j holds elements
+// j and j + 16) and a float16 scale d and minimum m; element = q * d + m. x float32 [M, K], K a multiple of 32.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
+                          const torch::Tensor& minimum);
+
+// How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
+int64_t parallel_threads();
