@@ -18,11 +18,10 @@ from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
 from sluice.scheduling.scheduler import Scheduler
 from sluice.service.config import SluiceConfig
-from sluice.service.engine.cpu import configure_torch_threads, release_freed_memory
+from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarCompiler, GrammarState
 from sluice.service.engine.logits_controls import apply_logit_controls
-from sluice.service.engine.quantize import quantize
 
 logger = logging.getLogger("sluice.engine")
 
@@ -76,7 +75,7 @@ class LLMEngine:
             resolve_device_dtype,
         )
         from sluice.service.engine.model_runner import ModelRunner
-        from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
+        from sluice.service.engine.weight_prep import prepare_weights
 
         config = config or SluiceConfig()
         config.validate()
@@ -104,21 +103,7 @@ class LLMEngine:
             )
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
-        if quantization != "none":
-            start = time.perf_counter()
-            logger.info("%s: quantized %d linear layers in %.1f s", quantization, quantize(model, quantization),
-                        time.perf_counter() - start)
-        elif config.model.prepack_weights and can_prepack(self.device, self.dtype):
-            packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
-            if packed:
-                logger.info("prepacked %d linear layers for oneDNN", packed)
-        elif self.device.type == "cpu" and self.dtype != torch.float32:
-            padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
-            logger.info("CPU %s: %d linears unpacked with padded row counts, decode attention on the torch path "
-                        "(oneDNN prepacking and the C decode kernel are fp32-only)",
-                        str(self.dtype).removeprefix("torch."), padded)
-        if self.device.type == "cpu":
-            release_freed_memory()  # before the KV cache is sized from what is free
+        prepare_weights(model, config.model, self.device, self.dtype)
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)

@@ -10,5 +10,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
                           const torch::Tensor& minimum);
 
+// transformers' Llama RMSNorm in float32, one pass per row: weight * (x / sqrt(mean(x^2) + eps)).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

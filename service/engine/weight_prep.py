@@ -1,0 +1,39 @@
+"""Readies a loaded model's weights for the device: quantized, oneDNN-prepacked or row-padded linears, fused norms."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from sluice.service.config import ModelConfig
+from sluice.service.engine import cpu_ops
+from sluice.service.engine.cpu import release_freed_memory
+from sluice.service.engine.fused_norm import fuse_rms_norms
+from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
+from sluice.service.engine.quantize import quantize
+
+logger = logging.getLogger("sluice.engine")
+
+
+def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Swap the model's linears and norms, in place, for the kernels this device and precision run fastest."""
+    if config.quantization != "none":
+        start = time.perf_counter()
+        logger.info("%s: quantized %d linear layers in %.1f s", config.quantization,
+                    quantize(model, config.quantization), time.perf_counter() - start)
+    elif config.prepack_weights and can_prepack(device, dtype):
+        packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
+        if packed:
+            logger.info("prepacked %d linear layers for oneDNN", packed)
+    elif device.type == "cpu" and dtype != torch.float32:
+        padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
+        logger.info("CPU %s: %d linears unpacked with padded row counts, decode attention on the torch path "
+                    "(oneDNN prepacking and the C decode kernel are fp32-only)",
+                    str(dtype).removeprefix("torch."), padded)
+    if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load() is not None:
+        logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
+    if device.type == "cpu":
+        release_freed_memory()  # before the KV cache is sized from what is free
