@@ -26,6 +26,17 @@ def smollm2(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def kernel():
+    """The built C++ CPU ops (service/engine/cpu_ops.py); the test is skipped where no compiler can build them."""
+    from sluice.service.engine import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("no C++ compiler to build the CPU ops")
+    return ops
+
+
+@pytest.fixture(scope="session")
 def anyio_backend():
     """The async integration tests run on asyncio only."""
     return "asyncio"

@@ -11,22 +11,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from sluice.service.engine import cpu_ops
 from sluice.service.engine.fused_norm import FusedRMSNorm, fuse_rms_norms
 from tests.test_parity import build_pair
 
 
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_ops.load()
-    if built is None:
-        pytest.skip("no C++ compiler to build the CPU ops")
-    return built
-
-
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm])
 @pytest.mark.parametrize("shape", [(1, 1, 576), (1, 7, 64), (3, 5, 70), (1, 200, 576)])  # 70: a tail; 200: threads
-def test_fused_norm_equals_transformers_layer(ops, cls, shape):
+def test_fused_norm_equals_transformers_layer(kernel, cls, shape):
     torch.manual_seed(sum(shape))
     norm = cls(shape[-1], eps=0.25)  # large enough that a dropped or misplaced eps shows
     with torch.no_grad():
@@ -39,7 +30,7 @@ def test_fused_norm_equals_transformers_layer(ops, cls, shape):
         assert torch.equal(fused(y), norm(y))
 
 
-def test_swaps_every_llama_norm_but_not_gemmas(ops):
+def test_swaps_every_llama_norm_but_not_gemmas(kernel):
     _, model = build_pair("llama")
     layers = model.config.num_hidden_layers
     assert fuse_rms_norms(model) == 2 * layers + 1

@@ -12,33 +12,34 @@ from torch import nn
 import sluice.service.engine.int8_linear as int8
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
-from sluice.service.engine import cpu_ops
 from sluice.service.engine.engine import LLMEngine
 from tests import _tiny
 from tests.test_parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    k = cpu_ops.load()
-    if k is None:
-        pytest.skip("no C++ compiler to build the int8 kernel")
-    return k
-
-
-def test_quantize_weight_rounds_to_within_half_a_step_per_channel():
+def test_quantize_weight_rounds_to_within_half_a_step_per_group():
     torch.manual_seed(0)
-    w = torch.randn(33, 70) * torch.linspace(0.01, 3, 33)[:, None]  # very different row ranges
-    w[5] = 0  # an all-zero row must not divide by zero
+    w = torch.randn(33, 96) * torch.linspace(0.01, 3, 33)[:, None]  # very different row ranges
+    w[5, 32:64] = 0  # an all-zero group must not divide by zero
     q, scale = int8.quantize_weight(w)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (33,)
-    err = (q.float() * scale[:, None] - w).abs()
-    assert (err <= scale[:, None] / 2 + 1e-7).all()
-    assert (q.abs().amax(1)[torch.arange(33) != 5] == 127).all()  # each row uses the full range
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (33, 3) and scale.dtype == torch.float16
+    step = scale.float().repeat_interleave(32, dim=1)
+    assert ((int8.dequantize(q, scale) - w).abs() <= step / 2 + 1e-7).all()
+    assert (q[5, 32:64] == 0).all() and scale[5, 1] == 0
+
+
+def test_weights_that_came_from_q8_0_come_back_exactly():
+    # The default model's embedding (its tied head) is dequantized Q8_0: quantizing it again must lose nothing.
+    torch.manual_seed(1)
+    q = torch.randint(-127, 128, (8, 4, 32))
+    q[..., 0] = 127  # Q8_0 maps each group's largest magnitude to +-127
+    d = (torch.rand(8, 4) * 0.01 + 1e-3).half().float()
+    w = (q.float() * d[..., None]).reshape(8, 128)
+    assert torch.equal(int8.dequantize(*int8.quantize_weight(w)), w)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
-@pytest.mark.parametrize("in_features", [16, 70, 576])  # 70: a tail after the 16-wide vector loop
+@pytest.mark.parametrize("in_features", [32, 96, 576])  # 96: an odd number of groups
 def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows, in_features, monkeypatch):
     torch.manual_seed(rows * 1000 + in_features)
     linear = nn.Linear(in_features, 130, bias=True)
@@ -65,11 +66,15 @@ def test_the_kernel_runs_on_every_torch_thread(kernel):
 
 
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
-    q, s = int8.quantize_weight(torch.randn(8, 16))
+    q, s = int8.quantize_weight(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="int8_linear"):
-        kernel.int8_linear(torch.randn(2, 15), q, s)
+        kernel.int8_linear(torch.randn(2, 48), q, s)
     with pytest.raises(RuntimeError, match="int8_linear"):
-        kernel.int8_linear(torch.randn(2, 16).double(), q, s)
+        kernel.int8_linear(torch.randn(2, 64).double(), q, s)
+    with pytest.raises(RuntimeError, match="float16 scale"):
+        kernel.int8_linear(torch.randn(2, 64), q, s.float())
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int8.quantize_weight(torch.randn(4, 40))
 
 
 def _dequantized_twin(model: nn.Module) -> nn.Module:
@@ -77,8 +82,7 @@ def _dequantized_twin(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     for module in twin.modules():
         if type(module) is nn.Linear:
-            q, scale = int8.quantize_weight(module.weight)
-            module.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+            module.weight = nn.Parameter(int8.dequantize(*int8.quantize_weight(module.weight)), requires_grad=False)
     return twin
 
 
@@ -118,10 +122,11 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, bud
 
 
 def test_quantize_linears_replaces_every_linear_and_lets_the_loaded_weights_go():
-    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 50))
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 50), nn.Linear(50, 8))
     embed_ptr = model[0].weight.data_ptr()
     assert int8.quantize_linears(model) == 2
     assert isinstance(model[1], int8.Int8Linear) and isinstance(model[3], int8.Int8Linear)
+    assert type(model[4]) is nn.Linear  # 50 inputs: no whole groups of 32, stays float32
     assert "1.weight" not in model.state_dict()  # the fp32 weight is gone, not kept beside the int8 one
     # the rest is copied, so a safetensors memory map behind the loaded weights can be released
     assert model[0].weight.data_ptr() != embed_ptr

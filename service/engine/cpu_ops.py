@@ -38,7 +38,7 @@ def load():
         from torch.utils.cpp_extension import load as build
 
         digest = hashlib.sha256()
-        for name in (*SOURCES, "cpu_ops.h"):
+        for name in (*SOURCES, "cpu_ops.h", "simd.h"):
             digest.update((CSRC / name).read_bytes())
         digest.update((repr(CFLAGS + OPENMP_FLAGS) + torch.__version__ + cpu_flags()).encode())
         key = digest.hexdigest()[:16]

@@ -7,10 +7,10 @@ unchanged. For weights that were themselves dequantized from Q4_1 (the default m
 gives back the same values, so the outputs are fp32's.
 
 Activations stay float32. (Quantizing them to int8 per group of 32, as llama.cpp does for Q4_1, was measured: on
-2 Zen 4 cores no faster than this kernel, and perplexity 7.45 against 7.10.) Up to KERNEL_MAX_ROWS rows run
+2 Zen 4 cores no faster than this kernel, and it would change the arithmetic, so outputs would drift from fp32's.) Up to KERNEL_MAX_ROWS rows run
 through csrc/int4_linear.cpp (built by `cpu_ops`); more rows, or no compiler, dequantize per call and run fp32
-GEMM. The output head becomes int8, not int4 (llama.cpp's Q4_1 files keep it at 8 bits too: in 4 bits it alone
-took SmolLM2's perplexity from 7.10 to 7.52), and so does a linear whose input size is not a multiple of 32.
+GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1 files keep it at Q8_0 too: in 4 bits it alone
+took SmolLM2's perplexity from 7.10 to 7.52). A linear whose input size is not a multiple of 32 stays float32.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.service.engine import cpu_ops
-from sluice.service.engine.int8_linear import Int8Linear
+from sluice.service.engine.int8_linear import Int8Linear, fits
 from sluice.service.engine.prepack import replace_linears
 
 logger = logging.getLogger("sluice.int4")
@@ -88,23 +88,19 @@ class Int4Linear(nn.Module):
 
 
 def quantize_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by an Int4Linear, in place (the output head, and linears whose input size
-    is not a multiple of 32, by an Int8Linear); returns how many were replaced."""
+    """Replace every nn.Linear of `model` by an Int4Linear, in place (the output head by an Int8Linear; a linear
+    whose input size is not a multiple of 32 stays float32); returns how many were replaced."""
     kernel = cpu_ops.load()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    misfits = 0
 
     def make(linear: nn.Linear) -> nn.Module:
-        nonlocal misfits
-        if linear is head:
-            return Int8Linear(linear, kernel)
-        if linear.in_features % GROUP:
-            misfits += 1
-            return Int8Linear(linear, kernel)
-        return Int4Linear(linear, kernel)
+        if not fits(linear):
+            return linear
+        return Int8Linear(linear, kernel) if linear is head else Int4Linear(linear, kernel)
 
     replaced = replace_linears(model, make)
+    misfits = sum(type(m) is nn.Linear for m in model.modules())
     if misfits:
-        logger.info("int4: %d linears have an input size not divisible by %d and became int8", misfits, GROUP)
-    return replaced
+        logger.info("int4: %d linears have an input size not divisible by %d and stay float32", misfits, GROUP)
+    return replaced - misfits

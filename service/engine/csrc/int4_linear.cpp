@@ -3,7 +3,7 @@
 // with a float16 scale d[g] and minimum m[g], element = q * d + m. So
 //   y[r, n] = sum_g d[g] * sum_j x[r, 32g + j] * q[j]  +  sum_g m[g] * sum_j x[r, 32g + j],
 // and the second term needs only each input row's group sums, computed once per call. Activations stay float32
-// (quantizing them to int8 as llama.cpp does was no faster here and cost 5% perplexity). Each weight group is read
+// (quantizing them to int8 as llama.cpp does was no faster here, and outputs would drift from fp32's). Each group is read
 // once, widened in registers and used for up to kMaxRows input rows; threads split the output rows.
 #include "cpu_ops.h"
 
@@ -12,10 +12,7 @@
 
 #include <algorithm>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SLUICE_INT4_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -34,7 +31,7 @@ void rows_dot(const float* x, const float* xsum, int64_t K, const uint8_t* qs, c
     const uint16_t* mrow = m + n * G;
     float sum[Rows];
     for (int r = 0; r < Rows; ++r) sum[r] = 0.f;
-#ifdef SLUICE_INT4_AVX2
+#ifdef SLUICE_AVX2
     // Two accumulators per row (even and odd groups), so consecutive groups do not wait on one FMA's latency.
     __m256 acc[2][Rows];
     for (int r = 0; r < Rows; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
@@ -49,12 +46,7 @@ void rows_dot(const float* x, const float* xsum, int64_t K, const uint8_t* qs, c
       const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
       const __m256 dg = _mm256_set1_ps(_cvtsh_ss(drow[g]));
       for (int r = 0; r < Rows; ++r) {
-        const float* xg = x + r * K + g * kGroup;
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xg), w0);
-        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(xg + 8), w1);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w2, t);
-        u = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w3, u);
-        acc[g & 1][r] = _mm256_fmadd_ps(_mm256_add_ps(t, u), dg, acc[g & 1][r]);
+        acc[g & 1][r] = _mm256_fmadd_ps(sluice::dot32(x + r * K + g * kGroup, w0, w1, w2, w3), dg, acc[g & 1][r]);
       }
     }
     // The minimum's term, sum_g m[g] * xsum[g], eight groups at a time.
@@ -66,9 +58,7 @@ void rows_dot(const float* x, const float* xsum, int64_t K, const uint8_t* qs, c
         a = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * G + g), a);
       }
       for (; g < G; ++g) sum[r] += _cvtsh_ss(mrow[g]) * xsum[r * G + g];
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sum[r] += _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+      sum[r] += sluice::hsum(a);
     }
 #else
     for (int64_t g = 0; g < G; ++g) {

@@ -1,70 +1,63 @@
-// Weight-only int8 linear for the few-row batches of decoding: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
-// At batch 1 a linear only streams its weight once, so the int8 row (a quarter of the fp32 bytes) is the cost;
-// each weight row is read once from memory, widened to float once, and used for up to kMaxRows input rows.
-// Threads split the output rows through ATen's own pool (at::parallel_for, built with -fopenmp so that it really
-// forks; the extension then shares the OpenMP runtime torch loaded). Built at run time for the CPU it runs on (AVX2 path, or scalar).
+// Weight-only int8 linear in GGUF's Q8_0 layout, for the few-row batches of decoding. A row of q holds K / 32
+// groups of 32 int8 values with a float16 scale d[g] each, element = q * d, so
+//   y[r, n] = sum_g d[g] * sum_j x[r, 32g + j] * q[32g + j].
+// At batch 1 a linear streams its weight once, so the int8 bytes (a quarter of fp32's, plus 1/16 for the scales)
+// are the cost: each weight group is read once, widened to float in registers and used for up to kMaxRows input
+// rows. Threads split the output rows through ATen's pool (at::parallel_for, built with -fopenmp so that it really
+// forks; the extension then shares the OpenMP runtime torch loaded). Built at run time for the CPU it runs on.
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
+constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxRows = 4;
 
 template <int Rows>
-void rows_dot(const float* x, int64_t K, const int8_t* q, int64_t n0, int64_t n1, const float* scale, float* y,
+void rows_dot(const float* x, int64_t K, const int8_t* q, const uint16_t* d, int64_t n0, int64_t n1, float* y,
               int64_t N) {
+  const int64_t G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = q + n * K;
+    const uint16_t* drow = d + n * G;
     float sum[Rows];
-    int64_t k = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc0[Rows], acc1[Rows];
-    for (int r = 0; r < Rows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    if constexpr (Rows == 1) {
-      // One row has only two FMA chains above; four more hide the FMA latency, so the loop runs at memory speed.
-      __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-      for (; k + 32 <= K; k += 32) {
-        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
-        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
-        acc0[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)), acc0[0]);
-        acc1[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8),
-                                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8))), acc1[0]);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24),
-                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8))), acc3);
-      }
-      acc0[0] = _mm256_add_ps(acc0[0], acc2);
-      acc1[0] = _mm256_add_ps(acc1[0], acc3);
-    }
-    for (; k + 16 <= K; k += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+#ifdef SLUICE_AVX2
+    // Two accumulators per row (even and odd groups), so consecutive groups do not wait on one FMA's latency.
+    __m256 acc[2][Rows];
+    for (int r = 0; r < Rows; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* qg = row + g * kGroup;
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+      const __m256 dg = _mm256_set1_ps(_cvtsh_ss(drow[g]));
       for (int r = 0; r < Rows; ++r) {
-        acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, acc1[r]);
+        acc[g & 1][r] = _mm256_fmadd_ps(sluice::dot32(x + r * K + g * kGroup, w0, w1, w2, w3), dg, acc[g & 1][r]);
       }
     }
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 a = _mm256_add_ps(acc0[r], acc1[r]);
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sum[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-    }
+    for (int r = 0; r < Rows; ++r) sum[r] = sluice::hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
 #else
     for (int r = 0; r < Rows; ++r) sum[r] = 0.f;
-#endif
-    for (; k < K; ++k) {
-      const float w = static_cast<float>(row[k]);
-      for (int r = 0; r < Rows; ++r) sum[r] += x[r * K + k] * w;
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* qg = row + g * kGroup;
+      const float dg = static_cast<float>(c10::Half(drow[g], c10::Half::from_bits()));
+      for (int r = 0; r < Rows; ++r) {
+        const float* xg = x + r * K + g * kGroup;
+        float t = 0.f;
+        for (int j = 0; j < kGroup; ++j) t += xg[j] * static_cast<float>(qg[j]);
+        sum[r] += dg * t;
+      }
     }
-    for (int r = 0; r < Rows; ++r) y[r * N + n] = sum[r] * scale[n];
+#endif
+    for (int r = 0; r < Rows; ++r) y[r * N + n] = sum[r];
   }
 }
 
@@ -72,25 +65,29 @@ void rows_dot(const float* x, int64_t K, const int8_t* q, int64_t n0, int64_t n1
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "int8_linear: x [M, K], q [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-              "int8_linear: float32 x, int8 q, float32 scale");
-  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.numel() == q.size(0), "int8_linear: layout");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf,
+              "int8_linear: float32 x, int8 q, float16 scale");
+  const int64_t K = x.size(1), G = K / kGroup, N = q.size(0);
+  TORCH_CHECK(K % kGroup == 0, "int8_linear: K must be a multiple of 32");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == N &&
+                  scale.size(1) == G,
+              "int8_linear: q [N, K] and scale [N, K / 32], contiguous");
   const torch::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = q.size(0);
+  const int64_t M = xc.size(0);
   torch::Tensor y = torch::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kMaxRows) {
       const float* xm = xp + m * K;
       float* ym = yp + m * N;
       switch (std::min(kMaxRows, M - m)) {
-        case 1: rows_dot<1>(xm, K, qp, n0, n1, sp, ym, N); break;
-        case 2: rows_dot<2>(xm, K, qp, n0, n1, sp, ym, N); break;
-        case 3: rows_dot<3>(xm, K, qp, n0, n1, sp, ym, N); break;
-        default: rows_dot<4>(xm, K, qp, n0, n1, sp, ym, N); break;
+        case 1: rows_dot<1>(xm, K, qp, dp, n0, n1, ym, N); break;
+        case 2: rows_dot<2>(xm, K, qp, dp, n0, n1, ym, N); break;
+        case 3: rows_dot<3>(xm, K, qp, dp, n0, n1, ym, N); break;
+        default: rows_dot<4>(xm, K, qp, dp, n0, n1, ym, N); break;
       }
     }
   });

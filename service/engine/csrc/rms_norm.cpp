@@ -7,27 +7,21 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SLUICE_NORM_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
 float sum_of_squares(const float* x, int64_t H) {
   int64_t k = 0;
   float total = 0.f;
-#ifdef SLUICE_NORM_AVX2
+#ifdef SLUICE_AVX2
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   for (; k + 16 <= H; k += 16) {
     const __m256 v0 = _mm256_loadu_ps(x + k), v1 = _mm256_loadu_ps(x + k + 8);
     a0 = _mm256_fmadd_ps(v0, v0, a0);
     a1 = _mm256_fmadd_ps(v1, v1, a1);
   }
-  const __m256 a = _mm256_add_ps(a0, a1);
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  total = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  total = sluice::hsum(_mm256_add_ps(a0, a1));
 #endif
   for (; k < H; ++k) total += x[k] * x[k];
   return total;
