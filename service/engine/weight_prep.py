@@ -18,12 +18,13 @@ from sluice.service.engine.quantize import quantize
 logger = logging.getLogger("sluice.engine")
 
 
-def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    gguf_types: dict[str, str] | None = None) -> None:
     """Swap the model's linears and norms, in place, for the kernels this device and precision run fastest."""
     if config.quantization != "none":
         start = time.perf_counter()
         logger.info("%s: quantized %d linear layers in %.1f s", config.quantization,
-                    quantize(model, config.quantization), time.perf_counter() - start)
+                    quantize(model, config.quantization, gguf_types), time.perf_counter() - start)
     elif config.prepack_weights and can_prepack(device, dtype):
         packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
         if packed:

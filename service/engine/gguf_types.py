@@ -1,0 +1,62 @@
+"""The GGUF block type each linear's weight was stored in, for `--quantization gguf`.
+
+A checkpoint converted from a GGUF (the default model, or `--model file.gguf`) holds dequantized float32 weights.
+Q4_1 and Q8_0 blocks requantize into the int4 and int8 linears' layouts bit for bit (the same scales, minimums and
+codes: `tests/test_gguf_types.py` checks them against the file's raw blocks), so serving every linear in its GGUF
+type serves exactly the file's weights. The types are read from the GGUF's tensor table at conversion time and
+kept beside the safetensors as gguf_types.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from torch import nn
+
+TYPES_FILE = "gguf_types.json"
+
+
+def read_linear_types(gguf_path: Path, model: nn.Module) -> dict[str, str]:
+    """{linear module name: GGUF type name ("Q4_1", "Q8_0", "F32", ...)} for the linears of `model`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    field = reader.fields[gguf.KEY_GENERAL_ARCHITECTURE]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
+    if arch is None:
+        raise ValueError(f"{gguf_path.name}: unknown GGUF architecture {arch_name!r}")
+    names = gguf.get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    stored = {t.name: t.tensor_type.name for t in reader.tensors}
+
+    def stored_type(module_name: str) -> str | None:
+        gguf_name = names.get_name(module_name)
+        return stored.get(f"{gguf_name}.weight") if gguf_name else None
+
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    embed_name = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
+    types = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            found = stored_type(name)
+            if found is None and module is head:  # a head tied to the embedding has no tensor of its own
+                found = stored_type(embed_name)
+            if found is not None:
+                types[name] = found
+    return types
+
+
+def save(types: dict[str, str], directory: Path) -> None:
+    """Write gguf_types.json into a converted checkpoint's directory."""
+    staged = directory / f".{TYPES_FILE}.{os.getpid()}"
+    staged.write_text(json.dumps(types, indent=1, sort_keys=True))
+    os.replace(staged, directory / TYPES_FILE)  # atomic: a concurrent reader never sees half a file
+
+
+def load(directory: Path) -> dict[str, str] | None:
+    """The types saved beside a converted checkpoint, or None."""
+    path = directory / TYPES_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
