@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define PARALLEL_MIN_WORK (1 << 20) /* query-key products of a call below which one thread does it all */
+
 static int decode_range(const float *q, const float *key_cache, const float *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
@@ -23,9 +25,15 @@ int sluice_paged_decode(const float *q, const float *key_cache, const float *val
                         float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
     int failed = 0;
-    int64_t max_len = 1;
-    for (int64_t i = first; i < last; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-#pragma omp parallel num_threads((int)num_threads) if (num_threads > 1 && last - first > 1) reduction(| : failed)
+    int64_t max_len = 1, tokens = 0;
+    for (int64_t i = first; i < last; i++) {
+        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+        tokens += seq_lens[i];
+    }
+    /* Small batches stay on this thread: a parallel region costs a fork and join, and afterwards torch's OpenMP
+     * workers spin for a while, taking a core from the server's event loop. */
+    const int parallel = num_threads > 1 && last - first > 1 && tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
+#pragma omp parallel num_threads((int)num_threads) if (parallel) reduction(| : failed)
     {
         failed |= decode_range(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, first, last,
                                num_heads, num_kv_heads, head_dim, block_size, scale, max_len);

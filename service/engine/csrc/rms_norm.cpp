@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include "simd.h"
 
@@ -39,7 +40,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const float* xp = xc.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  // Threads only for prefill-sized inputs: a decode batch's norm is microseconds of work, less than a fork and join.
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(H, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * H;
       float* orow = op + r * H;
