@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sluice.service.config import SluiceConfig
-from sluice.service.engine import model_loader
+from sluice.service.engine import cpu_ops, model_loader
+from sluice.service.engine.bf16_linear import Bf16DecodeLinear
 from sluice.service.engine.cpu import native_bf16_flags
 from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
 from sluice.service.engine.prepack import PackedLinear, PaddedLinear, pad_linear_rows, unpack_linears
@@ -87,7 +88,10 @@ def test_bf16_engine_skips_prepacking_and_the_c_kernel_and_still_generates(tmp_p
     assert eng.runner.kv.kv.dtype == torch.bfloat16
     assert packed(eng) == 0 and eng.runner.decode_kernel is None
     linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is PaddedLinear for m in linears)
+    assert linears and all(isinstance(m, PaddedLinear) for m in linears)
+    ops = cpu_ops.load()  # built for the real CPU: its decode kernel exists only with real AVX512_BF16
+    native = ops is not None and ops.bf16_linear_is_native()
+    assert all((type(m) is Bf16DecodeLinear) == native for m in linears)
     assert "dtype auto: bfloat16 on cpu, as the CPU multiplies bf16 natively (avx512_bf16)" in caplog.text
     assert "linears unpacked with padded row counts, decode attention on the torch path" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

@@ -10,6 +10,8 @@ from torch import nn
 
 from sluice.service.config import ModelConfig
 from sluice.service.engine import cpu_ops
+from sluice.service.engine.bf16_linear import KERNEL_MAX_ROWS as BF16_KERNEL_MAX_ROWS
+from sluice.service.engine.bf16_linear import use_bf16_kernel
 from sluice.service.engine.cpu import release_freed_memory
 from sluice.service.engine.fused_norm import fuse_rms_norms
 from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
@@ -34,6 +36,9 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         logger.info("CPU %s: %d linears unpacked with padded row counts, decode attention on the torch path "
                     "(oneDNN prepacking and the C decode kernel are fp32-only)",
                     str(dtype).removeprefix("torch."), padded)
+        if dtype == torch.bfloat16 and (ops := cpu_ops.load()) is not None and ops.bf16_linear_is_native():
+            logger.info("bf16: %d linears run batches of up to %d rows in the AVX512_BF16 kernel",
+                        use_bf16_kernel(model), BF16_KERNEL_MAX_ROWS)
     if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load() is not None:
         logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
     if device.type == "cpu":

@@ -10,6 +10,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
                           const torch::Tensor& minimum);
 
+// y = x @ w.T in bfloat16 (float32 accumulation) for few rows; AVX512_BF16 where built for it, else scalar.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
+// Whether bf16_linear was built with AVX512_BF16 (the only case where it beats torch's own bf16 linear).
+bool bf16_linear_is_native();
+
 // transformers' Llama RMSNorm in float32, one pass per row: weight * (x / sqrt(mean(x^2) + eps)).
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
