@@ -59,7 +59,7 @@ def load() -> DecodeKernel | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        source = SOURCE.read_bytes()
+        source = SOURCE.read_bytes() + SOURCE.with_name("paged_decode_body.h").read_bytes()
         key = hashlib.sha256(source + repr(CFLAGS + OPENMP_FLAGS).encode() + version.encode() + cpu_flags().encode()).hexdigest()
         target = cache_dir() / f"paged_decode-{key[:16]}.so"
         if not target.exists():
@@ -81,18 +81,21 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.path = lib._name  # the shared object loaded
-        fn = lib.sluice_paged_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
-        self._fn = fn
+        self._fns = {}
+        for dtype, name in ((torch.float32, "sluice_paged_decode"), (torch.bfloat16, "sluice_paged_decode_bf16")):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+                [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+            self._fns[dtype] = fn
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """fp32 CPU tensors in the layouts the kernel reads, and a head grouping it holds."""
+        """float32 or bfloat16 CPU tensors in the layouts the kernel reads, and a head grouping it holds."""
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
         return (
             query.device.type == "cpu"
-            and query.dtype == key_cache.dtype == torch.float32
+            and query.dtype == key_cache.dtype
+            and query.dtype in self._fns
             and key_cache.is_contiguous()
             and num_heads % num_kv_heads == 0
         )
@@ -103,7 +106,7 @@ class DecodeKernel:
         n, num_heads, head_dim = query.shape
         out = torch.empty_like(query)
         # ctypes releases the GIL for the call; the C side forks its OpenMP threads itself.
-        status = self._fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        status = self._fns[query.dtype](query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                           block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), 0, n, num_heads,
                           key_cache.shape[2], head_dim, key_cache.shape[1], scale, torch.get_num_threads())
         if status != 0:

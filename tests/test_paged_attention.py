@@ -104,6 +104,18 @@ def test_matches_dense_reference(block_size, mix, heads, decodes):
     assert err < 1e-4
 
 
+@pytest.mark.parametrize("mix", ["decodes", "mixed"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_c_kernel_reads_a_bf16_cache(mix, block_size):
+    kernel = decode_kernel()
+    err_c, out_c = run_case(MIXES[mix], block_size, dtype=torch.bfloat16, kernel=kernel)
+    err_t, out_t = run_case(MIXES[mix], block_size, dtype=torch.bfloat16)
+    assert out_c.dtype == torch.bfloat16
+    # the reference runs on the same bf16-rounded inputs: what is left is float32 sums and one bf16 rounding
+    assert err_c < 2e-2 and err_t < 2e-2
+    torch.testing.assert_close(out_c.float(), out_t.float(), rtol=2**-7, atol=2e-2)
+
+
 def test_c_kernel_spreads_a_large_batch_over_threads_and_matches_torch():
     kernel = decode_kernel()
     rng = random.Random(5)

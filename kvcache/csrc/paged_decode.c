@@ -3,7 +3,7 @@
  * One query token per sequence. For sequences [first, last), every query head scores every cached token of
  * its KV head (GQA: H / Hkv query heads share one), takes a softmax and sums the values. Tokens are visited in
  * cache order with all heads of a token together, so each block is read front to back, once per pass.
- * Layouts (fp32, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+ * Layouts (float32 or bfloat16, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
  * block_tables [n, table_stride] int64; seq_lens [n] int64. Plain C so it builds in a second with any cc.
  * Sequences are shared out among `num_threads` OpenMP threads (built with -fopenmp, the runtime torch already
  * loaded): Python threads beside torch's spinning OpenMP workers would fight them for the same cores.
@@ -15,87 +15,34 @@
 
 #define PARALLEL_MIN_WORK (1 << 20) /* query-key products of a call below which one thread does it all */
 
-static int decode_range(const float *q, const float *key_cache, const float *value_cache,
-                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
-
-int sluice_paged_decode(const float *q, const float *key_cache, const float *value_cache,
-                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
-    int failed = 0;
-    int64_t max_len = 1, tokens = 0;
-    for (int64_t i = first; i < last; i++) {
-        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-        tokens += seq_lens[i];
-    }
-    /* Small batches stay on this thread: a parallel region costs a fork and join, and afterwards torch's OpenMP
-     * workers spin for a while, taking a core from the server's event loop. */
-    const int parallel = num_threads > 1 && last - first > 1 && tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
-#pragma omp parallel num_threads((int)num_threads) if (parallel) reduction(| : failed)
-    {
-        failed |= decode_range(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, first, last,
-                               num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
-    }
-    return failed;
+static inline float bf16_to_float(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-/* Every sequence of [first, last) this thread is handed; 1 if its scratch buffers cannot be allocated. */
-static int decode_range(const float *q, const float *key_cache, const float *value_cache,
-                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        float *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
-    const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
-    const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
-    /* scores [H][max_len]; acc [H][D] */
-    float *scores = malloc(sizeof(float) * (size_t)(H * max_len));
-    float *acc = malloc(sizeof(float) * (size_t)(H * D));
-    float *maxs = malloc(sizeof(float) * (size_t)H), *sums = malloc(sizeof(float) * (size_t)H);
-    /* No early return on failure: every thread of the team must reach the `omp for` below. */
-    const int ok = scores && acc && maxs && sums;
-    /* dynamic: the work per sequence is its length, and lengths differ */
-#pragma omp for schedule(dynamic)
-    for (int64_t i = first; i < last; i++) {
-        if (!ok) continue;
-        const int64_t len = seq_lens[i];
-        const int64_t *table = block_tables + i * table_stride;
-        const float *qi = q + i * H * D;
-        for (int64_t hq = 0; hq < H; hq++) maxs[hq] = -INFINITY;
-        /* Pass 1: scores. Tokens in cache order, every head of a token together: a block is read front to back. */
-        for (int64_t t = 0; t < len; t++) {
-            const float *k = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-            for (int64_t hq = 0; hq < H; hq++) {
-                const float *kh = k + (hq / groups) * D, *qh = qi + hq * D;
-                float s = 0.f;
-                for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
-                s *= scale;
-                scores[hq * max_len + t] = s;
-                if (s > maxs[hq]) maxs[hq] = s;
-            }
-        }
-        for (int64_t hq = 0; hq < H; hq++) {
-            float *sc = scores + hq * max_len, sum = 0.f;
-            const float m = maxs[hq];
-            for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
-            sums[hq] = sum;
-        }
-        /* Pass 2: weighted sum of the values, again block by block. */
-        memset(acc, 0, sizeof(float) * (size_t)(H * D));
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-            for (int64_t hq = 0; hq < H; hq++) {
-                const float p = scores[hq * max_len + t], *vh = v + (hq / groups) * D;
-                float *a = acc + hq * D;
-                for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
-            }
-        }
-        for (int64_t hq = 0; hq < H; hq++) {
-            const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
-            float *o = out + (i * H + hq) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[hq * D + d] * inv;
-        }
-    }
-    free(scores); free(acc); free(maxs); free(sums);
-    return !ok;
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
+
+/* float32: sluice_paged_decode */
+#define KV_T float
+#define LOAD(x) (x)
+#define STORE(x) (x)
+#define NAME(f) f
+#include "paged_decode_body.h"
+#undef KV_T
+#undef LOAD
+#undef STORE
+#undef NAME
+
+/* bfloat16 (as uint16_t bits): sluice_paged_decode_bf16 */
+#define KV_T uint16_t
+#define LOAD(x) bf16_to_float(x)
+#define STORE(x) float_to_bf16(x)
+#define NAME(f) f##_bf16
+#include "paged_decode_body.h"

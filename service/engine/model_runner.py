@@ -64,7 +64,7 @@ class ModelRunner:
         )
         self.kv_cache_bytes = self.kv.num_bytes
         self.decode_kernel = None
-        if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype == torch.float32:
+        if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.decode_kernel = load_decode_kernel()
         # Models whose forward lacks logits_to_keep get full logits, sliced afterwards (correct, just slower).
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -33,8 +33,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
             logger.info("prepacked %d linear layers for oneDNN", packed)
     elif device.type == "cpu" and dtype != torch.float32:
         padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
-        logger.info("CPU %s: %d linears unpacked with padded row counts, decode attention on the torch path "
-                    "(oneDNN prepacking and the C decode kernel are fp32-only)",
+        logger.info("CPU %s: %d linears unpacked with padded row counts (oneDNN prepacking is fp32-only)",
                     str(dtype).removeprefix("torch."), padded)
         if dtype == torch.bfloat16 and (ops := cpu_ops.load()) is not None and ops.bf16_linear_is_native():
             logger.info("bf16: %d linears run batches of up to %d rows in the AVX512_BF16 kernel",

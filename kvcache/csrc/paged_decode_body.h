@@ -1,0 +1,90 @@
+/* The decode kernel's body, included by paged_decode.c once per element type: KV_T is the type of q, the caches
+ * and out; LOAD(x) reads one as float32, STORE(x) writes a float32 back; NAME(f) names this type's functions.
+ * Arithmetic is float32 for every type. */
+static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        KV_T *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
+
+int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        KV_T *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
+    int failed = 0;
+    int64_t max_len = 1, tokens = 0;
+    for (int64_t i = first; i < last; i++) {
+        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+        tokens += seq_lens[i];
+    }
+    /* Small batches stay on this thread: a parallel region costs a fork and join, and afterwards torch's OpenMP
+     * workers spin for a while, taking a core from the server's event loop. */
+    const int parallel = num_threads > 1 && last - first > 1 && tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
+#pragma omp parallel num_threads((int)num_threads) if (parallel) reduction(| : failed)
+    {
+        failed |= NAME(decode_range)(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, first, last,
+                               num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
+    }
+    return failed;
+}
+
+/* Every sequence of [first, last) this thread is handed; 1 if its scratch buffers cannot be allocated. */
+static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                        KV_T *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
+    const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
+    const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+    /* scores [H][max_len]; acc [H][D] */
+    float *scores = malloc(sizeof(float) * (size_t)(H * max_len));
+    float *acc = malloc(sizeof(float) * (size_t)(H * D));
+    float *maxs = malloc(sizeof(float) * (size_t)H), *sums = malloc(sizeof(float) * (size_t)H);
+    float *qi = malloc(sizeof(float) * (size_t)(H * D)); /* this sequence's query, as float32 */
+    /* No early return on failure: every thread of the team must reach the `omp for` below. */
+    const int ok = scores && acc && maxs && sums && qi;
+    /* dynamic: the work per sequence is its length, and lengths differ */
+#pragma omp for schedule(dynamic)
+    for (int64_t i = first; i < last; i++) {
+        if (!ok) continue;
+        const int64_t len = seq_lens[i];
+        const int64_t *table = block_tables + i * table_stride;
+        for (int64_t j = 0; j < H * D; j++) qi[j] = LOAD(q[i * H * D + j]);
+        for (int64_t hq = 0; hq < H; hq++) maxs[hq] = -INFINITY;
+        /* Pass 1: scores. Tokens in cache order, every head of a token together: a block is read front to back. */
+        for (int64_t t = 0; t < len; t++) {
+            const KV_T *k = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t hq = 0; hq < H; hq++) {
+                const KV_T *kh = k + (hq / groups) * D;
+                const float *qh = qi + hq * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kh[d]);
+                s *= scale;
+                scores[hq * max_len + t] = s;
+                if (s > maxs[hq]) maxs[hq] = s;
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++) {
+            float *sc = scores + hq * max_len, sum = 0.f;
+            const float m = maxs[hq];
+            for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+            sums[hq] = sum;
+        }
+        /* Pass 2: weighted sum of the values, again block by block. */
+        memset(acc, 0, sizeof(float) * (size_t)(H * D));
+        for (int64_t t = 0; t < len; t++) {
+            const KV_T *v = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t hq = 0; hq < H; hq++) {
+                const float p = scores[hq * max_len + t];
+                const KV_T *vh = v + (hq / groups) * D;
+                float *a = acc + hq * D;
+                for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vh[d]);
+            }
+        }
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
+            KV_T *o = out + (i * H + hq) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[hq * D + d] * inv);
+        }
+    }
+    free(scores); free(acc); free(maxs); free(sums); free(qi);
+    return !ok;
+}
