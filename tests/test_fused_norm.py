@@ -26,8 +26,23 @@ def test_fused_norm_equals_transformers_layer(kernel, cls, shape):
     fused = FusedRMSNorm(norm)
     with torch.inference_mode():
         torch.testing.assert_close(fused(x), norm(x), rtol=1e-5, atol=1e-6)
-        y = x.bfloat16()  # not float32: the eager formula, exactly transformers'
+        y = x.half()  # neither float32 nor bf16: the eager formula, exactly transformers'
         assert torch.equal(fused(y), norm(y))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 70), (1, 600, 576)])
+def test_fused_bf16_norm_rounds_where_transformers_does(kernel, shape):
+    torch.manual_seed(sum(shape))
+    norm = LlamaRMSNorm(shape[-1], eps=0.25).bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(shape).bfloat16()
+    with torch.inference_mode():
+        got, want = FusedRMSNorm(norm)(x), norm(x)
+    assert got.dtype == torch.bfloat16
+    # the same two bf16 roundings; the float32 sum of squares may differ in its last bits and flip a rounding
+    assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    assert (got != want).float().mean() < 0.01
 
 
 def test_swaps_every_llama_norm_but_not_gemmas(kernel):

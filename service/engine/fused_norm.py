@@ -1,4 +1,4 @@
-"""RMSNorm layers run as one C++ op on CPU float32 (csrc/rms_norm.cpp) instead of eight eager ops.
+"""RMSNorm layers run as one C++ op on CPU, float32 or bf16 (csrc/rms_norm.cpp), instead of eight eager ops.
 
 Like transformers' own kernel hub (`use_kernel_forward_from_hub("RMSNorm")`), this swaps a layer's forward for a
 kernel that computes the same thing. A layer is swapped only if its class's `forward` is, source for source,
@@ -17,6 +17,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from sluice.service.engine import cpu_ops
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @functools.cache
 def _computes_llama_rms_norm(cls: type) -> bool:
@@ -27,7 +29,7 @@ def _computes_llama_rms_norm(cls: type) -> bool:
 
 
 class FusedRMSNorm(nn.Module):
-    """A Llama RMSNorm whose float32 CPU forward is one C++ op; any other input takes the eager formula."""
+    """A Llama RMSNorm whose float32 or bf16 CPU forward is one C++ op; any other input takes the eager formula."""
 
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -35,9 +37,9 @@ class FusedRMSNorm(nn.Module):
         self.variance_epsilon = norm.variance_epsilon
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """weight * (x / sqrt(mean(x^2) + eps)), computed in float32."""
+        """weight * (x / sqrt(mean(x^2) + eps)), the statistics in float32."""
         ops = cpu_ops.load()  # looked up, not held: a module attribute would make the layer impossible to deepcopy
-        if ops is not None and hidden_states.dtype == self.weight.dtype == torch.float32 \
+        if ops is not None and hidden_states.dtype == self.weight.dtype in FUSED_DTYPES \
                 and hidden_states.device.type == "cpu":
             return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
         input_dtype = hidden_states.dtype

@@ -13,7 +13,7 @@ from sluice.service.engine import cpu_ops
 from sluice.service.engine.bf16_linear import KERNEL_MAX_ROWS as BF16_KERNEL_MAX_ROWS
 from sluice.service.engine.bf16_linear import use_bf16_kernel
 from sluice.service.engine.cpu import release_freed_memory
-from sluice.service.engine.fused_norm import fuse_rms_norms
+from sluice.service.engine.fused_norm import FUSED_DTYPES, fuse_rms_norms
 from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
 from sluice.service.engine.quantize import quantize
 
@@ -38,7 +38,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         if dtype == torch.bfloat16 and (ops := cpu_ops.load()) is not None and ops.bf16_linear_is_native():
             logger.info("bf16: %d linears run batches of up to %d rows in the AVX512_BF16 kernel",
                         use_bf16_kernel(model), BF16_KERNEL_MAX_ROWS)
-    if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load() is not None:
+    if device.type == "cpu" and dtype in FUSED_DTYPES and cpu_ops.load() is not None:
         logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free

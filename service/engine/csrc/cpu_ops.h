@@ -15,7 +15,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 // Whether bf16_linear was built with AVX512_BF16 (the only case where it beats torch's own bf16 linear).
 bool bf16_linear_is_native();
 
-// transformers' Llama RMSNorm in float32, one pass per row: weight * (x / sqrt(mean(x^2) + eps)).
+// transformers' Llama RMSNorm, one pass per row: weight * (x / sqrt(mean(x^2) + eps)); float32 or bfloat16.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
