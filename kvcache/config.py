@@ -59,8 +59,8 @@ class CacheConfig:
     )
     cpu_decode_kernel: bool = knob(
         True,
-        "CPU fp32: decode attention in a small C kernel that reads the paged cache in place (built on first use "
-        "with the system C compiler; the torch path when none is found).",
+        "CPU fp32 or bf16: decode attention in a small C kernel that reads the paged cache in place (built on "
+        "first use with the system C compiler; the torch path when none is found).",
         flag="--no-cpu-decode-kernel",
     )
     attention_backend: str = knob(
