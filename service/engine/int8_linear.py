@@ -21,9 +21,9 @@ from sluice.service.engine.prepack import replace_linears
 
 logger = logging.getLogger("sluice.quantize")
 
-# Measured on 2 Zen 4 cores over SmolLM2's linears (per-channel scales then): the kernel took 62 ms at 32 rows,
-# 113 at 64 and 471 at 256, dequantize + GEMM 232, 178 and 625; at 512 rows they tied (916 vs 927 ms).
-KERNEL_MAX_ROWS = 512
+# Measured on 2 Zen 4 cores over SmolLM2's linears: the kernel takes 77 ms at 32 rows, 153 at 64, 304 at 128 and
+# 621 at 256; dequantize + GEMM 172, 221, 318 and 516.
+KERNEL_MAX_ROWS = 128
 GROUP = 32
 
 
