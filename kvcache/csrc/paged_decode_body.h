@@ -27,6 +27,9 @@ int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *
     return failed;
 }
 
+/* Where token t's K or V row of this head lies in the paged cache. */
+#define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
+
 /* Every sequence of [first, last) this thread is handed; 1 if its scratch buffers cannot be allocated. */
 static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
@@ -37,10 +40,10 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
     /* scores [H][max_len]; acc [H][D] */
     float *scores = malloc(sizeof(float) * (size_t)(H * max_len));
     float *acc = malloc(sizeof(float) * (size_t)(H * D));
-    float *maxs = malloc(sizeof(float) * (size_t)H), *sums = malloc(sizeof(float) * (size_t)H);
+    float *sums = malloc(sizeof(float) * (size_t)H);
     float *qi = malloc(sizeof(float) * (size_t)(H * D)); /* this sequence's query, as float32 */
     /* No early return on failure: every thread of the team must reach the `omp for` below. */
-    const int ok = scores && acc && maxs && sums && qi;
+    const int ok = scores && acc && sums && qi;
     /* dynamic: the work per sequence is its length, and lengths differ */
 #pragma omp for schedule(dynamic)
     for (int64_t i = first; i < last; i++) {
@@ -48,35 +51,55 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
         const int64_t len = seq_lens[i];
         const int64_t *table = block_tables + i * table_stride;
         for (int64_t j = 0; j < H * D; j++) qi[j] = LOAD(q[i * H * D + j]);
-        for (int64_t hq = 0; hq < H; hq++) maxs[hq] = -INFINITY;
-        /* Pass 1: scores. Tokens in cache order, every head of a token together: a block is read front to back. */
-        for (int64_t t = 0; t < len; t++) {
-            const KV_T *k = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-            for (int64_t hq = 0; hq < H; hq++) {
-                const KV_T *kh = k + (hq / groups) * D;
-                const float *qh = qi + hq * D;
-                float s = 0.f;
-                for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kh[d]);
-                s *= scale;
-                scores[hq * max_len + t] = s;
-                if (s > maxs[hq]) maxs[hq] = s;
-            }
-        }
+        /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
+         * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
         for (int64_t hq = 0; hq < H; hq++) {
-            float *sc = scores + hq * max_len, sum = 0.f;
-            const float m = maxs[hq];
-            for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+            const float *qh = qi + hq * D;
+            const int64_t head = (hq / groups) * D;
+            float *sc = scores + hq * max_len, m = -INFINITY;
+            int64_t t = 0;
+            for (; t + 4 <= len; t += 4) {
+                const KV_T *k0 = KV_ROW(key_cache, t);
+                const KV_T *k1 = KV_ROW(key_cache, t + 1);
+                const KV_T *k2 = KV_ROW(key_cache, t + 2);
+                const KV_T *k3 = KV_ROW(key_cache, t + 3);
+                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+                for (int64_t d = 0; d < D; d++) {
+                    s0 += qh[d] * LOAD(k0[d]);
+                    s1 += qh[d] * LOAD(k1[d]);
+                    s2 += qh[d] * LOAD(k2[d]);
+                    s3 += qh[d] * LOAD(k3[d]);
+                }
+                sc[t] = s0 * scale, sc[t + 1] = s1 * scale, sc[t + 2] = s2 * scale, sc[t + 3] = s3 * scale;
+            }
+            for (; t < len; t++) {
+                const KV_T *kt = KV_ROW(key_cache, t);
+                float s = 0.f;
+                for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
+                sc[t] = s * scale;
+            }
+            for (t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
+            float sum = 0.f;
+            for (t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
             sums[hq] = sum;
         }
-        /* Pass 2: weighted sum of the values, again block by block. */
+        /* Pass 2: weighted sum of the values, two tokens per update of the head's accumulator. */
         memset(acc, 0, sizeof(float) * (size_t)(H * D));
-        for (int64_t t = 0; t < len; t++) {
-            const KV_T *v = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-            for (int64_t hq = 0; hq < H; hq++) {
-                const float p = scores[hq * max_len + t];
-                const KV_T *vh = v + (hq / groups) * D;
-                float *a = acc + hq * D;
-                for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vh[d]);
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float *sc = scores + hq * max_len;
+            const int64_t head = (hq / groups) * D;
+            float *a = acc + hq * D;
+            int64_t t = 0;
+            for (; t + 2 <= len; t += 2) {
+                const KV_T *v0 = KV_ROW(value_cache, t);
+                const KV_T *v1 = KV_ROW(value_cache, t + 1);
+                const float p0 = sc[t], p1 = sc[t + 1];
+                for (int64_t d = 0; d < D; d++) a[d] += p0 * LOAD(v0[d]) + p1 * LOAD(v1[d]);
+            }
+            for (; t < len; t++) {
+                const KV_T *vt = KV_ROW(value_cache, t);
+                const float p = sc[t];
+                for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vt[d]);
             }
         }
         for (int64_t hq = 0; hq < H; hq++) {
@@ -85,6 +108,8 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
             for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[hq * D + d] * inv);
         }
     }
-    free(scores); free(acc); free(maxs); free(sums); free(qi);
+    free(scores); free(acc); free(sums); free(qi);
     return !ok;
 }
+
+#undef KV_ROW
