@@ -60,14 +60,15 @@ def load() -> DecodeKernel | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         source = SOURCE.read_bytes() + SOURCE.with_name("paged_decode_body.h").read_bytes()
-        key = hashlib.sha256(source + repr(CFLAGS + OPENMP_FLAGS).encode() + version.encode() + cpu_flags().encode()).hexdigest()
+        flags = repr(CFLAGS + OPENMP_FLAGS)
+        key = hashlib.sha256(source + flags.encode() + version.encode() + cpu_flags().encode()).hexdigest()
         target = cache_dir() / f"paged_decode-{key[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *CFLAGS, *OPENMP_FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
-                               timeout=120)
+                subprocess.run([cc, *CFLAGS, *OPENMP_FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                               capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders (test workers, replicas) never see half a file
         return DecodeKernel(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as e:
@@ -86,7 +87,7 @@ class DecodeKernel:
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-                [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+                [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
             self._fns[dtype] = fn
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -106,9 +107,11 @@ class DecodeKernel:
         n, num_heads, head_dim = query.shape
         out = torch.empty_like(query)
         # ctypes releases the GIL for the call; the C side forks its OpenMP threads itself.
-        status = self._fns[query.dtype](query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                          block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), 0, n, num_heads,
-                          key_cache.shape[2], head_dim, key_cache.shape[1], scale, torch.get_num_threads())
+        status = self._fns[query.dtype](
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, key_cache.shape[2], head_dim,
+            key_cache.shape[1], scale, torch.get_num_threads(),
+        )
         if status != 0:
             raise MemoryError("paged decode kernel: out of memory for its score buffer")
         return out

@@ -58,7 +58,7 @@ class DecodeBatch:
     num_seqs: int
     padded_len: int  # num_blocks * block_size
     seq_lens: torch.Tensor  # [n] long, device
-    kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32), if built
+    kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32 or bf16), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
 
 

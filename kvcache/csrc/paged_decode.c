@@ -1,6 +1,6 @@
 /* Decode attention that reads K/V where they lie in the paged cache: no gathered copy of each history.
  *
- * One query token per sequence. For sequences [first, last), every query head scores every cached token of
+ * One query token per sequence. For each of the num_seqs sequences, every query head scores every cached token of
  * its KV head (GQA: H / Hkv query heads share one), takes a softmax and sums the values. Tokens are visited in
  * cache order with all heads of a token together, so each block is read front to back, once per pass.
  * Layouts (float32 or bfloat16, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];

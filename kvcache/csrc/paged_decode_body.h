@@ -3,25 +3,25 @@
  * Arithmetic is float32 for every type. */
 static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        KV_T *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
 
 int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        KV_T *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
     int failed = 0;
     int64_t max_len = 1, tokens = 0;
-    for (int64_t i = first; i < last; i++) {
+    for (int64_t i = 0; i < num_seqs; i++) {
         max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
         tokens += seq_lens[i];
     }
     /* Small batches stay on this thread: a parallel region costs a fork and join, and afterwards torch's OpenMP
      * workers spin for a while, taking a core from the server's event loop. */
-    const int parallel = num_threads > 1 && last - first > 1 && tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
+    const int parallel = num_threads > 1 && num_seqs > 1 && tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
 #pragma omp parallel num_threads((int)num_threads) if (parallel) reduction(| : failed)
     {
-        failed |= NAME(decode_range)(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, first, last,
+        failed |= NAME(decode_range)(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, num_seqs,
                                num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
     }
     return failed;
@@ -30,10 +30,10 @@ int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *
 /* Where token t's K or V row of this head lies in the paged cache. */
 #define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
 
-/* Every sequence of [first, last) this thread is handed; 1 if its scratch buffers cannot be allocated. */
+/* Every sequence this thread is handed; 1 if its scratch buffers cannot be allocated. */
 static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        KV_T *out, int64_t first, int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                        KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
     const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
@@ -46,7 +46,7 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
     const int ok = scores && acc && sums && qi;
     /* dynamic: the work per sequence is its length, and lengths differ */
 #pragma omp for schedule(dynamic)
-    for (int64_t i = first; i < last; i++) {
+    for (int64_t i = 0; i < num_seqs; i++) {
         if (!ok) continue;
         const int64_t len = seq_lens[i];
         const int64_t *table = block_tables + i * table_stride;

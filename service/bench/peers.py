@@ -114,8 +114,8 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print)
               "--block-size", "16", "--num-kv-blocks", str(context // 16)]
     commands = {"Sluice fp32": sluice, "Sluice int8": [*sluice, "--quantization", "int8"],
                 "Sluice int4": [*sluice, "--quantization", "int4"]}
-    if "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags():  # where --dtype auto picks bf16
-        commands["Sluice bf16"] = [*(a if a != "float32" else "bfloat16" for a in sluice)]
+    if {"avx512_bf16", "amx_bf16"} & cpu_flags():  # where --dtype auto picks bf16
+        commands["Sluice bf16"] = ["bfloat16" if a == "float32" else a for a in sluice]
     for name, gguf in models.items():
         commands[name] = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
     for name, cmd in commands.items():

@@ -7,27 +7,22 @@ unchanged. For weights that were themselves dequantized from Q4_1 (the default m
 gives back the same values, so the outputs are fp32's.
 
 Activations stay float32. (Quantizing them to int8 per group of 32, as llama.cpp does for Q4_1, was measured: on
-2 Zen 4 cores no faster than this kernel, and it would change the arithmetic, so outputs would drift from fp32's.) Up to KERNEL_MAX_ROWS rows run
-through csrc/int4_linear.cpp (built by `cpu_ops`); more rows, or no compiler, dequantize per call and run fp32
-GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1 files keep it at Q8_0 too: in 4 bits it alone
-took SmolLM2's perplexity from 7.10 to 7.52). A linear whose input size is not a multiple of 32 stays float32.
+2 Zen 4 cores no faster than this kernel, and it would change the arithmetic, so outputs would drift from
+fp32's.) Up to KERNEL_MAX_ROWS rows run through csrc/int4_linear.cpp (built by `cpu_ops`); more rows, or no
+compiler, dequantize per call and run fp32 GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1
+files keep it at Q8_0 too: in 4 bits it alone took SmolLM2's perplexity from 7.10 to 7.52). A linear whose input
+size is not a multiple of 32 stays float32.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sluice.service.engine import cpu_ops
-from sluice.service.engine.int8_linear import Int8Linear, fits
-from sluice.service.engine.prepack import replace_linears
+from sluice.service.engine.int8_linear import Int8Linear
+from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear, replace_fitting_linears
 
-logger = logging.getLogger("sluice.int4")
-
-GROUP = 32
 # Measured as int8's: the kernel takes 83 ms at 32 rows, 165 at 64, 328 at 128, 690 at 256; dequantize + GEMM
 # 260, 303, 394 and 580.
 KERNEL_MAX_ROWS = 128
@@ -57,33 +52,24 @@ def dequantize(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
     return w.reshape(nibbles.shape[0], -1)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """An nn.Linear (no grad) with Q4_1-layout int4 weights; float32 activations in and out."""
 
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear, kernel)
         nibbles, scale, minimum = quantize_weight(linear.weight)
         self.register_buffer("qweight", nibbles)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
-        self.bias = linear.bias
-        self.kernel = kernel
+
+    def kernel_max_rows(self) -> int:
+        return KERNEL_MAX_ROWS
+
+    def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.kernel.int4_linear(rows, self.qweight, self.scale, self.minimum)
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 weight these int4 values stand for."""
         return dequantize(self.qweight, self.scale, self.minimum)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] float32 → [..., N]."""
-        rows = x.reshape(-1, self.in_features)
-        if self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernel.int4_linear(rows, self.qweight, self.scale, self.minimum)
-        else:
-            out = F.linear(rows, self.dequantized())
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 Q4_1 groups of {GROUP}"
@@ -95,14 +81,6 @@ def quantize_linears(model: nn.Module) -> int:
     kernel = cpu_ops.load()
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-
-    def make(linear: nn.Linear) -> nn.Module:
-        if not fits(linear):
-            return linear
-        return Int8Linear(linear, kernel) if linear is head else Int4Linear(linear, kernel)
-
-    replaced = replace_linears(model, make)
-    misfits = sum(type(m) is nn.Linear for m in model.modules())
-    if misfits:
-        logger.info("int4: %d linears have an input size not divisible by %d and stay float32", misfits, GROUP)
-    return replaced - misfits
+    return replace_fitting_linears(
+        model, lambda linear: Int8Linear(linear, kernel) if linear is head else Int4Linear(linear, kernel), "int4"
+    )

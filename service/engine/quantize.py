@@ -9,6 +9,7 @@ from torch import nn
 
 from sluice.service.engine import cpu_ops, int4_linear, int8_linear
 from sluice.service.engine.prepack import replace_linears
+from sluice.service.engine.quantized_linear import fits
 
 logger = logging.getLogger("sluice.quantize")
 
@@ -38,7 +39,7 @@ def _quantize_as_stored(model: nn.Module, gguf_types: dict[str, str]) -> int:
     def make(linear: nn.Linear) -> nn.Module:
         stored = gguf_types.get(names[id(linear)], "none")
         cls = GGUF_LINEARS.get(stored)
-        if cls is None or not int8_linear.fits(linear):
+        if cls is None or not fits(linear):
             kept[stored] += 1
             return linear
         made[stored] += 1
