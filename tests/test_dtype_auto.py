@@ -11,8 +11,8 @@ import torch
 from sluice.kvcache import cpu_kernel
 from sluice.service.config import SluiceConfig
 from sluice.service.engine import cpu_ops, model_loader
-from sluice.service.engine.bf16_linear import Bf16DecodeLinear
 from sluice.service.engine.cpu import native_bf16_flags
+from sluice.service.engine.decode_linear import DecodeLinear
 from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
 from sluice.service.engine.prepack import PackedLinear, PaddedLinear, pad_linear_rows, unpack_linears
 
@@ -66,11 +66,12 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
-def engine(model_dir, dtype: str, model=None, tokenizer=None):
+def engine(model_dir, dtype: str, model=None, tokenizer=None, prepack_weights: bool = False):
     from sluice.service.engine.engine import LLMEngine
 
     cfg = SluiceConfig()
     cfg.model.model, cfg.model.device, cfg.model.dtype = model_dir, "cpu", dtype
+    cfg.model.prepack_weights = prepack_weights
     cfg.cache.num_kv_blocks = 32
     return LLMEngine(cfg, model=model, tokenizer=tokenizer)
 
@@ -92,20 +93,34 @@ def test_bf16_engine_skips_prepacking_and_still_generates(tmp_path_factory, monk
     assert linears and all(isinstance(m, PaddedLinear) for m in linears)
     ops = cpu_ops.load()  # built for the real CPU: its decode kernel exists only with real AVX512_BF16
     native = ops is not None and ops.bf16_linear_is_native()
-    assert all((type(m) is Bf16DecodeLinear) == native for m in linears)
+    assert all((type(m) is DecodeLinear) == native for m in linears)
     assert "dtype auto: bfloat16 on cpu, as the CPU multiplies bf16 natively (avx512_bf16)" in caplog.text
-    assert "linears unpacked with padded row counts" in caplog.text
+    assert ("linears on plain weights, batches of up to 16 rows in the C++ kernel" in caplog.text) == native
+    assert ("linears unpacked with padded row counts" in caplog.text) != native
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 6
 
 
-def test_fp32_engine_keeps_prepacking(tmp_path_factory, monkeypatch, caplog):
+def test_fp32_engine_runs_plain_weights_with_the_decode_kernel(tmp_path_factory, monkeypatch, caplog):
+    from sluice.service.engine.decode_linear import onednn_linear_available
     from sluice.service.engine.prepack import can_prepack
 
     fake_cpu(monkeypatch, [])
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         eng = engine(tiny_dir(tmp_path_factory), "auto")
     assert eng.dtype == torch.float32 and "dtype auto: float32 on cpu" in caplog.text
+    linears = [m for m in eng.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    if cpu_ops.load() is not None and onednn_linear_available():
+        assert linears and all(type(m) is DecodeLinear for m in linears) and packed(eng) == 0
+    else:  # without the C++ ops oneDNN's packed layout is the faster fp32 path
+        assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
+
+
+def test_fp32_engine_prepacks_when_asked(tmp_path_factory, monkeypatch):
+    from sluice.service.engine.prepack import can_prepack
+
+    fake_cpu(monkeypatch, [])
+    eng = engine(tiny_dir(tmp_path_factory), "float32", prepack_weights=True)
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
 
 

@@ -56,7 +56,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Same result as nn.Linear.forward, via oneDNN."""
-        rows, m = _padded(x, self.in_features)
+        rows, m = pad_rows(x, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
         return out[:m].view(*x.shape[:-1], self.out_features)
 
@@ -86,11 +86,11 @@ class PaddedLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, m = _padded(x, self.in_features)
+        rows, m = pad_rows(x, self.in_features)
         return nn.functional.linear(rows, self.weight, self.bias)[:m].view(*x.shape[:-1], self.out_features)
 
 
-def _padded(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
+def pad_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
     """x as a 2-D batch of rows, zero-padded to `padded_rows`, and the real row count."""
     rows = x.reshape(-1, in_features)
     m = rows.shape[0]
@@ -141,9 +141,9 @@ def _copy_out_of_file_mappings(model: nn.Module) -> None:
 
 
 def unpack_linears(model: nn.Module) -> nn.Module:
-    """Undo prepack_linears and pad_linear_rows in place (plain nn.Linear everywhere again); returns the model."""
+    """Undo prepack_linears, pad_linear_rows and decode kernels in place (plain nn.Linear again); returns the model."""
     for m in model.modules():
-        if type(m) is PaddedLinear:
+        if isinstance(m, PaddedLinear):
             m.__class__ = nn.Linear
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear)]
     for name, packed in targets:

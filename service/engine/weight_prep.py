@@ -1,4 +1,4 @@
-"""Readies a loaded model's weights for the device: quantized, oneDNN-prepacked or row-padded linears, fused norms."""
+"""Readies a loaded model's weights for the device: quantized, plain with decode kernels, oneDNN-prepacked or\nrow-padded linears, fused norms."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from torch import nn
 
 from sluice.service.config import ModelConfig
 from sluice.service.engine import cpu_ops
-from sluice.service.engine.bf16_linear import KERNEL_MAX_ROWS as BF16_KERNEL_MAX_ROWS
-from sluice.service.engine.bf16_linear import use_bf16_kernel
 from sluice.service.engine.cpu import release_freed_memory
+from sluice.service.engine.decode_linear import KERNEL_MAX_ROWS as DECODE_KERNEL_MAX_ROWS
+from sluice.service.engine.decode_linear import onednn_linear_available, use_decode_kernels
 from sluice.service.engine.fused_norm import FUSED_DTYPES, fuse_rms_norms
 from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
 from sluice.service.engine.quantize import quantize
@@ -28,17 +28,28 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         logger.info("%s: quantized %d linear layers in %.1f s", config.quantization,
                     quantize(model, config.quantization, gguf_types), time.perf_counter() - start)
     elif config.prepack_weights and can_prepack(device, dtype):
-        packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
-        if packed:
-            logger.info("prepacked %d linear layers for oneDNN", packed)
+        logger.info("prepacked %d linear layers for oneDNN", prepack_linears(model))  # in place, idempotent
+    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and decode_kernel_wins(dtype):
+        pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
+        logger.info("CPU %s: %d linears on plain weights, batches of up to %d rows in the C++ kernel",
+                    str(dtype).removeprefix("torch."), use_decode_kernels(model), DECODE_KERNEL_MAX_ROWS)
+    elif can_prepack(device, dtype):  # fp32 without the C++ ops: oneDNN's packed layout beats MKL's sgemm
+        logger.info("prepacked %d linear layers for oneDNN", prepack_linears(model))
     elif device.type == "cpu" and dtype != torch.float32:
         padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
         logger.info("CPU %s: %d linears unpacked with padded row counts (oneDNN prepacking is fp32-only)",
                     str(dtype).removeprefix("torch."), padded)
-        if dtype == torch.bfloat16 and (ops := cpu_ops.load()) is not None and ops.bf16_linear_is_native():
-            logger.info("bf16: %d linears run batches of up to %d rows in the AVX512_BF16 kernel",
-                        use_bf16_kernel(model), BF16_KERNEL_MAX_ROWS)
     if device.type == "cpu" and dtype in FUSED_DTYPES and cpu_ops.load() is not None:
         logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free
+
+
+def decode_kernel_wins(dtype: torch.dtype) -> bool:
+    """Whether plain weights with the C++ decode GEMV beat the alternatives for this dtype on this CPU."""
+    ops = cpu_ops.load()
+    if ops is None:
+        return False
+    if dtype == torch.bfloat16:
+        return ops.bf16_linear_is_native()  # the scalar fallback loses to oneDNN's bf16 path
+    return onednn_linear_available()  # larger fp32 calls need oneDNN on the plain weight (MKL's sgemm is slower)

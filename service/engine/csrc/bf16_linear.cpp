@@ -7,14 +7,13 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include "row_blocks.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define SLUICE_BF16_NATIVE 1
 #endif
 
 namespace {
-
-constexpr int64_t kMaxRows = 4;
 
 inline float to_float(const uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
 
@@ -74,14 +73,9 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      switch (std::min(kMaxRows, M - m)) {
-        case 1: rows_dot<1>(xp + m * K, K, wp, n0, n1, yp + m * N, N); break;
-        case 2: rows_dot<2>(xp + m * K, K, wp, n0, n1, yp + m * N, N); break;
-        case 3: rows_dot<3>(xp + m * K, K, wp, n0, n1, yp + m * N, N); break;
-        default: rows_dot<4>(xp + m * K, K, wp, n0, n1, yp + m * N, N); break;
-      }
-    }
+    sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
+      rows_dot<rows>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
+    });
   });
   return y;
 }

@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, few rows");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear (Q4_1 layout), few rows");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm, float32 or bfloat16");
+  m.def("f32_linear", &f32_linear, "float32 linear, few rows");
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");

@@ -10,6 +10,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
                           const torch::Tensor& minimum);
 
+// y = x @ w.T in float32 for few rows, on the plain weight (AVX2 where built for it, else scalar).
+torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w);
+
 // y = x @ w.T in bfloat16 (float32 accumulation) for few rows; AVX512_BF16 where built for it, else scalar.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 // Whether bf16_linear was built with AVX512_BF16 (the only case where it beats torch's own bf16 linear).

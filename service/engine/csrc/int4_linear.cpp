@@ -4,21 +4,20 @@
 //   y[r, n] = sum_g d[g] * sum_j x[r, 32g + j] * q[j]  +  sum_g m[g] * sum_j x[r, 32g + j],
 // and the second term needs only each input row's group sums, computed once per call. Activations stay float32
 // (quantizing them to int8 as llama.cpp does was no faster here, and outputs would drift from fp32's). Each group is read
-// once, widened in registers and used for up to kMaxRows input rows; threads split the output rows.
+// once, widened in registers and used for up to kRowBlock input rows; threads split the output rows.
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include "row_blocks.h"
 #include <vector>
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxRows = 4;
-
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 template <int Rows>
@@ -109,17 +108,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < M; r += kMaxRows) {
-      const float* xr = xp + r * K;
-      const float* sr = sp + r * G;
-      float* yr = yp + r * N;
-      switch (std::min(kMaxRows, M - r)) {
-        case 1: rows_dot<1>(xr, sr, K, qp, dp, mp, n0, n1, yr, N); break;
-        case 2: rows_dot<2>(xr, sr, K, qp, dp, mp, n0, n1, yr, N); break;
-        case 3: rows_dot<3>(xr, sr, K, qp, dp, mp, n0, n1, yr, N); break;
-        default: rows_dot<4>(xr, sr, K, qp, dp, mp, n0, n1, yr, N); break;
-      }
-    }
+    sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
+      rows_dot<rows>(xp + r * K, sp + r * G, K, qp, dp, mp, n0, n1, yp + r * N, N);
+    });
   });
   return y;
 }

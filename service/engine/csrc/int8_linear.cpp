@@ -2,7 +2,7 @@
 // groups of 32 int8 values with a float16 scale d[g] each, element = q * d, so
 //   y[r, n] = sum_g d[g] * sum_j x[r, 32g + j] * q[32g + j].
 // At batch 1 a linear streams its weight once, so the int8 bytes (a quarter of fp32's, plus 1/16 for the scales)
-// are the cost: each weight group is read once, widened to float in registers and used for up to kMaxRows input
+// are the cost: each weight group is read once, widened to float in registers and used for up to kRowBlock input
 // rows. Threads split the output rows through ATen's pool (at::parallel_for, built with -fopenmp so that it really
 // forks; the extension then shares the OpenMP runtime torch loaded). Built at run time for the CPU it runs on.
 #include "cpu_ops.h"
@@ -11,13 +11,12 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include "row_blocks.h"
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxRows = 4;
-
 template <int Rows>
 void rows_dot(const float* x, int64_t K, const int8_t* q, const uint16_t* d, int64_t n0, int64_t n1, float* y,
               int64_t N) {
@@ -80,16 +79,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const float* xm = xp + m * K;
-      float* ym = yp + m * N;
-      switch (std::min(kMaxRows, M - m)) {
-        case 1: rows_dot<1>(xm, K, qp, dp, n0, n1, ym, N); break;
-        case 2: rows_dot<2>(xm, K, qp, dp, n0, n1, ym, N); break;
-        case 3: rows_dot<3>(xm, K, qp, dp, n0, n1, ym, N); break;
-        default: rows_dot<4>(xm, K, qp, dp, n0, n1, ym, N); break;
-      }
-    }
+    sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
+      rows_dot<rows>(xp + m * K, K, qp, dp, n0, n1, yp + m * N, N);
+    });
   });
   return y;
 }

@@ -1,0 +1,100 @@
+"""Decode linears on plain weights: the fp32 and AVX512_BF16 GEMV kernels against torch, and which calls take them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sluice.service.engine.decode_linear as decode
+from sluice.service.engine.prepack import PaddedLinear, pad_linear_rows, padded_rows, unpack_linears
+
+
+@pytest.fixture(scope="module")
+def native(kernel):
+    if not kernel.bf16_linear_is_native():
+        pytest.skip("this CPU has no AVX512_BF16")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("in_features", [32, 576, 70, 7])  # 70 and 7: tails after the 32- and 16-wide loops
+def test_f32_kernel_matches_torch(kernel, rows, in_features):
+    torch.manual_seed(rows * 100 + in_features)
+    x, w = torch.randn(rows, in_features), torch.randn(130, in_features)
+    got = kernel.f32_linear(x, w)
+    assert got.shape == (rows, 130) and got.dtype == torch.float32
+    torch.testing.assert_close(got, x.double().mm(w.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_f32_kernel_refuses_what_it_cannot_read(kernel):
+    with pytest.raises(RuntimeError, match="f32_linear"):
+        kernel.f32_linear(torch.randn(2, 8), torch.randn(8, 4))  # [M, K] against [N, K] with another K
+    with pytest.raises(RuntimeError, match="f32_linear"):
+        kernel.f32_linear(torch.randn(2, 8), torch.randn(8, 4).T)  # a strided weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("in_features", [32, 96, 576, 70])  # 96 and 70: tails after the 64- and 32-wide loops
+def test_bf16_kernel_matches_a_float32_reference_to_bf16_rounding(native, rows, in_features):
+    torch.manual_seed(rows * 100 + in_features)
+    x, w = torch.randn(rows, in_features).bfloat16(), torch.randn(130, in_features).bfloat16()
+    want = torch.nn.functional.linear(x.float(), w.float())
+    got = native.bf16_linear(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)  # one bf16 rounding of the result
+
+
+def _recording_ops(monkeypatch, kernel, calls):
+    """cpu_ops.load() as seen by decode_linear, recording the row count of each kernel call."""
+    def wrap(fn):
+        return staticmethod(lambda x, w: calls.append((fn.__name__, x.shape[0])) or fn(x, w))
+    fake = type("Ops", (), {"f32_linear": wrap(kernel.f32_linear), "bf16_linear": wrap(kernel.bf16_linear)})
+    monkeypatch.setattr(decode.cpu_ops, "load", lambda: fake)
+
+
+def test_f32_decode_linear_takes_the_kernel_up_to_its_limit_and_onednn_on_the_plain_weight_above(kernel, monkeypatch):
+    if not decode.onednn_linear_available():
+        pytest.skip("no oneDNN linear in this torch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8, bias=False))
+    reference = [nn.Linear(64, 48), nn.Linear(48, 8, bias=False)]
+    for a, b in zip(reference, model, strict=True):
+        a.load_state_dict(b.state_dict())
+    weights = [m.weight for m in model]
+    pad_linear_rows(model)
+    assert decode.use_decode_kernels(model) == 2 and all(type(m) is decode.DecodeLinear for m in model)
+    assert [m.weight for m in model] == weights  # the same tensors: nothing copied
+    calls, onednn = [], []
+    _recording_ops(monkeypatch, kernel, calls)
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(decode.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: onednn.append(x.shape[0]) or real(x, *a), raising=False)
+    limit = decode.KERNEL_MAX_ROWS
+    with torch.inference_mode():
+        for rows in (1, 3, limit, limit + 1, 100):
+            x = torch.randn(2, rows, 64)
+            torch.testing.assert_close(model(x), reference[1](reference[0](x)), rtol=1e-5, atol=1e-5)
+    kernel_rows = [2 * r for r in (1, 3) if 2 * r <= limit]
+    assert calls == [("f32_linear", r) for r in kernel_rows for _ in range(2)]
+    # above the limit: oneDNN, fed padded row counts only (it builds a kernel per shape)
+    big = [2 * r for r in (1, 3, limit, limit + 1, 100) if 2 * r > limit]
+    assert onednn == [padded_rows(r) for r in big for _ in range(2)]
+    unpack_linears(model)
+    assert all(type(m) is nn.Linear for m in model) and [m.weight for m in model] == weights
+
+
+def test_bf16_decode_linear_takes_the_kernel_up_to_its_limit_and_torch_above(native, monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16), nn.Linear(48, 8, bias=False, dtype=torch.bfloat16))
+    pad_linear_rows(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert decode.use_decode_kernels(model) == 2 and isinstance(model[0], decode.DecodeLinear)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # same weights, not copies
+    calls = []
+    _recording_ops(monkeypatch, native, calls)
+    with torch.inference_mode():
+        for rows in (1, decode.KERNEL_MAX_ROWS, decode.KERNEL_MAX_ROWS + 1):
+            x = torch.randn(1, rows, 64).bfloat16()
+            want = PaddedLinear.forward(model[0], x)
+            torch.testing.assert_close(model[0](x).float(), want.float(), rtol=2**-7, atol=2e-2)
+    assert calls == [("bf16_linear", 1), ("bf16_linear", decode.KERNEL_MAX_ROWS)]  # above the limit: torch's path
