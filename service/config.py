@@ -35,11 +35,11 @@ class ModelConfig:
         "", "Where the default model is unpacked and cached (default: $SLUICE_CACHE_DIR or ~/.cache/sluice)."
     )
     prepack_weights: bool = knob(
-        False,
-        "CPU fp32: keep Linear weights in oneDNN's prepacked layout instead of plain. Plain (the default) runs "
-        "decode-sized calls (up to 16 rows) in the C++ GEMV, ~1.6x faster than oneDNN's at batch 1, and larger "
-        "ones in oneDNN on the plain weight, ~15% slower than prepacked at 64 rows. Where the C++ ops cannot be "
-        "built, fp32 weights are prepacked anyway.",
+        True,
+        "CPU fp32 (and bf16 on CPUs with AVX512_BF16): keep Linear weights only in oneDNN's prepacked layout. "
+        "Calls of few rows (decoding) read it in a C++ GEMV, larger ones run oneDNN's GEMM on it. Off: plain "
+        "weights, decode-sized calls in a C++ GEMV on the plain layout, larger ones ~15% slower in oneDNN.",
+        flag="--no-prepack-weights",
     )
     quantization: str = knob(
         "none",

@@ -66,7 +66,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
-def engine(model_dir, dtype: str, model=None, tokenizer=None, prepack_weights: bool = False):
+def engine(model_dir, dtype: str, model=None, tokenizer=None, prepack_weights: bool = True):
     from sluice.service.engine.engine import LLMEngine
 
     cfg = SluiceConfig()
@@ -80,48 +80,52 @@ def packed(eng) -> int:
     return sum(isinstance(m, PackedLinear) for m in eng.model.modules())
 
 
-def test_bf16_engine_skips_prepacking_and_still_generates(tmp_path_factory, monkeypatch, caplog):
+def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_factory, monkeypatch, caplog):
     from sluice.scheduling.sampling_params import SamplingParams
+    from sluice.service.engine import packed_gemv
 
     fake_cpu(monkeypatch, ["avx512_bf16"])
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         eng = engine(tiny_dir(tmp_path_factory), "auto")
     assert eng.dtype == torch.bfloat16 and eng.model.dtype == torch.bfloat16
     assert eng.runner.kv.kv.dtype == torch.bfloat16
-    assert packed(eng) == 0 and eng.runner.decode_kernel is cpu_kernel.load()  # it reads bf16 caches too
-    linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(isinstance(m, PaddedLinear) for m in linears)
-    ops = cpu_ops.load()  # built for the real CPU: its decode kernel exists only with real AVX512_BF16
-    native = ops is not None and ops.bf16_linear_is_native()
-    assert all((type(m) is DecodeLinear) == native for m in linears)
+    assert eng.runner.decode_kernel is cpu_kernel.load()  # it reads bf16 caches too
     assert "dtype auto: bfloat16 on cpu, as the CPU multiplies bf16 natively (avx512_bf16)" in caplog.text
-    assert ("linears on plain weights, batches of up to 16 rows in the C++ kernel" in caplog.text) == native
-    assert ("linears unpacked with padded row counts" in caplog.text) != native
+    # the GEMVs are built for the real CPU: they exist only with real AVX512_BF16, and only then is bf16 packed
+    native = packed_gemv.bf16_native()
+    assert (packed(eng) > 0) == native
+    plain = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(type(m) is (DecodeLinear if native else PaddedLinear) for m in plain)
+    if native:
+        assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
+        assert "read by the packed-layout GEMV up to 32 rows" in caplog.text
+    else:
+        assert plain and "linears unpacked with padded row counts" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 6
 
 
-def test_fp32_engine_runs_plain_weights_with_the_decode_kernel(tmp_path_factory, monkeypatch, caplog):
-    from sluice.service.engine.decode_linear import onednn_linear_available
+def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path_factory, monkeypatch, caplog):
     from sluice.service.engine.prepack import can_prepack
 
     fake_cpu(monkeypatch, [])
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         eng = engine(tiny_dir(tmp_path_factory), "auto")
     assert eng.dtype == torch.float32 and "dtype auto: float32 on cpu" in caplog.text
-    linears = [m for m in eng.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    if cpu_ops.load() is not None and onednn_linear_available():
-        assert linears and all(type(m) is DecodeLinear for m in linears) and packed(eng) == 0
-    else:  # without the C++ ops oneDNN's packed layout is the faster fp32 path
-        assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
+    assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
+    if cpu_ops.load() is not None and packed(eng):
+        assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
+        assert "read by the packed-layout GEMV up to 16 rows" in caplog.text
 
 
-def test_fp32_engine_prepacks_when_asked(tmp_path_factory, monkeypatch):
-    from sluice.service.engine.prepack import can_prepack
+def test_fp32_engine_without_prepacking_runs_plain_weights(tmp_path_factory, monkeypatch):
+    from sluice.service.engine.weight_prep import decode_kernel_wins
 
     fake_cpu(monkeypatch, [])
-    eng = engine(tiny_dir(tmp_path_factory), "float32", prepack_weights=True)
-    assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
+    eng = engine(tiny_dir(tmp_path_factory), "float32", prepack_weights=False)
+    linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert packed(eng) == 0 and linears
+    assert all(type(m) is (DecodeLinear if decode_kernel_wins(torch.float32) else PaddedLinear) for m in linears)
 
 
 def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monkeypatch):

@@ -12,7 +12,7 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.bench.gpu_check import parity_prompts
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.prepack import can_prepack
+from sluice.service.engine.prepack import PackedLinear
 from sluice.service.engine.weight_prep import decode_kernel_wins
 from tests import _tiny
 
@@ -173,9 +173,10 @@ def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
     ours, prompts, expected = reference_case(arch)
     engine = make_engine(ours, mode, num_blocks=24)
     decode_path = "kernel" if engine.runner.decode_kernel is not None else "torch"
-    # the default fp32 linears: plain weights, decode-sized calls in the C++ GEMV where it builds
+    # the default fp32 linears: oneDNN-packed, decode-sized calls in the C++ GEMV on that layout where it builds
     if decode_kernel_wins(torch.float32):
-        assert {type(m).__name__ for m in engine.model.modules() if isinstance(m, torch.nn.Linear)} == {"DecodeLinear"}
+        assert all(m.gemv_layout for m in engine.model.modules() if isinstance(m, PackedLinear))
+        assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
@@ -186,21 +187,23 @@ def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
     assert kv["free_blocks"] == kv["total_blocks"] and kv["free_host_blocks"] == kv["total_host_blocks"]
 
 
-def test_greedy_parity_with_prepacking_on_the_torch_decode_path():
-    """oneDNN-prepacked linears (`--prepack-weights`) and the torch decode attention, under swap preemption."""
+def test_greedy_parity_without_prepacking_on_the_torch_decode_path():
+    """Plain weights (`--no-prepack-weights`: the plain-layout decode GEMV) and the torch decode attention,
+    under swap preemption."""
     reference, ours = build_pair("llama")
     prompts = mixed_prompts()
     expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     cfg = SluiceConfig()
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
-    cfg.model.prepack_weights = True
+    cfg.model.prepack_weights = False
     cfg.cache.cpu_decode_kernel = False
     cfg.cache.num_kv_blocks, cfg.cache.swap_space = 24, 0.01
     cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs = 64, 16
     cfg.scheduler.preemption_mode = "swap"
     engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
-    assert any(type(m).__name__ == "PackedLinear" for m in engine.model.modules()) == can_prepack(
-        torch.device("cpu"), torch.float32)
+    assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    if decode_kernel_wins(torch.float32):
+        assert any(type(m).__name__ == "DecodeLinear" for m in engine.model.modules())
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [r.token_ids for r in results] == expected

@@ -35,11 +35,11 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_unpack_exactly():
     embed_ptr = model.embed.weight.data_ptr()
     with torch.inference_mode():
         want = model(ids)
-        assert prepack_linears(model) == 2
+        assert prepack_linears(model) == 1  # the head tied to the embedding stays plain: no second copy of it
         # the rest is copied, so a safetensors memory map behind the original weights can be released
-        assert model.embed.weight.data_ptr() != embed_ptr and model.head.packed is not None
+        assert model.embed.weight.data_ptr() != embed_ptr and model.head.weight is model.embed.weight
         assert prepack_linears(model) == 0  # idempotent: nothing left to pack
-        assert isinstance(model.proj, PackedLinear) and isinstance(model.head, PackedLinear)
+        assert isinstance(model.proj, PackedLinear) and type(model.head) is nn.Linear
         assert "proj.weight" not in model.state_dict()  # the plain weight is gone, not kept beside the packed one
         torch.testing.assert_close(model(ids), want)
         for rows in (1, 3, 64, 300):  # any row count works whatever the packing hint
@@ -55,7 +55,10 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_unpack_exactly():
 
 
 def test_prepack_only_where_onednn_applies():
-    assert not can_prepack(torch.device("cpu"), torch.bfloat16)
+    from sluice.service.engine import packed_gemv
+
+    assert can_prepack(torch.device("cpu"), torch.bfloat16) == packed_gemv.bf16_native()
+    assert not can_prepack(torch.device("cpu"), torch.float16)
     assert not can_prepack(torch.device("cuda"), torch.float32)
 
 

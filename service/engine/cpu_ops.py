@@ -21,7 +21,8 @@ from sluice.kvcache.cpu_kernel import cache_dir, cpu_flags
 logger = logging.getLogger("sluice.cpu_ops")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("int8_linear.cpp", "int4_linear.cpp", "f32_linear.cpp", "bf16_linear.cpp", "rms_norm.cpp", "bindings.cpp")
+SOURCES = ("int8_linear.cpp", "int4_linear.cpp", "f32_linear.cpp", "bf16_linear.cpp", "packed_linear.cpp",
+           "rms_norm.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native")
 # at::parallel_for is a header template around `#pragma omp parallel`: compiled without -fopenmp it runs on one
 # thread. Linked with -fopenmp the extension needs libgomp.so.1, which resolves to the copy torch already loaded.

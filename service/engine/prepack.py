@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sluice.service.engine import packed_gemv
+
 PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
 
 
@@ -33,17 +35,21 @@ def padded_rows(m: int) -> int:
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacking applies to fp32 on CPU (its bf16 path needs AVX-512 or AVX-NE-CONVERT)."""
+    """oneDNN prepacking applies on CPU to fp32, and to bf16 where this CPU multiplies bf16 natively."""
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and packed_gemv.bf16_native()))
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose weight is kept only in oneDNN's blocked layout (inference only)."""
+    """An nn.Linear whose weight is kept only in oneDNN's blocked layout (inference only).
+
+    Calls of up to packed_gemv.MAX_ROWS rows read that layout in the C++ GEMV where gemv_layout recognised it;
+    larger ones (and every call where it did not) run oneDNN's own GEMM.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -53,9 +59,18 @@ class PackedLinear(nn.Module):
             # .parameters() and .to() leave it alone.
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
         self.bias = linear.bias
+        self.gemv_layout = packed_gemv.gemv_layout(self.packed, linear.weight)
+        self.gemv_max_rows = packed_gemv.MAX_ROWS[linear.weight.dtype] if self.gemv_layout else 0
+        self.packed_ptr = torch.ops.mkldnn.data_ptr(self.packed) if self.gemv_layout else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Same result as nn.Linear.forward, via oneDNN."""
+        """Same result as nn.Linear.forward, up to float32 summation order."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= self.gemv_max_rows:
+            out = packed_gemv.gemv(rows, self.packed_ptr, self.out_features, self.gemv_layout)
+            if self.bias is not None:
+                out += self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         rows, m = pad_rows(x, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
         return out[:m].view(*x.shape[:-1], self.out_features)
@@ -109,17 +124,23 @@ def pad_linear_rows(model: nn.Module) -> int:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of the model by a PackedLinear, in place; returns how many were packed."""
-    return replace_linears(model, PackedLinear)
+    """Replace every nn.Linear of the model by a PackedLinear, in place; returns how many were packed.
+
+    A head tied to the embedding stays plain: the embedding needs the plain weight, and a packed copy would hold
+    the same bytes twice (+108 MiB for SmolLM2 in fp32).
+    """
+    embedded = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    return replace_linears(model, PackedLinear, skip=lambda linear: linear.weight.data_ptr() in embedded)
 
 
-def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
+                    skip: Callable[[nn.Linear], bool] = lambda linear: False) -> int:
     """Replace every plain nn.Linear of the model by make(linear), in place; returns how many.
 
     What replaces a weight holds its own copy (packed, quantized), so the model's remaining tensors are copied
     out of the loader's file mapping too, and the original weights can go.
     """
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and not skip(m)]
     for name, linear in targets:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, make(linear))

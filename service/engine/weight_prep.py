@@ -14,7 +14,7 @@ from sluice.service.engine.cpu import release_freed_memory
 from sluice.service.engine.decode_linear import KERNEL_MAX_ROWS as DECODE_KERNEL_MAX_ROWS
 from sluice.service.engine.decode_linear import onednn_linear_available, use_decode_kernels
 from sluice.service.engine.fused_norm import FUSED_DTYPES, fuse_rms_norms
-from sluice.service.engine.prepack import can_prepack, pad_linear_rows, prepack_linears
+from sluice.service.engine.prepack import PackedLinear, can_prepack, pad_linear_rows, prepack_linears
 from sluice.service.engine.quantize import quantize
 
 logger = logging.getLogger("sluice.engine")
@@ -28,21 +28,29 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         logger.info("%s: quantized %d linear layers in %.1f s", config.quantization,
                     quantize(model, config.quantization, gguf_types), time.perf_counter() - start)
     elif config.prepack_weights and can_prepack(device, dtype):
-        logger.info("prepacked %d linear layers for oneDNN", prepack_linears(model))  # in place, idempotent
-    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and decode_kernel_wins(dtype):
-        pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
-        logger.info("CPU %s: %d linears on plain weights, batches of up to %d rows in the C++ kernel",
-                    str(dtype).removeprefix("torch."), use_decode_kernels(model), DECODE_KERNEL_MAX_ROWS)
-    elif can_prepack(device, dtype):  # fp32 without the C++ ops: oneDNN's packed layout beats MKL's sgemm
-        logger.info("prepacked %d linear layers for oneDNN", prepack_linears(model))
-    elif device.type == "cpu" and dtype != torch.float32:
-        padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
-        logger.info("CPU %s: %d linears unpacked with padded row counts (oneDNN prepacking is fp32-only)",
-                    str(dtype).removeprefix("torch."), padded)
+        packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
+        gemv = [m.gemv_max_rows for m in model.modules() if isinstance(m, PackedLinear) and m.gemv_layout]
+        logger.info("prepacked %d linear layers for oneDNN; %d read by the packed-layout GEMV up to %d rows",
+                    packed, len(gemv), max(gemv, default=0))
+        _plain_with_decode_kernels(model, dtype)  # what stayed plain: a head tied to the embedding
+    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        _plain_with_decode_kernels(model, dtype)
     if device.type == "cpu" and dtype in FUSED_DTYPES and cpu_ops.load() is not None:
         logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free
+
+
+def _plain_with_decode_kernels(model: nn.Module, dtype: torch.dtype) -> None:
+    """Pad the plain linears' row counts and, where the C++ GEMV for this dtype wins, give them its path."""
+    padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
+    if not padded:
+        return
+    if decode_kernel_wins(dtype):
+        logger.info("CPU %s: %d linears on plain weights, batches of up to %d rows in the C++ kernel",
+                    str(dtype).removeprefix("torch."), use_decode_kernels(model), DECODE_KERNEL_MAX_ROWS)
+    else:
+        logger.info("CPU %s: %d linears unpacked with padded row counts", str(dtype).removeprefix("torch."), padded)
 
 
 def decode_kernel_wins(dtype: torch.dtype) -> bool:

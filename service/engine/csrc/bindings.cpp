@@ -20,6 +20,10 @@ int64_t parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, few rows");
   m.def("int4_linear", &int4_linear, "weight-only int4 linear (Q4_1 layout), few rows");
+  m.def("packed_linear_f32", &packed_linear_f32, "float32 linear on a oneDNN-packed weight, few rows");
+  m.def("packed_linear_bf16", &packed_linear_bf16, "bfloat16 linear on a oneDNN-packed weight, few rows");
+  m.def("packed_linear_f32_chunk", &packed_linear_f32_chunk, "columns per fp32 kernel chunk");
+  m.def("packed_linear_bf16_is_native", &packed_linear_bf16_is_native, "built with AVX512_BF16");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm, float32 or bfloat16");
   m.def("f32_linear", &f32_linear, "float32 linear, few rows");
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");

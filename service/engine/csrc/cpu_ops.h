@@ -18,6 +18,16 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 // Whether bf16_linear was built with AVX512_BF16 (the only case where it beats torch's own bf16 linear).
 bool bf16_linear_is_native();
 
+// y = x @ W.T for few rows, W in oneDNN's prepacked layout at weight_ptr (packed_linear.cpp says which): N outputs
+// in blocks of `block` columns, k_rows (K as oneDNN padded it) per block. fp32 with AVX-512 or AVX2 (else
+// scalar); bf16 only where built with AVX512_BF16.
+torch::Tensor packed_linear_f32(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block, int64_t k_rows);
+torch::Tensor packed_linear_bf16(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+                                 int64_t k_rows);
+bool packed_linear_bf16_is_native();
+// The fp32 kernel's column chunk: a packed block must be a multiple of it (bf16 blocks: of 64).
+int64_t packed_linear_f32_chunk();
+
 // transformers' Llama RMSNorm, one pass per row: weight * (x / sqrt(mean(x^2) + eps)); float32 or bfloat16.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 

@@ -9,17 +9,23 @@ namespace sluice {
 // Rows per pass: each weight element loaded is used this many times, and 4 rows x 2 accumulators fit in registers.
 constexpr int64_t kRowBlock = 4;
 
-// Calls fn(std::integral_constant<int, R>{}, m) for each block [m, m + R) of M rows, R a compile-time 1..4, so
-// the kernel's per-row arrays and loops unroll.
+// Calls fn(std::integral_constant<int, R>{}) with R = rows (1..4) known at compile time, so the kernel's per-row
+// arrays and loops unroll.
+template <typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Calls fn(std::integral_constant<int, R>{}, m) for each block [m, m + R) of M rows (see with_rows).
 template <typename Fn>
 inline void for_each_row_block(int64_t M, Fn&& fn) {
   for (int64_t m = 0; m < M; m += kRowBlock) {
-    switch (std::min(kRowBlock, M - m)) {
-      case 1: fn(std::integral_constant<int, 1>{}, m); break;
-      case 2: fn(std::integral_constant<int, 2>{}, m); break;
-      case 3: fn(std::integral_constant<int, 3>{}, m); break;
-      default: fn(std::integral_constant<int, 4>{}, m); break;
-    }
+    with_rows(std::min(kRowBlock, M - m), [&](auto rows) { fn(rows, m); });
   }
 }
 

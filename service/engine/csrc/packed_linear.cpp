@@ -1,0 +1,186 @@
+// Few-row linears that read oneDNN's own prepacked weight, so a weight has one copy that serves both the GEMV of
+// decoding and oneDNN's GEMM for larger batches. The layouts (checked at pack time, service/engine/packed_gemv.py):
+//   fp32: blocks of B output columns; a block holds K rows of B floats: w[n, k] at (n / B) * B * K + k * B + n % B.
+//   bf16: the same blocks with inputs paired for vdpbf16ps: w[n, k] at (n / B) * B * Kp + (k / 2) * 2B + 2 (n % B)
+//         + k % 2, Kp = K rounded up to even.
+// A block is one contiguous stream, read once per block of rows; its columns stay in registers across all of K,
+// so there are no horizontal sums. Threads split the column blocks (at::parallel_for, -fopenmp).
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define SLUICE_PACKED_BF16 1
+#endif
+#include "row_blocks.h"
+#include "simd.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRows = 4;  // 4 rows x 4 vectors of accumulators + 4 of weights: 24 of 32 registers
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(SLUICE_AVX2)
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRows = 2;  // 16 ymm registers: 2 rows x 4 vectors of accumulators + 4 of weights
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// Columns [c, c + 4 lanes) of one fp32 block (row stride B) for R input rows, written to y (row stride ldy).
+template <int R>
+void f32_chunk(const float* x, int64_t K, const float* w, int64_t B, float* y, int64_t ldy, int64_t valid) {
+#if defined(__AVX512F__) || defined(SLUICE_AVX2)
+  Vec acc[R][4];
+  for (int r = 0; r < R; ++r) for (int v = 0; v < 4; ++v) acc[r][v] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * B;
+    const Vec w0 = vload(wk), w1 = vload(wk + kLanes), w2 = vload(wk + 2 * kLanes), w3 = vload(wk + 3 * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xr = vset1(x[r * K + k]);
+      acc[r][0] = vfma(xr, w0, acc[r][0]);
+      acc[r][1] = vfma(xr, w1, acc[r][1]);
+      acc[r][2] = vfma(xr, w2, acc[r][2]);
+      acc[r][3] = vfma(xr, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[4 * kLanes];
+    for (int v = 0; v < 4; ++v) vstore(out + v * kLanes, acc[r][v]);
+    std::memcpy(y + r * ldy, out, sizeof(float) * std::min<int64_t>(valid, 4 * kLanes));
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < valid; ++c) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[r * K + k] * w[k * B + c];
+      y[r * ldy + c] = s;
+    }
+  }
+#endif
+}
+
+#if !defined(__AVX512F__) && !defined(SLUICE_AVX2)
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRows = 4;
+#endif
+
+template <typename Fn>
+void for_each_block(int64_t M, int64_t N, int64_t B, Fn&& chunk_rows) {
+  const int64_t blocks = (N + B - 1) / B;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m = 0; m < M; m += kRows) {
+        for (int64_t c = 0; c < B; c += 4 * kLanes) {
+          const int64_t n = b * B + c;
+          if (n < N) chunk_rows(b, c, m, std::min(kRows, M - m), std::min(4 * kLanes, N - n));
+        }
+      }
+    }
+  });
+}
+
+#ifdef SLUICE_PACKED_BF16
+// Columns [c, c + 64) of one bf16 block (a pair row holds 2B values) for R input rows: 16 columns per vector, each
+// lane the dot product of one input pair with one column's pair (vdpbf16ps), accumulated in float32.
+template <int R>
+void bf16_chunk(const uint16_t* x, int64_t Kp, const uint16_t* w, int64_t B, uint16_t* y, int64_t ldy,
+                int64_t valid) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < Kp / 2; ++p) {
+    const uint16_t* wp = w + p * 2 * B;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * Kp + 2 * p, sizeof(pair));
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xr, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xr, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    uint16_t out[64];
+    for (int v = 0; v < 4; ++v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
+    }
+    std::memcpy(y + r * ldy, out, sizeof(uint16_t) * std::min<int64_t>(valid, 64));
+  }
+}
+#endif
+
+}  // namespace
+
+int64_t packed_linear_f32_chunk() { return 4 * kLanes; }
+
+bool packed_linear_bf16_is_native() {
+#ifdef SLUICE_PACKED_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor packed_linear_bf16(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+                                 int64_t k_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "packed_linear_bf16: bfloat16 x [M, K]");
+#ifdef SLUICE_PACKED_BF16
+  TORCH_CHECK(block % 64 == 0, "packed_linear_bf16: block ", block, " is not a multiple of 64");
+  TORCH_CHECK(k_rows >= x.size(1) && k_rows % 2 == 0, "packed_linear_bf16: k_rows ", k_rows, " for K ", x.size(1));
+  // The pairs run over K rounded up to even; an odd K reads a zero after each row's last input.
+  const torch::Tensor xc = x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x.contiguous();
+  const int64_t M = xc.size(0), Kp = xc.size(1);  // the pairs of x; a block holds k_rows / 2 pair rows
+  torch::Tensor y = torch::empty({M, N}, xc.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_ptr);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  for_each_block(M, N, block, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+    const uint16_t* w = wp + b * block * k_rows + 2 * c;
+    uint16_t* out = yp + m * N + b * block + c;
+    const uint16_t* xm = xp + m * Kp;
+    sluice::with_rows(rows, [&](auto r) { bf16_chunk<r>(xm, Kp, w, block, out, N, valid); });
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "packed_linear_bf16: built without AVX512_BF16");
+#endif
+}
+
+torch::Tensor packed_linear_f32(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+                                int64_t k_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_f32: float32 x [M, K]");
+  TORCH_CHECK(block % (4 * kLanes) == 0, "packed_linear_f32: block ", block, " is not a multiple of ", 4 * kLanes);
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  TORCH_CHECK(k_rows >= K, "packed_linear_f32: k_rows ", k_rows, " for K ", K);
+  torch::Tensor y = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = reinterpret_cast<const float*>(weight_ptr);
+  float* yp = y.data_ptr<float>();
+  for_each_block(M, N, block, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+    const float* w = wp + b * block * k_rows + c;
+    float* out = yp + m * N + b * block + c;
+    const float* xm = xp + m * K;
+    sluice::with_rows(rows, [&](auto r) { f32_chunk<r>(xm, K, w, block, out, N, valid); });
+  });
+  return y;
+}
