@@ -104,6 +104,26 @@ def test_matches_dense_reference(block_size, mix, heads, decodes):
     assert err < 1e-4
 
 
+# (query heads, KV heads, head dim): the kernel's specialised shapes (D 64/128 with 1-4 heads per group), its
+# generic AVX-512 loop (D 32 with 8 per group, D 16), and shapes only its portable loop takes (D 80; 9 per group).
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (4, 4, 64), (16, 2, 32), (2, 1, 16), (4, 4, 80),
+                                   (18, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kernel_matches_torch_across_head_shapes(shape, dtype):
+    kernel = decode_kernel()
+    heads, kv_heads, head_dim = shape
+    rng = random.Random(sum(shape))
+    seqs = [(rng.randrange(0, 90), 1) for _ in range(6)] + [(0, 1), (15, 1), (16, 1), (17, 1)]
+    err_c, out_c = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                            kernel=kernel)
+    err_t, out_t = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    if dtype == torch.float32:
+        assert err_c < 1e-4 and err_t < 1e-4
+        torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out_c.float(), out_t.float(), rtol=2**-7, atol=2e-2)
+
+
 @pytest.mark.parametrize("mix", ["decodes", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_c_kernel_reads_a_bf16_cache(mix, block_size):

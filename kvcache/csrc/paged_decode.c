@@ -29,19 +29,53 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The AVX-512 path: per sequence and KV head, the group's query heads stay in registers while each cached K row
+ * is read once for all of them; scores, softmax and the value sum run 16 lanes at a time. */
+#define SLUICE_DECODE_AVX512 1
+
+/* exp(x) for x <= 0 (scores less their max): x = n ln2 + r, exp(r) = 1 + r + r^2 P(r) (Cephes' expf polynomial,
+ * ~1 ulp), scaled by 2^n; below -87 it is 0, as expf's result would be subnormal or zero. */
+static inline __m512 exp512(__m512 x) {
+    const __m512 low = _mm512_set1_ps(-87.0f);
+    const __mmask16 zero = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_scalef_ps(p, n));
+}
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 /* float32: sluice_paged_decode */
 #define KV_T float
+#define LOAD16 load16_f32
 #define LOAD(x) (x)
 #define STORE(x) (x)
 #define NAME(f) f
 #include "paged_decode_body.h"
 #undef KV_T
+#undef LOAD16
 #undef LOAD
 #undef STORE
 #undef NAME
 
 /* bfloat16 (as uint16_t bits): sluice_paged_decode_bf16 */
 #define KV_T uint16_t
+#define LOAD16 load16_bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #define NAME(f) f##_bf16

@@ -30,6 +30,90 @@ int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *
 /* Where token t's K or V row of this head lies in the paged cache. */
 #define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
 
+#ifdef SLUICE_DECODE_AVX512
+/* One sequence's attention for KV head g with V = D / 16 vectors per row and G query heads per KV head; inlined
+ * with constant V and G for the common shapes, so the query and accumulator arrays live in registers. */
+static inline __attribute__((always_inline)) void NAME(group_avx512)(
+        const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
+        KV_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
+        const int64_t V, const int64_t G) {
+    const int64_t D = V * 16, head = g * D, block_stride = block_size * token_stride;
+    __m512 qv[8][16], acc[8][16];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < V; v++) qv[h][v] = _mm512_mul_ps(LOAD16(q + (g * G + h) * D + 16 * v), _mm512_set1_ps(scale));
+    /* Pass 1: each K row once for the whole group. */
+    for (int64_t t = 0; t < len; t++) {
+        const KV_T *k = KV_ROW(key_cache, t);
+        __m512 kv[16];
+        for (int64_t v = 0; v < V; v++) kv[v] = LOAD16(k + 16 * v);
+        for (int64_t h = 0; h < G; h++) {
+            __m512 s = _mm512_mul_ps(qv[h][0], kv[0]);
+            for (int64_t v = 1; v < V; v++) s = _mm512_fmadd_ps(qv[h][v], kv[v], s);
+            scores[h * max_len + t] = _mm512_reduce_add_ps(s);
+        }
+    }
+    /* Softmax numerators, 16 scores at a time; the tail is masked. */
+    float sums[8];
+    for (int64_t h = 0; h < G; h++) {
+        float *sc = scores + h * max_len;
+        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+            m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sc + t));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + t), mx)));
+            _mm512_mask_storeu_ps(sc + t, live, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        sums[h] = _mm512_reduce_add_ps(sum);
+    }
+    /* Pass 2: each V row once for the whole group, weights broadcast. */
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < V; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const KV_T *vr = KV_ROW(value_cache, t);
+        __m512 vv[16];
+        for (int64_t v = 0; v < V; v++) vv[v] = LOAD16(vr + 16 * v);
+        for (int64_t h = 0; h < G; h++) {
+            const __m512 p = _mm512_set1_ps(scores[h * max_len + t]);
+            for (int64_t v = 0; v < V; v++) acc[h][v] = _mm512_fmadd_ps(p, vv[v], acc[h][v]);
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
+        float row[256];
+        for (int64_t v = 0; v < V; v++) _mm512_storeu_ps(row + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv)));
+        KV_T *o = out + (g * G + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = STORE(row[d]);
+    }
+}
+
+/* The AVX-512 path for one sequence; 0 where its shape is not one it covers (then the portable loop runs). */
+static int NAME(seq_avx512)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
+                            int64_t len, KV_T *out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                            float scale, float *scores, int64_t max_len) {
+    const int64_t G = H / Hkv, token_stride = Hkv * D;
+    if (D % 16 || D > 256 || G > 8) return 0;
+    for (int64_t g = 0; g < Hkv; g++) {
+#define GROUP(Vc, Gc) NAME(group_avx512)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
+                                         scale, scores, max_len, Vc, Gc)
+        if (D == 64 && G == 1) GROUP(4, 1);
+        else if (D == 64 && G == 2) GROUP(4, 2);
+        else if (D == 64 && G == 3) GROUP(4, 3);
+        else if (D == 64 && G == 4) GROUP(4, 4);
+        else if (D == 128 && G == 1) GROUP(8, 1);
+        else if (D == 128 && G == 2) GROUP(8, 2);
+        else if (D == 128 && G == 4) GROUP(8, 4);
+        else GROUP(D / 16, G);
+#undef GROUP
+    }
+    return 1;
+}
+#endif
+
 /* Every sequence this thread is handed; 1 if its scratch buffers cannot be allocated. */
 static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
@@ -50,6 +134,11 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
         if (!ok) continue;
         const int64_t len = seq_lens[i];
         const int64_t *table = block_tables + i * table_stride;
+#ifdef SLUICE_DECODE_AVX512
+        if (NAME(seq_avx512)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, H, num_kv_heads, D,
+                             block_size, scale, scores, max_len))
+            continue;
+#endif
         for (int64_t j = 0; j < H * D; j++) qi[j] = LOAD(q[i * H * D + j]);
         /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
          * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
