@@ -5,6 +5,8 @@ cores (prepacked or plain alike) and its bf16 weights at ~8 GB/s; the kernels re
 at ~31 GB/s (fp32) and, with vdpbf16ps, ~26 GB/s (bf16), so nothing is copied. Calls with more rows than
 KERNEL_MAX_ROWS go to oneDNN on the same plain weight. For fp32 that is `mkldnn._linear_pointwise`, not
 `F.linear`: torch's fp32 linear calls MKL's sgemm, which re-lays-out the weight on every call (1.2-1.6x slower).
+These serve the weights that stay plain: a head tied to the embedding, and every linear under
+--no-prepack-weights (the others are prepacked and read by packed_gemv's GEMV).
 """
 
 from __future__ import annotations

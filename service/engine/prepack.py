@@ -3,8 +3,9 @@
 torch's plain CPU linear goes through MKL's sgemm, which re-lays-out the weight on every call. For the batch
 sizes an engine runs (1 to a few hundred rows) that repacking is a large part of the cost: on 2 AMD cores the
 SmolLM2 lm_head takes 46 ms at 16 rows and 82 ms at 64 through sgemm, 18 and 35 ms with its weight packed once
-for oneDNN. Packing happens once at load; the packed weight replaces the plain one, so memory does not grow
-(except for a weight tied to the embedding, which the embedding still needs).
+for oneDNN. Packing happens once at load; the packed weight replaces the plain one, so memory does not grow. A
+weight tied to the embedding is not packed (the embedding needs it plain). Decode-sized calls read the packed
+layout in packed_gemv's GEMV, faster there than oneDNN's own.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Readies a loaded model's weights for the device: quantized, plain with decode kernels, oneDNN-prepacked or\nrow-padded linears, fused norms."""
+"""Readies a loaded model's weights for the device: quantized, oneDNN-prepacked (read by our GEMV when decoding)
+or plain linears with decode kernels, fused norms."""
 
 from __future__ import annotations
 
