@@ -55,15 +55,14 @@ def dequantize(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 class Int4Linear(QuantizedLinear):
     """An nn.Linear (no grad) with Q4_1-layout int4 weights; float32 activations in and out."""
 
+    kernel_max_rows = KERNEL_MAX_ROWS
+
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
         super().__init__(linear, kernel)
         nibbles, scale, minimum = quantize_weight(linear.weight)
         self.register_buffer("qweight", nibbles)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
-
-    def kernel_max_rows(self) -> int:
-        return KERNEL_MAX_ROWS
 
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.kernel.int4_linear(rows, self.qweight, self.scale, self.minimum)

@@ -42,14 +42,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Int8Linear(QuantizedLinear):
     """An nn.Linear (no grad) with Q8_0-layout int8 weights; float32 activations in and out."""
 
+    kernel_max_rows = KERNEL_MAX_ROWS
+
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
         super().__init__(linear, kernel)
         q, scale = quantize_weight(linear.weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
-
-    def kernel_max_rows(self) -> int:
-        return KERNEL_MAX_ROWS
 
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.kernel.int8_linear(rows, self.qweight, self.scale)

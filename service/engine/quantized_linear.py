@@ -5,6 +5,7 @@ few rows with the dequantized weight as the fallback, and swapping in only the l
 from __future__ import annotations
 
 import logging
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -23,8 +24,10 @@ def fits(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP == 0
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, metaclass=ABCMeta):
     """An nn.Linear (no grad) whose weight a subclass stores quantized; float32 activations in and out."""
+
+    kernel_max_rows: int  # the most input rows the kernel takes; above, dequantize + GEMM is faster
 
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
         super().__init__()
@@ -32,22 +35,18 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.kernel = kernel  # the built CPU ops (cpu_ops.load()), or None: every call dequantizes
 
-    def kernel_max_rows(self) -> int:
-        """The most input rows the kernel takes; above, dequantize + GEMM is faster."""
-        raise NotImplementedError
-
+    @abstractmethod
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, K] → [M, N] through the kernel."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [N, K] the quantized values stand for."""
-        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] float32 → [..., N]."""
         rows = x.reshape(-1, self.in_features)
-        if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows():
+        if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows:
             out = self.kernel_forward(rows)
         else:
             out = F.linear(rows, self.dequantized())
