@@ -157,30 +157,42 @@ async def reading_neighbour(url: str) -> None:
     assert all(finish_reasons(chunks, i) == ["length"] for i in range(64))
 
 
-async def test_stuck_reader_is_cut_off_and_others_keep_pace(roomy):
-    """Control: a healthy stream next to a heavy neighbour that reads. Then the same next to one that doesn't."""
-    control = asyncio.ensure_future(reading_neighbour(roomy.url))
+async def paces(srv: Server) -> tuple[float, float]:
+    """Median inter-token gap of a healthy stream next to a heavy neighbour that reads, then next to one that
+    doesn't (whose requests must be aborted, its blocks freed, while its client is still connected)."""
+    control = asyncio.ensure_future(reading_neighbour(srv.url))
     await asyncio.sleep(0.2)
-    base = statistics.median(await healthy_gaps(roomy.url))
+    base = statistics.median(await healthy_gaps(srv.url))
     await control
-    await wait_idle(roomy)
+    await wait_idle(srv)
 
-    sock = stuck_client(roomy.port)
+    sock = stuck_client(srv.port)
     try:
         await asyncio.sleep(0.2)
-        stuck = statistics.median(await healthy_gaps(roomy.url))
-        # With the client still connected and reading nothing, its requests are aborted and blocks freed,
-        # and after the write timeout its connection is dropped.
-        await wait_idle(roomy, timeout=15)
+        stuck = statistics.median(await healthy_gaps(srv.url))
+        await wait_idle(srv, timeout=15)  # the stuck client is still connected here: its requests were aborted
     finally:
         sock.close()
-    ratio = stuck / base
-    print(f"median inter-token gap: {base * 1e3:.2f} ms with a reading neighbour, "
-          f"{stuck * 1e3:.2f} ms with a stuck one (ratio {ratio:.2f})")
-    assert ratio < 1.5
-    log = roomy.log()
-    # Whichever bound trips first cuts it off: the per-request output buffer, or the stalled-write timeout.
-    assert "client not reading" in log or "client stopped reading" in log
+    return base, stuck
+
+
+async def test_stuck_reader_is_cut_off_and_others_keep_pace(roomy):
+    """A healthy stream keeps its pace next to a client that stops reading, as it does next to one that reads.
+
+    Two shared cores make one comparison noisy (a neighbour process can double a median for a second), so it
+    gets three tries: a stuck reader that really held the others back would do so in every one of them."""
+    ratios = []
+    for _ in range(3):
+        cut_offs = roomy.log().count("client not reading") + roomy.log().count("client stopped reading")
+        base, stuck = await paces(roomy)
+        ratios.append(stuck / base)
+        print(f"median inter-token gap: {base * 1e3:.2f} ms with a reading neighbour, "
+              f"{stuck * 1e3:.2f} ms with a stuck one (ratio {ratios[-1]:.2f})")
+        # Whichever bound trips first cuts it off: the per-request output buffer, or the stalled-write timeout.
+        assert roomy.log().count("client not reading") + roomy.log().count("client stopped reading") > cut_offs
+        if ratios[-1] < 1.5:
+            break
+    assert min(ratios) < 1.5, ratios
     await good_request(roomy.url)
 
 
