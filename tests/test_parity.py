@@ -12,6 +12,7 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.bench.gpu_check import parity_prompts
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
+from sluice.service.engine.lean_attention import PagedLlamaAttention
 from sluice.service.engine.prepack import PackedLinear
 from sluice.service.engine.weight_prep import decode_kernel_wins
 from tests import _tiny
@@ -177,6 +178,9 @@ def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
     if decode_kernel_wins(torch.float32):
         assert all(m.gemv_layout for m in engine.model.modules() if isinstance(m, PackedLinear))
         assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
+    # Llama's attention runs the lean paged forward; Qwen's (bias, q/k norms) keep transformers' own
+    lean = [isinstance(layer.self_attn, PagedLlamaAttention) for layer in engine.model.model.layers]
+    assert lean == [arch == "llama"] * len(lean)
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 

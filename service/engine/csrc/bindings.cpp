@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_f32_chunk", &packed_linear_f32_chunk, "columns per fp32 kernel chunk");
   m.def("packed_linear_bf16_is_native", &packed_linear_bf16_is_native, "built with AVX512_BF16");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm, float32 or bfloat16");
+  m.def("rotary_embedding_", &rotary_embedding_, "Llama rotary embedding of q and k, in place");
   m.def("f32_linear", &f32_linear, "float32 linear, few rows");
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");

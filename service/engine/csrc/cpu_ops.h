@@ -31,5 +31,9 @@ int64_t packed_linear_f32_chunk();
 // transformers' Llama RMSNorm, one pass per row: weight * (x / sqrt(mean(x^2) + eps)); float32 or bfloat16.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
+// Rotary position embedding in place, as transformers' Llama applies it: q [T, H, D] and k [T, Hkv, D] (heads may be
+// strided, the head dim contiguous), cos and sin [T, D]; float32 or bfloat16, bit for bit the eager result.
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin);
+
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

@@ -1,0 +1,75 @@
+"""Lean Llama attention: the C++ rotary against transformers' own, and which layers are swapped. The engine's greedy
+outputs on the swapped layers are checked against transformers' generate in test_parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+
+from sluice.service.engine import cpu_ops
+from sluice.service.engine.lean_attention import PagedLlamaAttention, apply_rotary, lean_attention_layers
+from tests.test_parity import build_pair
+
+
+def rotary_case(dtype: torch.dtype, tokens: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64):
+    """q and k as strided [T, H, D] views of one projection buffer (as a fused qkv would give), cos and sin [T, D]."""
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.arange(tokens, dtype=torch.float32)[:, None] * (1e4 ** -torch.linspace(0, 1, head_dim // 2))
+    angles = torch.cat((angles, angles), dim=-1)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def transformers_rotary(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb on the [1, H, T, D] layout its attention uses, back as [T, H, D]."""
+    rq, rk = apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2), cos[None], sin[None])
+    return rq[0].transpose(0, 1), rk[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 300])  # 300: more than one thread's share
+def test_rotary_op_is_transformers_bit_for_bit(kernel, dtype, tokens):
+    q, k, cos, sin = rotary_case(dtype, tokens)
+    want_q, want_k = transformers_rotary(q, k, cos, sin)
+    kernel.rotary_embedding_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_without_the_op_is_transformers_too(monkeypatch, dtype):
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    q, k, cos, sin = rotary_case(dtype, 5)
+    want_q, want_k = transformers_rotary(q, k, cos, sin)
+    apply_rotary(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_rotary_op_rejects_what_it_cannot_read(kernel):
+    q, k, cos, sin = rotary_case(torch.float32, 3)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel.rotary_embedding_(q, k, cos.double(), sin)
+    with pytest.raises(RuntimeError, match="head dim must be contiguous"):
+        kernel.rotary_embedding_(q[..., ::2], k[..., ::2], cos[:, :32], sin[:, :32])
+    with pytest.raises(RuntimeError, match="one cos/sin row per token"):
+        kernel.rotary_embedding_(q, k, cos[:2], sin[:2])
+
+
+class ShiftedAttention(LlamaAttention):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return super().forward(hidden_states + 1, position_embeddings, attention_mask, **kwargs)
+
+
+def test_swaps_llama_attention_but_not_a_changed_forward_or_other_families():
+    _, llama = build_pair("llama")
+    assert lean_attention_layers(llama) == llama.config.num_hidden_layers
+    assert all(isinstance(layer.self_attn, PagedLlamaAttention) for layer in llama.model.layers)
+    assert lean_attention_layers(llama) == 0  # idempotent
+    assert "model.layers.0.self_attn.q_proj.weight" in llama.state_dict()  # weights where checkpoints have them
+    _, qwen3 = build_pair("qwen3")  # q and k norms: a forward of its own
+    assert lean_attention_layers(qwen3) == 0
+    shifted = nn.Sequential(ShiftedAttention(llama.config, 0))
+    assert lean_attention_layers(shifted) == 0
