@@ -12,7 +12,7 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.bench.gpu_check import parity_prompts
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.lean_attention import PagedLlamaAttention
+from sluice.service.engine.lean_layers import PagedLlamaAttention
 from sluice.service.engine.prepack import PackedLinear
 from sluice.service.engine.weight_prep import decode_kernel_wins
 from tests import _tiny

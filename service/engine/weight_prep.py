@@ -1,5 +1,5 @@
 """Readies a loaded model's weights for the device: quantized, oneDNN-prepacked (read by our GEMV when decoding)
-or plain linears with decode kernels, fused norms, lean attention layers."""
+or plain linears with decode kernels, fused norms, lean Llama layers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sluice.service.engine.cpu import release_freed_memory
 from sluice.service.engine.decode_linear import KERNEL_MAX_ROWS as DECODE_KERNEL_MAX_ROWS
 from sluice.service.engine.decode_linear import onednn_linear_available, use_decode_kernels
 from sluice.service.engine.fused_norm import FUSED_DTYPES, fuse_rms_norms
-from sluice.service.engine.lean_attention import lean_attention_layers
+from sluice.service.engine.lean_layers import lean_llama_layers
 from sluice.service.engine.prepack import PackedLinear, can_prepack, pad_linear_rows, prepack_linears
 from sluice.service.engine.quantize import quantize
 
@@ -40,7 +40,8 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
     if device.type == "cpu" and dtype in FUSED_DTYPES and cpu_ops.load() is not None:
         logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
     if device.type == "cpu":
-        logger.info("%d attention layers on the lean paged forward (rotary in one op)", lean_attention_layers(model))
+        counts = lean_llama_layers(model)
+        logger.info("lean Llama forwards: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()))
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free
 

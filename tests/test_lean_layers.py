@@ -1,15 +1,22 @@
-"""Lean Llama attention: the C++ rotary against transformers' own, and which layers are swapped. The engine's greedy
-outputs on the swapped layers are checked against transformers' generate in test_parity."""
+"""Lean Llama layers: the C++ rotary against transformers' own, the lean MLP and decoder layer against theirs, and
+which modules are swapped. The engine's greedy outputs on the swapped layers are checked against transformers'
+generate in test_parity."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, apply_rotary_pos_emb
 
 from sluice.service.engine import cpu_ops
-from sluice.service.engine.lean_attention import PagedLlamaAttention, apply_rotary, lean_attention_layers
+from sluice.service.engine.lean_layers import (
+    LeanLlamaDecoderLayer,
+    LeanLlamaMLP,
+    PagedLlamaAttention,
+    apply_rotary,
+    lean_llama_layers,
+)
 from tests.test_parity import build_pair
 
 
@@ -63,13 +70,26 @@ class ShiftedAttention(LlamaAttention):
         return super().forward(hidden_states + 1, position_embeddings, attention_mask, **kwargs)
 
 
-def test_swaps_llama_attention_but_not_a_changed_forward_or_other_families():
+def test_swaps_llama_layers_but_not_a_changed_forward_or_other_families():
     _, llama = build_pair("llama")
-    assert lean_attention_layers(llama) == llama.config.num_hidden_layers
-    assert all(isinstance(layer.self_attn, PagedLlamaAttention) for layer in llama.model.layers)
-    assert lean_attention_layers(llama) == 0  # idempotent
+    layers = llama.config.num_hidden_layers
+    assert lean_llama_layers(llama) == {"attention": layers, "mlp": layers, "decoder layer": layers}
+    assert all(isinstance(layer, LeanLlamaDecoderLayer) and isinstance(layer.self_attn, PagedLlamaAttention)
+               and isinstance(layer.mlp, LeanLlamaMLP) for layer in llama.model.layers)
+    assert set(lean_llama_layers(llama).values()) == {0}  # idempotent
     assert "model.layers.0.self_attn.q_proj.weight" in llama.state_dict()  # weights where checkpoints have them
-    _, qwen3 = build_pair("qwen3")  # q and k norms: a forward of its own
-    assert lean_attention_layers(qwen3) == 0
+    _, qwen3 = build_pair("qwen3")  # q and k norms: an attention of its own; its MLP is Llama's
+    assert lean_llama_layers(qwen3) == {"attention": 0, "mlp": layers, "decoder layer": 0}
     shifted = nn.Sequential(ShiftedAttention(llama.config, 0))
-    assert lean_attention_layers(shifted) == 0
+    assert lean_llama_layers(shifted)["attention"] == 0
+    gelu = LlamaMLP(type(llama.config)(**{**llama.config.to_dict(), "hidden_act": "gelu"}))
+    assert lean_llama_layers(nn.Sequential(gelu))["mlp"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_mlp_is_transformers_bit_for_bit(dtype):
+    _, llama = build_pair("llama")
+    mlp = llama.model.layers[0].mlp.to(dtype)
+    x = torch.randn(1, 5, llama.config.hidden_size).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(LeanLlamaMLP(mlp)(x), mlp(x))

@@ -1,0 +1,152 @@
+"""Llama layers with lean forwards: attention on the paged cache with rotary in one C++ op, and an MLP and a
+decoder layer without transformers' per-call wrappers.
+
+At batch 1 on CPU each small op and wrapper costs microseconds, and a layer has dozens of them.
+
+transformers' forward projects q, k and v, transposes each to [1, H, T, D], applies rotary as sixteen small
+ops, looks up the attention function by name, and the paged hook then transposes back. At batch 1 on CPU
+that glue costs more than the attention itself (~90 µs a layer). This forward keeps the projections'
+[T, H, D] views, rotates q and k in place with `cpu_ops.rotary_embedding_` (bit for bit the eager result),
+and calls `paged_attention` directly. The MLP applies SiLU and the product in place on the gate's fresh output;
+the decoder layer calls its four parts with nothing but what they use. Every result is the eager one bit for
+bit. Like `fused_norm`, a module is swapped only if its class's forward (and, for attention, its module's
+`apply_rotary_pos_emb`; for the MLP, its activation) is, source for source, transformers' Llama one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.models.llama import modeling_llama
+
+from sluice.kvcache.paged_attention import paged_attention
+from sluice.service.engine import cpu_ops
+from sluice.service.engine.attention_backend import get_forward_context
+
+ROTARY_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _same_source(a, b) -> bool:
+    try:
+        return inspect.getsource(a) == inspect.getsource(b)
+    except (OSError, TypeError):
+        return False
+
+
+def _computes_llama_attention(module: nn.Module) -> bool:
+    rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    # Llama's forward passes no window to the attention: a config that sets one must keep its own forward.
+    return (_same_source(type(module).forward, modeling_llama.LlamaAttention.forward)
+            and rotary is not None and _same_source(rotary, modeling_llama.apply_rotary_pos_emb)
+            and getattr(module.config, "sliding_window", None) is None)
+
+
+def _computes_llama_mlp(module: nn.Module) -> bool:
+    return (_same_source(type(module).forward, modeling_llama.LlamaMLP.forward)
+            and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU))
+
+
+def _computes_llama_decoder_layer(module: nn.Module) -> bool:
+    return _same_source(type(module).forward, modeling_llama.LlamaDecoderLayer.forward)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos, sin [T, D], as transformers' Llama does."""
+    ops = cpu_ops.load()
+    if ops is not None and q.device.type == "cpu" and q.dtype in ROTARY_DTYPES \
+            and q.dtype == k.dtype == cos.dtype == sin.dtype:
+        ops.rotary_embedding_(q, k, cos, sin)
+        return
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = q.shape[-1] // 2
+    for x in (q, k):
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * cos + rotated * sin)
+
+
+class PagedLlamaAttention(nn.Module):
+    """A Llama attention layer reading and writing the paged KV cache of the forward context."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.config = attn.config
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """hidden_states [1, T, E] (the runner packs every sequence into one row) → ([1, T, E], None)."""
+        batch, tokens = hidden_states.shape[:2]
+        assert batch == 1, "the paged cache packs a step's sequences into one row"
+        # Each projection is a fresh tensor: its [T, H, D] view can be rotated in place.
+        q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
+        cos, sin = position_embeddings
+        apply_rotary(q, k, cos[0], sin[0])
+        context = get_forward_context()
+        key_cache, value_cache = context.kv_caches[self.layer_idx]
+        out = paged_attention(q, k, v, key_cache, value_cache, context.attn_metadata, scale=self.scaling)
+        return self.o_proj(out.reshape(1, tokens, -1)), None
+
+
+class LeanLlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), the activation and product in place on the gate's output."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The Llama MLP on x [..., E]."""
+        gate = self.gate_proj(x)  # a fresh tensor: free to overwrite
+        F.silu(gate, inplace=True)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
+
+
+class LeanLlamaDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)): the Llama decoder layer, its parts called without extra kwargs."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+        self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                **kwargs) -> torch.Tensor:
+        """hidden_states [1, T, E] → [1, T, E]; the attention reads its cache from the forward context."""
+        attended, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+SWAPS = (("attention", _computes_llama_attention, PagedLlamaAttention), ("mlp", _computes_llama_mlp, LeanLlamaMLP))
+
+
+def lean_llama_layers(model: nn.Module) -> dict[str, int]:
+    """Swap Llama-formula attention, MLP and (where its attention was swapped) decoder-layer modules of `model` for
+    their lean forwards, in place; returns how many of each."""
+    counts = {}
+    for kind, computes_llama, lean in SWAPS:
+        swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+                 if computes_llama(child)]
+        for parent, name, child in swaps:
+            setattr(parent, name, lean(child))
+        counts[kind] = len(swaps)
+    # The lean layer calls its attention with positions only: that takes the paged forward.
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if _computes_llama_decoder_layer(child) and isinstance(getattr(child, "self_attn", None),
+                                                                      PagedLlamaAttention)]
+    for parent, name, child in layers:
+        setattr(parent, name, LeanLlamaDecoderLayer(child))
+    counts["decoder layer"] = len(layers)
+    return counts
