@@ -77,18 +77,31 @@ def load() -> DecodeKernel | None:
         return None
 
 
+class DecodePlan(ctypes.Structure):
+    """paged_decode.c's sluice_decode_plan: what every layer of one decode step shares."""
+
+    _fields_ = [("block_tables", ctypes.c_void_p), ("table_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
+                ("slot_mapping", ctypes.c_void_p), ("num_seqs", ctypes.c_int64), ("num_heads", ctypes.c_int64),
+                ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("num_threads", ctypes.c_int64)]
+
+
 class DecodeKernel:
     """Calls the C function over the whole batch; it shares the sequences out among torch's thread count."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.path = lib._name  # the shared object loaded
-        self._fns = {}
-        for dtype, name in ((torch.float32, "sluice_paged_decode"), (torch.bfloat16, "sluice_paged_decode_bf16")):
-            fn = getattr(lib, name)
+        self._fns, self._steps = {}, {}
+        for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+            fn = getattr(lib, "sluice_paged_decode" + suffix)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
                 [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
             self._fns[dtype] = fn
+            step = getattr(lib, "sluice_paged_decode_step" + suffix)
+            step.restype = ctypes.c_int
+            step.argtypes = [ctypes.POINTER(DecodePlan)] + [ctypes.c_void_p] * 6
+            self._steps[dtype] = step
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """float32 or bfloat16 CPU tensors in the layouts the kernel reads, and a head grouping it holds."""
@@ -112,6 +125,25 @@ class DecodeKernel:
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, key_cache.shape[2], head_dim,
             key_cache.shape[1], scale, torch.get_num_threads(),
         )
+        if status != 0:
+            raise MemoryError("paged decode kernel: out of memory for its score buffer")
+        return out
+
+    def plan(self, query, key_cache, block_tables, seq_lens, slot_mapping, scale: float) -> DecodePlan:
+        """The arguments every layer of this step shares (the tensors must outlive the step's calls)."""
+        for t in (block_tables, seq_lens, slot_mapping):
+            assert t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"
+        n, num_heads, head_dim = query.shape
+        return DecodePlan(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slot_mapping.data_ptr(),
+                          n, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
+                          torch.get_num_threads())
+
+    def decode_step(self, plan: DecodePlan, query, key, value, key_cache, value_cache):
+        """Store key/value [n, Hkv, D] in the plan's slots, then attend: query [n, H, D] → out [n, H, D]."""
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out = torch.empty_like(query)
+        status = self._steps[query.dtype](plan, query.data_ptr(), key.data_ptr(), value.data_ptr(),
+                                          key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr())
         if status != 0:
             raise MemoryError("paged decode kernel: out of memory for its score buffer")
         return out

@@ -60,6 +60,7 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [n] long, device
     kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32 or bf16), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
+    plans: dict = field(default_factory=dict)  # (dtype, heads, kv heads, head dim, scale) -> the kernel's DecodePlan
 
 
 @dataclass(slots=True)
@@ -182,15 +183,19 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend: query [T, H, D] → output [T, H, D]."""
-    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    decode = meta.decode
+    if meta.backend == "torch" and decode is not None and decode.num_seqs == query.shape[0] and not meta.prefills \
+            and _kernel_runs(decode.kernel, query, key_cache, sliding_window, softcap):
+        return _kernel_decode_step(query, key, value, key_cache, value_cache, decode, meta.slot_mapping, scale)
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     if meta.backend == "flex":
         return flex.flex_paged_attention(query, key_cache, value_cache, meta.flex_groups, meta.block_size, scale,
                                          sliding_window, softcap)
     if meta.backend == "flash" and _can_use_flash(query, meta):
         return _flash_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     num_tokens = query.shape[0]
-    decode, prefills = meta.decode, meta.prefills
+    prefills = meta.prefills
     if decode is not None and not prefills and decode.num_seqs == num_tokens:
         return _decode_attention(query, key_cache, value_cache, decode, scale, sliding_window, softcap)
     if decode is None and len(prefills) == 1 and prefills[0].q_len == num_tokens:
@@ -207,11 +212,25 @@ def paged_attention(
     return out
 
 
+def _kernel_runs(kernel: DecodeKernel | None, query, key_cache, window, softcap) -> bool:
+    return kernel is not None and window is None and not softcap and kernel.supports(query, key_cache)
+
+
+def _kernel_decode_step(query, key, value, key_cache, value_cache, decode: DecodeBatch, slot_mapping, scale):
+    """A decode-only step on the C kernel: one call per layer stores the new K/V and attends."""
+    shape = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], scale)
+    plan = decode.plans.get(shape)
+    if plan is None:  # the first layer of the step (or of a new head shape)
+        tables = decode.block_ids.view(decode.num_seqs, -1)
+        plan = decode.plans[shape] = decode.kernel.plan(query, key_cache, tables, decode.seq_lens, slot_mapping, scale)
+    return decode.kernel.decode_step(plan, query, key, value, key_cache, value_cache)
+
+
 def _decode_attention(query, key_cache, value_cache, decode: DecodeBatch, scale, window, softcap) -> torch.Tensor:
     """One query token per sequence: query [n, H, D] against each sequence's gathered blocks."""
     n, num_heads, head_dim = query.shape
     kernel = decode.kernel
-    if kernel is not None and window is None and not softcap and kernel.supports(query, key_cache):
+    if _kernel_runs(kernel, query, key_cache, window, softcap):
         tables = decode.block_ids.view(n, -1)
         return kernel(query, key_cache, value_cache, tables, decode.seq_lens, scale)
     num_kv_heads = key_cache.shape[2]

@@ -80,8 +80,9 @@ def run_case(seqs, block_size, num_heads=8, num_kv_heads=2, head_dim=16, window=
         reference_attention(q, k, v, scale, window, softcap) for q, (k, v) in zip(queries, full_kv, strict=True)
     ])
     # The new K/V must have landed in their slots.
-    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_k, flat_v = (cache.view(-1, num_kv_heads, head_dim) for cache in (key_cache, value_cache))
     assert torch.equal(flat_k[torch.tensor(slots)], torch.cat(keys))
+    assert torch.equal(flat_v[torch.tensor(slots)], torch.cat(values))
     return (out.double() - expected).abs().max().item(), out
 
 
@@ -149,6 +150,26 @@ def test_c_kernel_spreads_a_large_batch_over_threads_and_matches_torch():
     err_t, out_t = run_case(seqs, 16, num_heads=9, num_kv_heads=3, head_dim=64)
     assert err_c < 1e-4 and err_t < 1e-4
     torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_only_step_plans_once_for_every_layer():
+    """Layers of one decode-only step share the kernel's plan; each stores its own K/V and attends its own cache."""
+    kernel = decode_kernel()
+    torch.manual_seed(3)
+    block_size, lens = 4, [9, 3, 12]
+    tables = torch.tensor([[5, 1, 7], [2, 0, 0], [3, 4, 6]], dtype=torch.int32)
+    slots = torch.tensor([tables[i, (n - 1) // block_size] * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)], dtype=torch.long)
+    meta = AttentionMetadata.build([1, 1, 1], lens, tables, slots, block_size, kernel)
+    torch_meta = AttentionMetadata.build([1, 1, 1], lens, tables, slots, block_size)
+    for _layer in range(3):
+        caches = [torch.randn(8, block_size, 2, 16) for _ in range(2)]
+        q, k, v = torch.randn(3, 6, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+        want = paged_attention(q, k, v, *(c.clone() for c in caches), torch_meta)
+        got = paged_attention(q, k, v, *caches, meta)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(caches[0].view(-1, 2, 16)[slots], k) and torch.equal(caches[1].view(-1, 2, 16)[slots], v)
+    assert len(meta.decode.plans) == 1
 
 
 def test_c_kernel_is_built_with_openmp_when_torch_uses_it():

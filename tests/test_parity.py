@@ -135,9 +135,16 @@ def instrument(engine) -> dict:
             def supports(self, *args):
                 return kernel.supports(*args)
 
-            def __call__(self, *args):
+            def plan(self, *args):
+                return kernel.plan(*args)
+
+            def __call__(self, *args):  # decodes beside prefills
                 seen["kernel_calls"] += 1
                 return kernel(*args)
+
+            def decode_step(self, *args):  # decode-only steps: the K/V store and attention in one call
+                seen["kernel_calls"] += 1
+                return kernel.decode_step(*args)
 
         runner.decode_kernel = CountingKernel()
     torch_path = pa._decode_attention

@@ -15,6 +15,18 @@
 
 #define PARALLEL_MIN_WORK (1 << 20) /* query-key products of a call below which one thread does it all */
 
+/* What stays the same for every layer of one decode step: built once per step by the caller, so each layer's call
+ * passes seven pointers (a call through ctypes pays for every argument it converts). */
+typedef struct {
+    const int64_t *block_tables; /* [num_seqs, table_stride] */
+    int64_t table_stride;
+    const int64_t *seq_lens;     /* [num_seqs], this step's token included */
+    const int64_t *slot_mapping; /* [num_seqs]: the cache row each sequence's new K/V goes to */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int64_t num_threads;
+} sluice_decode_plan;
+
 static inline float bf16_to_float(uint16_t x) {
     const uint32_t bits = (uint32_t)x << 16;
     float f;

@@ -27,6 +27,19 @@ int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *
     return failed;
 }
 
+/* One layer of a decode step: store each sequence's new K and V rows [n, Hkv, D] in their cache slots, then attend. */
+int NAME(sluice_paged_decode_step)(const sluice_decode_plan *p, const KV_T *q, const KV_T *key, const KV_T *value,
+                                   KV_T *key_cache, KV_T *value_cache, KV_T *out) {
+    const int64_t row = p->num_kv_heads * p->head_dim;
+    for (int64_t i = 0; i < p->num_seqs; i++) {
+        memcpy(key_cache + p->slot_mapping[i] * row, key + i * row, (size_t)row * sizeof(KV_T));
+        memcpy(value_cache + p->slot_mapping[i] * row, value + i * row, (size_t)row * sizeof(KV_T));
+    }
+    return NAME(sluice_paged_decode)(q, key_cache, value_cache, p->block_tables, p->table_stride, p->seq_lens, out,
+                                     p->num_seqs, p->num_heads, p->num_kv_heads, p->head_dim, p->block_size,
+                                     p->scale, p->num_threads);
+}
+
 /* Where token t's K or V row of this head lies in the paged cache. */
 #define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
 
