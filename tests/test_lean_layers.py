@@ -93,3 +93,15 @@ def test_lean_mlp_is_transformers_bit_for_bit(dtype):
     x = torch.randn(1, 5, llama.config.hidden_size).to(dtype)
     with torch.inference_mode():
         assert torch.equal(LeanLlamaMLP(mlp)(x), mlp(x))
+
+
+def test_a_copy_put_back_on_sdpa_runs_transformers_forwards():
+    """The bench's raw-forward ceiling times a copy of the engine's model on sdpa with a DynamicCache."""
+    reference, ours = build_pair("llama")
+    lean_llama_layers(ours)
+    ours.set_attn_implementation("sdpa")
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits, reference(ids).logits)
+        want = reference.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), want)

@@ -9,7 +9,8 @@ that glue costs more than the attention itself (~90 µs a layer). This forward k
 [T, H, D] views, rotates q and k in place with `cpu_ops.rotary_embedding_` (bit for bit the eager result),
 and calls `paged_attention` directly. The MLP applies SiLU and the product in place on the gate's fresh output;
 the decoder layer calls its four parts with nothing but what they use. Every result is the eager one bit for
-bit. Like `fused_norm`, a module is swapped only if its class's forward (and, for attention, its module's
+bit. A copy of the model put back on transformers' own attention (`set_attn_implementation("sdpa")`, as the
+bench's raw-forward ceiling does) runs transformers' forwards again. Like `fused_norm`, a module is swapped only if its class's forward (and, for attention, its module's
 `apply_rotary_pos_emb`; for the MLP, its activation) is, source for source, transformers' Llama one.
 """
 
@@ -27,7 +28,7 @@ from transformers.models.llama import modeling_llama
 
 from sluice.kvcache.paged_attention import paged_attention
 from sluice.service.engine import cpu_ops
-from sluice.service.engine.attention_backend import get_forward_context
+from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
 
 ROTARY_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,20 +72,27 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         x.copy_(x * cos + rotated * sin)
 
 
+def _copy_attributes(source: nn.Module, target: nn.Module) -> None:
+    """The plain attributes transformers' forward reads (config, layer_idx, scaling, gradient_checkpointing ...)."""
+    for name, value in vars(source).items():
+        if not name.startswith("_") and name != "training":
+            setattr(target, name, value)
+
+
 class PagedLlamaAttention(nn.Module):
     """A Llama attention layer reading and writing the paged KV cache of the forward context."""
 
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
-        self.config = attn.config
-        self.layer_idx = attn.layer_idx
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
+        _copy_attributes(attn, self)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.transformers_forward = type(attn).forward
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
         """hidden_states [1, T, E] (the runner packs every sequence into one row) → ([1, T, E], None)."""
+        if self.config._attn_implementation != ATTN_IMPLEMENTATION:  # a copy put back on sdpa (the bench's)
+            return self.transformers_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
         batch, tokens = hidden_states.shape[:2]
         assert batch == 1, "the paged cache packs a step's sequences into one row"
         # Each projection is a fresh tensor: its [T, H, D] view can be rotated in place.
@@ -120,10 +128,15 @@ class LeanLlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
         self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+        _copy_attributes(layer, self)
+        self.gradient_checkpointing = False  # a class attribute of transformers' layers: read by their forward
+        self.transformers_forward = type(layer).forward
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 **kwargs) -> torch.Tensor:
         """hidden_states [1, T, E] → [1, T, E]; the attention reads its cache from the forward context."""
+        if self.self_attn.config._attn_implementation != ATTN_IMPLEMENTATION:  # cache and mask are in kwargs
+            return self.transformers_forward(self, hidden_states, position_embeddings=position_embeddings, **kwargs)
         attended, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
