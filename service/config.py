@@ -41,6 +41,12 @@ class ModelConfig:
         "weights, decode-sized calls in a C++ GEMV on the plain layout, larger ones ~15% slower in oneDNN.",
         flag="--no-prepack-weights",
     )
+    lean_layers: bool = knob(
+        True,
+        "CPU: Llama-family attention, MLP and decoder layers run lean forwards (rotary in one C++ op, no "
+        "transposes or wrappers), bit for bit transformers' arithmetic. Off: transformers' own forwards.",
+        flag="--no-lean-layers",
+    )
     quantization: str = knob(
         "none",
         "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (GGUF's Q8_0 "

@@ -105,3 +105,17 @@ def test_a_copy_put_back_on_sdpa_runs_transformers_forwards():
         assert torch.equal(ours(ids).logits, reference(ids).logits)
         want = reference.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(ours.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), want)
+
+
+def test_no_lean_layers_keeps_transformers_forwards():
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from tests import _tiny
+
+    _, ours = build_pair("llama")
+    cfg = SluiceConfig()
+    cfg.model.device, cfg.model.dtype, cfg.model.lean_layers = "cpu", "float32", False
+    cfg.cache.num_kv_blocks = 16
+    engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    assert type(engine.model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    assert type(engine.model.model.layers[0].self_attn).__name__ == "LlamaAttention"

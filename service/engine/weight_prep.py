@@ -39,7 +39,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         _plain_with_decode_kernels(model, dtype)
     if device.type == "cpu" and dtype in FUSED_DTYPES and cpu_ops.load() is not None:
         logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
-    if device.type == "cpu":
+    if device.type == "cpu" and config.lean_layers:
         counts = lean_llama_layers(model)
         logger.info("lean Llama forwards: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()))
     if device.type == "cpu":
