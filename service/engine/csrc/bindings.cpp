@@ -1,4 +1,6 @@
 // The Python module of the CPU ops; each op lives in its own file.
+#include <torch/extension.h>
+
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
