@@ -53,6 +53,11 @@ def cpu_flags() -> str:
 @functools.cache
 def load() -> DecodeKernel | None:
     """The built kernel, or None where it cannot be built or loaded here (the torch path is used then)."""
+    return build(CFLAGS)
+
+
+def build(cflags: tuple[str, ...]) -> DecodeKernel | None:
+    """The kernel built with these flags (cached on disk by them); tests build the AVX2 path this way."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.info("no C compiler: decode attention uses the torch path")
@@ -60,14 +65,14 @@ def load() -> DecodeKernel | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         source = SOURCE.read_bytes() + SOURCE.with_name("paged_decode_body.h").read_bytes()
-        flags = repr(CFLAGS + OPENMP_FLAGS)
+        flags = repr(cflags + OPENMP_FLAGS)
         key = hashlib.sha256(source + flags.encode() + version.encode() + cpu_flags().encode()).hexdigest()
         target = cache_dir() / f"paged_decode-{key[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *CFLAGS, *OPENMP_FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                subprocess.run([cc, *cflags, *OPENMP_FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders (test workers, replicas) never see half a file
         return DecodeKernel(ctypes.CDLL(str(target)))
@@ -91,6 +96,8 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.path = lib._name  # the shared object loaded
+        lib.sluice_paged_decode_isa.restype = ctypes.c_char_p
+        self.isa: str = lib.sluice_paged_decode_isa().decode()  # avx512, avx2 or portable
         self._fns, self._steps = {}, {}
         for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
             fn = getattr(lib, "sluice_paged_decode" + suffix)

@@ -125,6 +125,25 @@ def test_c_kernel_matches_torch_across_head_shapes(shape, dtype):
         torch.testing.assert_close(out_c.float(), out_t.float(), rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (16, 2, 32), (2, 1, 16), (4, 4, 80), (4, 2, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_build_matches_torch(shape, dtype):
+    """The AVX2 path (what a Zen 3 runs), built for x86-64-v3 on any CPU that has AVX2; D 256 takes the portable loop."""
+    if "avx2" not in cpu_kernel.cpu_flags().split() or "fma" not in cpu_kernel.cpu_flags().split():
+        pytest.skip("no AVX2 and FMA on this CPU")
+    kernel = cpu_kernel.build(tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernel.CFLAGS))
+    assert kernel is not None and kernel.isa == "avx2"
+    heads, kv_heads, head_dim = shape
+    rng = random.Random(sum(shape))
+    seqs = [(rng.randrange(0, 90), 1) for _ in range(6)] + [(0, 1), (7, 1), (8, 1), (16, 1)]
+    _, out_c = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, kernel=kernel)
+    err_t, out_t = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out_c.float(), out_t.float(), rtol=2**-7, atol=2e-2)
+
+
 @pytest.mark.parametrize("mix", ["decodes", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_c_kernel_reads_a_bf16_cache(mix, block_size):

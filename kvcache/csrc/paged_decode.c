@@ -70,17 +70,69 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The AVX2 path (e.g. Zen 3): the AVX-512 path's plan, 8 lanes at a time. */
+#define SLUICE_DECODE_AVX2 1
+
+/* exp512's polynomial; 2^n goes into the exponent bits directly (n >= -126 here, so the result stays normal). */
+static inline __m256 exp256(__m256 x) {
+    const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+static inline float hsum256(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+static inline float hmax256(__m256 a) {
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 #endif
+
+/* Which vector path this build takes for the shapes it covers: "avx512", "avx2" or "portable". */
+const char *sluice_paged_decode_isa(void) {
+#if defined(SLUICE_DECODE_AVX512)
+    return "avx512";
+#elif defined(SLUICE_DECODE_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
 
 /* float32: sluice_paged_decode */
 #define KV_T float
 #define LOAD16 load16_f32
+#define LOAD8 load8_f32
 #define LOAD(x) (x)
 #define STORE(x) (x)
 #define NAME(f) f
 #include "paged_decode_body.h"
 #undef KV_T
 #undef LOAD16
+#undef LOAD8
 #undef LOAD
 #undef STORE
 #undef NAME
@@ -88,6 +140,7 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 /* bfloat16 (as uint16_t bits): sluice_paged_decode_bf16 */
 #define KV_T uint16_t
 #define LOAD16 load16_bf16
+#define LOAD8 load8_bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #define NAME(f) f##_bf16

@@ -127,6 +127,89 @@ static int NAME(seq_avx512)(const KV_T *q, const KV_T *key_cache, const KV_T *va
 }
 #endif
 
+#ifdef SLUICE_DECODE_AVX2
+/* group_avx512 with 8 lanes: V = D / 8 vectors per row, G query heads per KV head. */
+static inline __attribute__((always_inline)) void NAME(group_avx2)(
+        const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
+        KV_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
+        const int64_t V, const int64_t G) {
+    const int64_t D = V * 8, head = g * D, block_stride = block_size * token_stride;
+    __m256 qv[8][16], acc[8][16];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < V; v++) qv[h][v] = _mm256_mul_ps(LOAD8(q + (g * G + h) * D + 8 * v), _mm256_set1_ps(scale));
+    /* Pass 1: each K row once for the whole group. */
+    for (int64_t t = 0; t < len; t++) {
+        const KV_T *k = KV_ROW(key_cache, t);
+        __m256 kv[16];
+        for (int64_t v = 0; v < V; v++) kv[v] = LOAD8(k + 8 * v);
+        for (int64_t h = 0; h < G; h++) {
+            __m256 s = _mm256_mul_ps(qv[h][0], kv[0]);
+            for (int64_t v = 1; v < V; v++) s = _mm256_fmadd_ps(qv[h][v], kv[v], s);
+            scores[h * max_len + t] = hsum256(s);
+        }
+    }
+    /* Softmax numerators, 8 scores at a time; the tail one by one. */
+    float sums[8];
+    const int64_t full = len - len % 8;
+    for (int64_t h = 0; h < G; h++) {
+        float *sc = scores + h * max_len;
+        __m256 m = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < full; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t));
+        float mx = hmax256(m), tail = 0.f;
+        for (int64_t t = full; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
+        const __m256 mxv = _mm256_set1_ps(mx);
+        for (int64_t t = 0; t < full; t += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mxv));
+            _mm256_storeu_ps(sc + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        for (int64_t t = full; t < len; t++) tail += sc[t] = expf(sc[t] - mx);
+        sums[h] = hsum256(sum) + tail;
+    }
+    /* Pass 2: each V row once for the whole group, weights broadcast. */
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < V; v++) acc[h][v] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const KV_T *vr = KV_ROW(value_cache, t);
+        __m256 vv[16];
+        for (int64_t v = 0; v < V; v++) vv[v] = LOAD8(vr + 8 * v);
+        for (int64_t h = 0; h < G; h++) {
+            const __m256 p = _mm256_set1_ps(scores[h * max_len + t]);
+            for (int64_t v = 0; v < V; v++) acc[h][v] = _mm256_fmadd_ps(p, vv[v], acc[h][v]);
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
+        float row[128];
+        for (int64_t v = 0; v < V; v++) _mm256_storeu_ps(row + 8 * v, _mm256_mul_ps(acc[h][v], _mm256_set1_ps(inv)));
+        KV_T *o = out + (g * G + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = STORE(row[d]);
+    }
+}
+
+/* The AVX2 path for one sequence; 0 where its shape is not one it covers (then the portable loop runs). */
+static int NAME(seq_avx2)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
+                          int64_t len, KV_T *out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                          float scale, float *scores, int64_t max_len) {
+    const int64_t G = H / Hkv, token_stride = Hkv * D;
+    if (D % 8 || D > 128 || G > 8) return 0;
+    for (int64_t g = 0; g < Hkv; g++) {
+#define GROUP(Vc, Gc) NAME(group_avx2)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
+                                       scale, scores, max_len, Vc, Gc)
+        if (D == 64 && G == 1) GROUP(8, 1);
+        else if (D == 64 && G == 2) GROUP(8, 2);
+        else if (D == 64 && G == 3) GROUP(8, 3);
+        else if (D == 64 && G == 4) GROUP(8, 4);
+        else if (D == 128 && G == 1) GROUP(16, 1);
+        else if (D == 128 && G == 2) GROUP(16, 2);
+        else if (D == 128 && G == 4) GROUP(16, 4);
+        else GROUP(D / 8, G);
+#undef GROUP
+    }
+    return 1;
+}
+#endif
+
 /* Every sequence this thread is handed; 1 if its scratch buffers cannot be allocated. */
 static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
@@ -150,6 +233,11 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
 #ifdef SLUICE_DECODE_AVX512
         if (NAME(seq_avx512)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, H, num_kv_heads, D,
                              block_size, scale, scores, max_len))
+            continue;
+#endif
+#ifdef SLUICE_DECODE_AVX2
+        if (NAME(seq_avx2)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, H, num_kv_heads, D,
+                           block_size, scale, scores, max_len))
             continue;
 #endif
         for (int64_t j = 0; j < H * D; j++) qi[j] = LOAD(q[i * H * D + j]);
