@@ -128,7 +128,7 @@ def test_c_kernel_matches_torch_across_head_shapes(shape, dtype):
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (16, 2, 32), (2, 1, 16), (4, 4, 80), (4, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_build_matches_torch(shape, dtype):
-    """The AVX2 path (what a Zen 3 runs), built for x86-64-v3 on any CPU that has AVX2; D 256 takes the portable loop."""
+    """The AVX2 path (what a Zen 3 runs), built for x86-64-v3 on any CPU that has AVX2; D 80 takes the portable loop."""
     if "avx2" not in cpu_kernel.cpu_flags().split() or "fma" not in cpu_kernel.cpu_flags().split():
         pytest.skip("no AVX2 and FMA on this CPU")
     kernel = cpu_kernel.build(tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernel.CFLAGS))

@@ -43,167 +43,84 @@ int NAME(sluice_paged_decode_step)(const sluice_decode_plan *p, const KV_T *q, c
 /* Where token t's K or V row of this head lies in the paged cache. */
 #define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
 
-#ifdef SLUICE_DECODE_AVX512
-/* One sequence's attention for KV head g with V = D / 16 vectors per row and G query heads per KV head; inlined
+#ifdef SLUICE_DECODE_SIMD
+/* One sequence's attention for KV head g with V = D / VW vectors per row and G query heads per KV head; inlined
  * with constant V and G for the common shapes, so the query and accumulator arrays live in registers. */
-static inline __attribute__((always_inline)) void NAME(group_avx512)(
+static inline __attribute__((always_inline)) void NAME(group_simd)(
         const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
         KV_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
         const int64_t V, const int64_t G) {
-    const int64_t D = V * 16, head = g * D, block_stride = block_size * token_stride;
-    __m512 qv[8][16], acc[8][16];
+    const int64_t D = V * VW, head = g * D, block_stride = block_size * token_stride;
+    vf qv[8][MAX_D / VW], acc[8][MAX_D / VW];
     for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) qv[h][v] = _mm512_mul_ps(LOAD16(q + (g * G + h) * D + 16 * v), _mm512_set1_ps(scale));
+        for (int64_t v = 0; v < V; v++) qv[h][v] = V_MUL(LOADV(q + (g * G + h) * D + VW * v), V_SET1(scale));
     /* Pass 1: each K row once for the whole group. */
     for (int64_t t = 0; t < len; t++) {
         const KV_T *k = KV_ROW(key_cache, t);
-        __m512 kv[16];
-        for (int64_t v = 0; v < V; v++) kv[v] = LOAD16(k + 16 * v);
+        vf kv[MAX_D / VW];
+        for (int64_t v = 0; v < V; v++) kv[v] = LOADV(k + VW * v);
         for (int64_t h = 0; h < G; h++) {
-            __m512 s = _mm512_mul_ps(qv[h][0], kv[0]);
-            for (int64_t v = 1; v < V; v++) s = _mm512_fmadd_ps(qv[h][v], kv[v], s);
-            scores[h * max_len + t] = _mm512_reduce_add_ps(s);
+            vf s = V_MUL(qv[h][0], kv[0]);
+            for (int64_t v = 1; v < V; v++) s = V_FMADD(qv[h][v], kv[v], s);
+            scores[h * max_len + t] = V_HSUM(s);
         }
     }
-    /* Softmax numerators, 16 scores at a time; the tail is masked. */
+    /* Softmax numerators, VW scores at a time; the tail one by one. */
     float sums[8];
+    const int64_t full = len - len % VW;
     for (int64_t h = 0; h < G; h++) {
         float *sc = scores + h * max_len;
-        __m512 m = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
-            m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, sc + t));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 live = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + t), mx)));
-            _mm512_mask_storeu_ps(sc + t, live, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        sums[h] = _mm512_reduce_add_ps(sum);
-    }
-    /* Pass 2: each V row once for the whole group, weights broadcast. */
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) acc[h][v] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        const KV_T *vr = KV_ROW(value_cache, t);
-        __m512 vv[16];
-        for (int64_t v = 0; v < V; v++) vv[v] = LOAD16(vr + 16 * v);
-        for (int64_t h = 0; h < G; h++) {
-            const __m512 p = _mm512_set1_ps(scores[h * max_len + t]);
-            for (int64_t v = 0; v < V; v++) acc[h][v] = _mm512_fmadd_ps(p, vv[v], acc[h][v]);
-        }
-    }
-    for (int64_t h = 0; h < G; h++) {
-        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
-        float row[256];
-        for (int64_t v = 0; v < V; v++) _mm512_storeu_ps(row + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv)));
-        KV_T *o = out + (g * G + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = STORE(row[d]);
-    }
-}
-
-/* The AVX-512 path for one sequence; 0 where its shape is not one it covers (then the portable loop runs). */
-static int NAME(seq_avx512)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
-                            int64_t len, KV_T *out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                            float scale, float *scores, int64_t max_len) {
-    const int64_t G = H / Hkv, token_stride = Hkv * D;
-    if (D % 16 || D > 256 || G > 8) return 0;
-    for (int64_t g = 0; g < Hkv; g++) {
-#define GROUP(Vc, Gc) NAME(group_avx512)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
-                                         scale, scores, max_len, Vc, Gc)
-        if (D == 64 && G == 1) GROUP(4, 1);
-        else if (D == 64 && G == 2) GROUP(4, 2);
-        else if (D == 64 && G == 3) GROUP(4, 3);
-        else if (D == 64 && G == 4) GROUP(4, 4);
-        else if (D == 128 && G == 1) GROUP(8, 1);
-        else if (D == 128 && G == 2) GROUP(8, 2);
-        else if (D == 128 && G == 4) GROUP(8, 4);
-        else GROUP(D / 16, G);
-#undef GROUP
-    }
-    return 1;
-}
-#endif
-
-#ifdef SLUICE_DECODE_AVX2
-/* group_avx512 with 8 lanes: V = D / 8 vectors per row, G query heads per KV head. */
-static inline __attribute__((always_inline)) void NAME(group_avx2)(
-        const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
-        KV_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
-        const int64_t V, const int64_t G) {
-    const int64_t D = V * 8, head = g * D, block_stride = block_size * token_stride;
-    __m256 qv[8][16], acc[8][16];
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) qv[h][v] = _mm256_mul_ps(LOAD8(q + (g * G + h) * D + 8 * v), _mm256_set1_ps(scale));
-    /* Pass 1: each K row once for the whole group. */
-    for (int64_t t = 0; t < len; t++) {
-        const KV_T *k = KV_ROW(key_cache, t);
-        __m256 kv[16];
-        for (int64_t v = 0; v < V; v++) kv[v] = LOAD8(k + 8 * v);
-        for (int64_t h = 0; h < G; h++) {
-            __m256 s = _mm256_mul_ps(qv[h][0], kv[0]);
-            for (int64_t v = 1; v < V; v++) s = _mm256_fmadd_ps(qv[h][v], kv[v], s);
-            scores[h * max_len + t] = hsum256(s);
-        }
-    }
-    /* Softmax numerators, 8 scores at a time; the tail one by one. */
-    float sums[8];
-    const int64_t full = len - len % 8;
-    for (int64_t h = 0; h < G; h++) {
-        float *sc = scores + h * max_len;
-        __m256 m = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < full; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t));
-        float mx = hmax256(m), tail = 0.f;
+        vf m = V_SET1(-INFINITY), sum = V_ZERO();
+        for (int64_t t = 0; t < full; t += VW) m = V_MAX(m, V_LOADU(sc + t));
+        float mx = V_HMAX(m), tail = 0.f;
         for (int64_t t = full; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
-        const __m256 mxv = _mm256_set1_ps(mx);
-        for (int64_t t = 0; t < full; t += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mxv));
-            _mm256_storeu_ps(sc + t, e);
-            sum = _mm256_add_ps(sum, e);
+        const vf mxv = V_SET1(mx);
+        for (int64_t t = 0; t < full; t += VW) {
+            const vf e = vexp(V_SUB(V_LOADU(sc + t), mxv));
+            V_STOREU(sc + t, e);
+            sum = V_ADD(sum, e);
         }
         for (int64_t t = full; t < len; t++) tail += sc[t] = expf(sc[t] - mx);
-        sums[h] = hsum256(sum) + tail;
+        sums[h] = V_HSUM(sum) + tail;
     }
     /* Pass 2: each V row once for the whole group, weights broadcast. */
     for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) acc[h][v] = _mm256_setzero_ps();
+        for (int64_t v = 0; v < V; v++) acc[h][v] = V_ZERO();
     for (int64_t t = 0; t < len; t++) {
         const KV_T *vr = KV_ROW(value_cache, t);
-        __m256 vv[16];
-        for (int64_t v = 0; v < V; v++) vv[v] = LOAD8(vr + 8 * v);
+        vf vv[MAX_D / VW];
+        for (int64_t v = 0; v < V; v++) vv[v] = LOADV(vr + VW * v);
         for (int64_t h = 0; h < G; h++) {
-            const __m256 p = _mm256_set1_ps(scores[h * max_len + t]);
-            for (int64_t v = 0; v < V; v++) acc[h][v] = _mm256_fmadd_ps(p, vv[v], acc[h][v]);
+            const vf p = V_SET1(scores[h * max_len + t]);
+            for (int64_t v = 0; v < V; v++) acc[h][v] = V_FMADD(p, vv[v], acc[h][v]);
         }
     }
     for (int64_t h = 0; h < G; h++) {
         const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
-        float row[128];
-        for (int64_t v = 0; v < V; v++) _mm256_storeu_ps(row + 8 * v, _mm256_mul_ps(acc[h][v], _mm256_set1_ps(inv)));
+        float row[MAX_D];
+        for (int64_t v = 0; v < V; v++) V_STOREU(row + VW * v, V_MUL(acc[h][v], V_SET1(inv)));
         KV_T *o = out + (g * G + h) * D;
         for (int64_t d = 0; d < D; d++) o[d] = STORE(row[d]);
     }
 }
 
-/* The AVX2 path for one sequence; 0 where its shape is not one it covers (then the portable loop runs). */
-static int NAME(seq_avx2)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
+/* The vector path for one sequence; 0 where its shape is not one it covers (then the portable loop runs). */
+static int NAME(seq_simd)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
                           int64_t len, KV_T *out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
                           float scale, float *scores, int64_t max_len) {
     const int64_t G = H / Hkv, token_stride = Hkv * D;
-    if (D % 8 || D > 128 || G > 8) return 0;
+    if (D % VW || D > MAX_D || G > 8) return 0;
     for (int64_t g = 0; g < Hkv; g++) {
-#define GROUP(Vc, Gc) NAME(group_avx2)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
-                                       scale, scores, max_len, Vc, Gc)
-        if (D == 64 && G == 1) GROUP(8, 1);
-        else if (D == 64 && G == 2) GROUP(8, 2);
-        else if (D == 64 && G == 3) GROUP(8, 3);
-        else if (D == 64 && G == 4) GROUP(8, 4);
-        else if (D == 128 && G == 1) GROUP(16, 1);
-        else if (D == 128 && G == 2) GROUP(16, 2);
-        else if (D == 128 && G == 4) GROUP(16, 4);
-        else GROUP(D / 8, G);
+#define GROUP(Dc, Gc) NAME(group_simd)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
+                                       scale, scores, max_len, (Dc) / VW, Gc)
+        if (D == 64 && G == 1) GROUP(64, 1);
+        else if (D == 64 && G == 2) GROUP(64, 2);
+        else if (D == 64 && G == 3) GROUP(64, 3);
+        else if (D == 64 && G == 4) GROUP(64, 4);
+        else if (D == 128 && G == 1) GROUP(128, 1);
+        else if (D == 128 && G == 2) GROUP(128, 2);
+        else if (D == 128 && G == 4) GROUP(128, 4);
+        else GROUP(D, G);
 #undef GROUP
     }
     return 1;
@@ -230,13 +147,8 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
         if (!ok) continue;
         const int64_t len = seq_lens[i];
         const int64_t *table = block_tables + i * table_stride;
-#ifdef SLUICE_DECODE_AVX512
-        if (NAME(seq_avx512)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, H, num_kv_heads, D,
-                             block_size, scale, scores, max_len))
-            continue;
-#endif
-#ifdef SLUICE_DECODE_AVX2
-        if (NAME(seq_avx2)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, H, num_kv_heads, D,
+#ifdef SLUICE_DECODE_SIMD
+        if (NAME(seq_simd)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, H, num_kv_heads, D,
                            block_size, scale, scores, max_len))
             continue;
 #endif
