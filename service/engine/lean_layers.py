@@ -1,17 +1,18 @@
 """Llama layers with lean forwards: attention on the paged cache with rotary in one C++ op, and an MLP and a
 decoder layer without transformers' per-call wrappers.
 
-At batch 1 on CPU each small op and wrapper costs microseconds, and a layer has dozens of them.
+At batch 1 on CPU each small op and wrapper costs microseconds, and a layer has dozens of them. transformers'
+attention projects q, k and v, transposes each to [1, H, T, D], applies rotary as sixteen small ops and looks
+the attention function up by name; the paged hook then transposes back. That glue cost more than the attention
+itself. Here the attention keeps the projections' [T, H, D] views, rotates q and k in place with
+`cpu_ops.rotary_embedding_` and calls `paged_attention` directly; the MLP applies SiLU and the product in place
+on the gate's fresh output; the decoder layer calls its four parts with nothing but what they use. Every result
+is the eager one bit for bit.
 
-transformers' forward projects q, k and v, transposes each to [1, H, T, D], applies rotary as sixteen small
-ops, looks up the attention function by name, and the paged hook then transposes back. At batch 1 on CPU
-that glue costs more than the attention itself (~90 µs a layer). This forward keeps the projections'
-[T, H, D] views, rotates q and k in place with `cpu_ops.rotary_embedding_` (bit for bit the eager result),
-and calls `paged_attention` directly. The MLP applies SiLU and the product in place on the gate's fresh output;
-the decoder layer calls its four parts with nothing but what they use. Every result is the eager one bit for
-bit. A copy of the model put back on transformers' own attention (`set_attn_implementation("sdpa")`, as the
-bench's raw-forward ceiling does) runs transformers' forwards again. Like `fused_norm`, a module is swapped only if its class's forward (and, for attention, its module's
-`apply_rotary_pos_emb`; for the MLP, its activation) is, source for source, transformers' Llama one.
+A copy of the model put back on transformers' own attention (`set_attn_implementation("sdpa")`, as the bench's
+raw-forward ceiling does) runs transformers' forwards again. Like `fused_norm`, a module is swapped only if its
+class's forward (and, for attention, its module's `apply_rotary_pos_emb`; for the MLP, its activation) is,
+source for source, transformers' Llama one.
 """
 
 from __future__ import annotations
