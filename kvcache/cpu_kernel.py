@@ -138,8 +138,9 @@ class DecodeKernel:
 
     def plan(self, query, key_cache, block_tables, seq_lens, slot_mapping, scale: float) -> DecodePlan:
         """The arguments every layer of this step shares (the tensors must outlive the step's calls)."""
-        for t in (block_tables, seq_lens, slot_mapping):
-            assert t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu"
+        for t in (block_tables, seq_lens, slot_mapping):  # the C side reads them through raw pointers
+            if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("decode plan: block tables, lengths and slots must be contiguous int64 CPU tensors")
         n, num_heads, head_dim = query.shape
         return DecodePlan(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slot_mapping.data_ptr(),
                           n, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
