@@ -98,13 +98,8 @@ class DecodeKernel:
         self.path = lib._name  # the shared object loaded
         lib.sluice_paged_decode_isa.restype = ctypes.c_char_p
         self.isa: str = lib.sluice_paged_decode_isa().decode()  # avx512, avx2 or portable
-        self._fns, self._steps = {}, {}
+        self._steps = {}
         for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
-            fn = getattr(lib, "sluice_paged_decode" + suffix)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-                [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64]
-            self._fns[dtype] = fn
             step = getattr(lib, "sluice_paged_decode_step" + suffix)
             step.restype = ctypes.c_int
             step.argtypes = [ctypes.POINTER(DecodePlan)] + [ctypes.c_void_p] * 6
@@ -116,42 +111,36 @@ class DecodeKernel:
         return (
             query.device.type == "cpu"
             and query.dtype == key_cache.dtype
-            and query.dtype in self._fns
+            and query.dtype in self._steps
             and key_cache.is_contiguous()
             and num_heads % num_kv_heads == 0
         )
 
-    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, scale: float):
-        """query [n, H, D] → out [n, H, D]; block_tables [n, max_blocks] int64, seq_lens [n] int64 (CPU)."""
-        query = query.contiguous()
-        n, num_heads, head_dim = query.shape
-        out = torch.empty_like(query)
-        # ctypes releases the GIL for the call; the C side forks its OpenMP threads itself.
-        status = self._fns[query.dtype](
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, key_cache.shape[2], head_dim,
-            key_cache.shape[1], scale, torch.get_num_threads(),
-        )
-        if status != 0:
-            raise MemoryError("paged decode kernel: out of memory for its score buffer")
-        return out
-
     def plan(self, query, key_cache, block_tables, seq_lens, slot_mapping, scale: float) -> DecodePlan:
-        """The arguments every layer of this step shares (the tensors must outlive the step's calls)."""
+        """The arguments every layer of this step shares (the tensors must outlive the step's calls); block_tables
+        [n, max_blocks], seq_lens [n] and slot_mapping [n] (None: the caller stores the new K/V) int64 on the CPU."""
         for t in (block_tables, seq_lens, slot_mapping):  # the C side reads them through raw pointers
-            if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu"):
                 raise ValueError("decode plan: block tables, lengths and slots must be contiguous int64 CPU tensors")
         n, num_heads, head_dim = query.shape
-        return DecodePlan(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slot_mapping.data_ptr(),
+        slots = slot_mapping.data_ptr() if slot_mapping is not None else None
+        return DecodePlan(block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), slots,
                           n, num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], scale,
                           torch.get_num_threads())
 
     def decode_step(self, plan: DecodePlan, query, key, value, key_cache, value_cache):
-        """Store key/value [n, Hkv, D] in the plan's slots, then attend: query [n, H, D] → out [n, H, D]."""
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        """Store key/value [n, Hkv, D] in the plan's slots (None: already stored), then attend: query [n, H, D] →
+        out [n, H, D]. ctypes releases the GIL for the call; the C side forks its OpenMP threads itself."""
+        if (key is None) != (plan.slot_mapping is None):
+            raise ValueError("decode step: new keys and values go with a plan that has their slots")
+        query = query.contiguous()
+        key_ptr = value_ptr = None
+        if key is not None:
+            key, value = key.contiguous(), value.contiguous()
+            key_ptr, value_ptr = key.data_ptr(), value.data_ptr()
         out = torch.empty_like(query)
-        status = self._steps[query.dtype](plan, query.data_ptr(), key.data_ptr(), value.data_ptr(),
-                                          key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr())
+        status = self._steps[query.dtype](plan, query.data_ptr(), key_ptr, value_ptr, key_cache.data_ptr(),
+                                          value_cache.data_ptr(), out.data_ptr())
         if status != 0:
             raise MemoryError("paged decode kernel: out of memory for its score buffer")
         return out

@@ -60,7 +60,7 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [n] long, device
     kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32 or bf16), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
-    plans: dict = field(default_factory=dict)  # (dtype, heads, kv heads, head dim, scale) -> the kernel's DecodePlan
+    plans: dict = field(default_factory=dict)  # (stores K/V, dtype, heads, kv heads, dim, scale) -> DecodePlan
 
 
 @dataclass(slots=True)
@@ -187,7 +187,7 @@ def paged_attention(
     decode = meta.decode
     if meta.backend == "torch" and decode is not None and decode.num_seqs == query.shape[0] and not meta.prefills \
             and _kernel_runs(decode.kernel, query, key_cache, sliding_window, softcap):
-        return _kernel_decode_step(query, key, value, key_cache, value_cache, decode, meta.slot_mapping, scale)
+        return _kernel_decode(query, key, value, key_cache, value_cache, decode, meta.slot_mapping, scale)
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     if meta.backend == "flex":
         return flex.flex_paged_attention(query, key_cache, value_cache, meta.flex_groups, meta.block_size, scale,
@@ -216,9 +216,10 @@ def _kernel_runs(kernel: DecodeKernel | None, query, key_cache, window, softcap)
     return kernel is not None and window is None and not softcap and kernel.supports(query, key_cache)
 
 
-def _kernel_decode_step(query, key, value, key_cache, value_cache, decode: DecodeBatch, slot_mapping, scale):
-    """A decode-only step on the C kernel: one call per layer stores the new K/V and attends."""
-    shape = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], scale)
+def _kernel_decode(query, key, value, key_cache, value_cache, decode: DecodeBatch, slot_mapping, scale):
+    """Decodes on the C kernel, one call per layer. With key/value/slot_mapping it stores the new K/V too (a
+    decode-only step); with None they were stored already (decodes beside prefills)."""
+    shape = (slot_mapping is not None, query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], scale)
     plan = decode.plans.get(shape)
     if plan is None:  # the first layer of the step (or of a new head shape)
         tables = decode.block_ids.view(decode.num_seqs, -1)
@@ -231,8 +232,7 @@ def _decode_attention(query, key_cache, value_cache, decode: DecodeBatch, scale,
     n, num_heads, head_dim = query.shape
     kernel = decode.kernel
     if _kernel_runs(kernel, query, key_cache, window, softcap):
-        tables = decode.block_ids.view(n, -1)
-        return kernel(query, key_cache, value_cache, tables, decode.seq_lens, scale)
+        return _kernel_decode(query, None, None, key_cache, value_cache, decode, None, scale)
     num_kv_heads = key_cache.shape[2]
     # [n, L, Hkv, D] viewed as [n, Hkv, L, D]; strided, but SDPA reads it without another copy.
     k = key_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)

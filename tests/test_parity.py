@@ -138,11 +138,7 @@ def instrument(engine) -> dict:
             def plan(self, *args):
                 return kernel.plan(*args)
 
-            def __call__(self, *args):  # decodes beside prefills
-                seen["kernel_calls"] += 1
-                return kernel(*args)
-
-            def decode_step(self, *args):  # decode-only steps: the K/V store and attention in one call
+            def decode_step(self, *args):
                 seen["kernel_calls"] += 1
                 return kernel.decode_step(*args)
 

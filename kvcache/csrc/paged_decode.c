@@ -21,7 +21,7 @@ typedef struct {
     const int64_t *block_tables; /* [num_seqs, table_stride] */
     int64_t table_stride;
     const int64_t *seq_lens;     /* [num_seqs], this step's token included */
-    const int64_t *slot_mapping; /* [num_seqs]: the cache row each sequence's new K/V goes to */
+    const int64_t *slot_mapping; /* [num_seqs]: the cache row each sequence's new K/V goes to (NULL: stored already) */
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int64_t num_threads;

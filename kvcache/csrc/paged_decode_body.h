@@ -6,7 +6,7 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
                         KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
 
-int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+static int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
@@ -27,11 +27,12 @@ int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *
     return failed;
 }
 
-/* One layer of a decode step: store each sequence's new K and V rows [n, Hkv, D] in their cache slots, then attend. */
+/* One layer's decodes: store each sequence's new K and V rows [n, Hkv, D] in their cache slots (key NULL: the
+ * caller already stored them, as in a step that mixes decodes and prefills), then attend. */
 int NAME(sluice_paged_decode_step)(const sluice_decode_plan *p, const KV_T *q, const KV_T *key, const KV_T *value,
                                    KV_T *key_cache, KV_T *value_cache, KV_T *out) {
     const int64_t row = p->num_kv_heads * p->head_dim;
-    for (int64_t i = 0; i < p->num_seqs; i++) {
+    for (int64_t i = 0; key != NULL && i < p->num_seqs; i++) {
         memcpy(key_cache + p->slot_mapping[i] * row, key + i * row, (size_t)row * sizeof(KV_T));
         memcpy(value_cache + p->slot_mapping[i] * row, value + i * row, (size_t)row * sizeof(KV_T));
     }
