@@ -55,10 +55,6 @@ def _computes_llama_mlp(module: nn.Module) -> bool:
             and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU))
 
 
-def _computes_llama_decoder_layer(module: nn.Module) -> bool:
-    return _same_source(type(module).forward, modeling_llama.LlamaDecoderLayer.forward)
-
-
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos, sin [T, D], as transformers' Llama does."""
     ops = cpu_ops.load()
@@ -143,7 +139,15 @@ class LeanLlamaDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-SWAPS = (("attention", _computes_llama_attention, PagedLlamaAttention), ("mlp", _computes_llama_mlp, LeanLlamaMLP))
+def _computes_llama_decoder_layer(module: nn.Module) -> bool:
+    # The lean layer calls its attention with positions only: that takes the paged forward, swapped first.
+    return (_same_source(type(module).forward, modeling_llama.LlamaDecoderLayer.forward)
+            and isinstance(getattr(module, "self_attn", None), PagedLlamaAttention))
+
+
+# In this order: a decoder layer qualifies only once its attention was swapped.
+SWAPS = (("attention", _computes_llama_attention, PagedLlamaAttention), ("mlp", _computes_llama_mlp, LeanLlamaMLP),
+         ("decoder layer", _computes_llama_decoder_layer, LeanLlamaDecoderLayer))
 
 
 def lean_llama_layers(model: nn.Module) -> dict[str, int]:
@@ -156,11 +160,4 @@ def lean_llama_layers(model: nn.Module) -> dict[str, int]:
         for parent, name, child in swaps:
             setattr(parent, name, lean(child))
         counts[kind] = len(swaps)
-    # The lean layer calls its attention with positions only: that takes the paged forward.
-    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if _computes_llama_decoder_layer(child) and isinstance(getattr(child, "self_attn", None),
-                                                                      PagedLlamaAttention)]
-    for parent, name, child in layers:
-        setattr(parent, name, LeanLlamaDecoderLayer(child))
-    counts["decoder layer"] = len(layers)
     return counts
