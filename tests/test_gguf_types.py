@@ -32,29 +32,31 @@ def test_default_model_served_in_its_gguf_types_is_the_files_blocks_bit_for_bit(
     engine = LLMEngine(cfg)
     model = engine.model
     assert isinstance(model.lm_head, Int8Linear)  # the file's Q8_0 embedding, tied to the head
-    body = [m for m in model.model.modules() if hasattr(m, "in_features")]
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    body = [m for name, m in model.model.named_modules() if name.rpartition(".")[2] in projections]
     assert len(body) == 210 and all(isinstance(m, Int4Linear) for m in body)
 
     reader = gguf.GGUFReader(str(fetch_default_gguf(tmp_path)))
     # Q4_1 block: float16 d, float16 m, 16 bytes of nibbles. ffn_down's rows are not permuted by the converter.
     blocks = _raw_blocks(reader, "blk.0.ffn_down.weight", 20)
-    down = model.model.layers[0].mlp.down_proj
-    assert np.array_equal(blocks[..., 0:2].copy().view(np.float16)[..., 0], down.scale.numpy())
-    assert np.array_equal(blocks[..., 2:4].copy().view(np.float16)[..., 0], down.minimum.numpy())
-    assert np.array_equal(blocks[..., 4:], down.qweight.numpy())
+    nibbles, scale, minimum = model.model.layers[0].mlp.down_proj.q4_1()
+    assert np.array_equal(blocks[..., 0:2].copy().view(np.float16)[..., 0], scale.numpy())
+    assert np.array_equal(blocks[..., 2:4].copy().view(np.float16)[..., 0], minimum.numpy())
+    assert np.array_equal(blocks[..., 4:], nibbles.numpy())
     # Q8_0 block: float16 d, 32 int8
     blocks = _raw_blocks(reader, "token_embd.weight", 34)
     assert np.array_equal(blocks[..., 0:2].copy().view(np.float16)[..., 0], model.lm_head.scale.numpy())
     assert np.array_equal(blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1),
                           model.lm_head.qweight.numpy())
 
-    # The file's exact weights: greedy text as the float32 engine's.
-    fp32 = SluiceConfig()
-    fp32.model.dtype, fp32.cache.num_kv_blocks = "float32", 64
+    # The file's exact weights: the same text as `--quantization int4` makes of the float weights converted from
+    # it (which requantize to these very blocks), token for token.
+    int4 = SluiceConfig()
+    int4.model.quantization, int4.cache.num_kv_blocks = "int4", 64
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
                                                   add_generation_prompt=True, tokenize=False)
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    assert engine.generate([prompt], params)[0].token_ids == LLMEngine(fp32).generate([prompt], params)[0].token_ids
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    assert engine.generate([prompt], params)[0].token_ids == LLMEngine(int4).generate([prompt], params)[0].token_ids
 
 
 def test_gguf_needs_a_model_the_engine_loads_from_a_gguf(model_dir):

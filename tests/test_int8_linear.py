@@ -47,9 +47,9 @@ def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows
     x = torch.randn(2, rows, in_features)
     want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
     with torch.inference_mode():
-        monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 10**6)
+        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 10**6)
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
-        monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 0)
+        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 0)
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
 
@@ -108,7 +108,7 @@ def test_int8_needs_cpu_float32_and_a_known_name():
 @pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over the kernel's limit
 def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget, monkeypatch):
     if budget == 8:
-        monkeypatch.setattr(int8, "KERNEL_MAX_ROWS", 4)
+        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 4)
     reference, ours = build_pair("llama")
     reference = _dequantized_twin(reference)
     engine = int8_engine(ours, budget)

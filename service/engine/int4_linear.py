@@ -2,27 +2,32 @@
 
 Each row is cut into groups of 32 inputs; a group keeps a float16 scale d and minimum m (m = the group's minimum,
 d = its range / 15) and 32 nibbles q in 0..15, and stands for q * d + m. Byte j of a group's 16 holds elements j
-(low nibble) and j + 16 (high nibble), as llama.cpp stores Q4_1, so a GGUF's Q4_1 blocks map onto these buffers
+(low nibble) and j + 16 (high nibble), as llama.cpp stores Q4_1, so a GGUF's Q4_1 blocks map onto these values
 unchanged. For weights that were themselves dequantized from Q4_1 (the default model's GGUF), quantizing again
-gives back the same values, so the outputs are fp32's.
+gives back the same values.
 
-Activations stay float32. (Quantizing them to int8 per group of 32, as llama.cpp does for Q4_1, was measured: on
-2 Zen 4 cores no faster than this kernel, and it would change the arithmetic, so outputs would drift from
-fp32's.) Up to KERNEL_MAX_ROWS rows run through csrc/int4_linear.cpp (built by `cpu_ops`); more rows, or no
-compiler, dequantize per call and run fp32 GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1
-files keep it at Q8_0 too: in 4 bits it alone took SmolLM2's perplexity from 7.10 to 7.52). A linear whose input
-size is not a multiple of 32 stays float32.
+For up to KERNEL_MAX_ROWS rows, csrc/int4_linear.cpp (built by `cpu_ops`) quantizes the activations to int8 per
+group of 32 (scale max|x| / 127), as llama.cpp does for Q4_1, and sums exact u8 x s8 products with vpdpbusd
+(AVX512-VNNI) or pmaddubsw (AVX2). Float activations made the kernel compute-bound (widening each nibble to a
+float): 2.2x slower over SmolLM2's linears at one row. The cost is a small error per linear (`bench quant` reports
+perplexity and greedy agreement). The kernel reads the bytes regrouped 16 output rows to a block (`pack`: a
+permutation, nothing added but padding to a multiple of 16 rows). More rows, or no compiler, dequantize per call
+and run fp32 GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1 files keep it at Q8_0 too: in
+4 bits it alone took SmolLM2's perplexity from 7.10 to 7.52). A linear whose input size is not a multiple of 32
+stays float32.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sluice.service.engine import cpu_ops
 from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear, replace_fitting_linears
 
+BLOCK = 16  # output rows per kernel block
 # Measured as int8's: the kernel takes 83 ms at 32 rows, 165 at 64, 328 at 128, 690 at 256; dequantize + GEMM
 # 260, 303, 394 and 580.
 KERNEL_MAX_ROWS = 128
@@ -46,29 +51,53 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def dequantize(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [N, K] these buffers stand for."""
+    """The fp32 weight [N, K] these Q4_1 buffers stand for."""
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
     w = q * scale.float()[..., None] + minimum.float()[..., None]
     return w.reshape(nibbles.shape[0], -1)
 
 
+def pack(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    """Q4_1 buffers of N rows → the kernel's blocks of 16 rows (N padded with zero rows):
+    nibbles [N/16, G, 4, 16, 4] (chunk c, row o: bytes 4c..4c+3 of row o's group), scale and minimum [N/16, G, 16]."""
+    n, g, _ = nibbles.shape
+    pad = -n % BLOCK
+    nibbles, scale, minimum = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (nibbles, scale, minimum))
+    blocks = (n + pad) // BLOCK
+    packed = nibbles.reshape(blocks, BLOCK, g, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return (packed, *(t.reshape(blocks, BLOCK, g).transpose(1, 2).contiguous() for t in (scale, minimum)))
+
+
+def unpack(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, n: int):
+    """The inverse of pack: Q4_1 buffers of the first n rows (nibbles [n, G, 16], scale and minimum [n, G])."""
+    blocks, g = packed.shape[:2]
+    nibbles = packed.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK, g, 16)[:n]
+    return (nibbles, *(t.transpose(1, 2).reshape(blocks * BLOCK, g)[:n] for t in (scale, minimum)))
+
+
 class Int4Linear(QuantizedLinear):
-    """An nn.Linear (no grad) with Q4_1-layout int4 weights; float32 activations in and out."""
+    """An nn.Linear (no grad) with Q4_1 int4 weights, packed for the kernel; float32 activations in and out."""
 
     kernel_max_rows = KERNEL_MAX_ROWS
+    row_buffers = ("qweight", "scale", "minimum")
+    rows_per_entry = BLOCK
 
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
         super().__init__(linear, kernel)
-        nibbles, scale, minimum = quantize_weight(linear.weight)
-        self.register_buffer("qweight", nibbles)
+        packed, scale, minimum = pack(*quantize_weight(linear.weight))
+        self.register_buffer("qweight", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
 
+    def q4_1(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weight as GGUF's Q4_1 buffers: nibbles [N, K/32, 16], scale and minimum float16 [N, K/32]."""
+        return unpack(self.qweight, self.scale, self.minimum, self.out_features)
+
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.kernel.int4_linear(rows, self.qweight, self.scale, self.minimum)
+        return self.kernel.int4_linear(rows, self.qweight, self.scale, self.minimum, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize(self.qweight, self.scale, self.minimum)
+        return dequantize(*self.q4_1())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 Q4_1 groups of {GROUP}"

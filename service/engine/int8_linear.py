@@ -43,6 +43,7 @@ class Int8Linear(QuantizedLinear):
     """An nn.Linear (no grad) with Q8_0-layout int8 weights; float32 activations in and out."""
 
     kernel_max_rows = KERNEL_MAX_ROWS
+    row_buffers = ("qweight", "scale")
 
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
         super().__init__(linear, kernel)

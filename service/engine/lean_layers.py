@@ -30,6 +30,7 @@ from transformers.models.llama import modeling_llama
 from sluice.kvcache.paged_attention import paged_attention
 from sluice.service.engine import cpu_ops
 from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
+from sluice.service.engine.quantized_linear import fuse_linears
 
 ROTARY_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -84,6 +85,9 @@ class PagedLlamaAttention(nn.Module):
         _copy_attributes(attn, self)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.transformers_forward = type(attn).forward
+        # q, k and v in one kernel call where their linears allow it (quantized ones): one pass over the input.
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_heads = [proj.out_features // self.head_dim for proj in (self.q_proj, self.k_proj, self.v_proj)]
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -92,10 +96,13 @@ class PagedLlamaAttention(nn.Module):
             return self.transformers_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
         batch, tokens = hidden_states.shape[:2]
         assert batch == 1, "the paged cache packs a step's sequences into one row"
-        # Each projection is a fresh tensor: its [T, H, D] view can be rotated in place.
-        q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
-        k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
-        v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
+        # Each projection is a fresh tensor (or a slice of one): its [T, H, D] view can be rotated in place.
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(hidden_states).view(tokens, -1, self.head_dim).split(self.qkv_heads, dim=1)
+        else:
+            q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
+            k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
+            v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
         cos, sin = position_embeddings
         apply_rotary(q, k, cos[0], sin[0])
         context = get_forward_context()
@@ -110,12 +117,16 @@ class LeanLlamaMLP(nn.Module):
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])  # as qkv_proj in PagedLlamaAttention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The Llama MLP on x [..., E]."""
-        gate = self.gate_proj(x)  # a fresh tensor: free to overwrite
-        F.silu(gate, inplace=True)
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_proj.out_features, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        F.silu(gate, inplace=True)  # gate is a fresh tensor (or a slice of one): free to overwrite
+        return self.down_proj(gate.mul_(up))
 
 
 class LeanLlamaDecoderLayer(nn.Module):

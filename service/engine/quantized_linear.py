@@ -28,6 +28,10 @@ class QuantizedLinear(nn.Module, metaclass=ABCMeta):
     """An nn.Linear (no grad) whose weight a subclass stores quantized; float32 activations in and out."""
 
     kernel_max_rows: int  # the most input rows the kernel takes; above, dequantize + GEMM is faster
+    # The buffers that hold output rows along dim 0, each entry standing for `rows_per_entry` rows (int4: a block
+    # of 16): what fuse_linears concatenates.
+    row_buffers: tuple[str, ...]
+    rows_per_entry: int = 1
 
     def __init__(self, linear: nn.Linear, kernel=None) -> None:
         super().__init__()
@@ -53,6 +57,32 @@ class QuantizedLinear(nn.Module, metaclass=ABCMeta):
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def fuse_linears(linears: list[nn.Module]) -> QuantizedLinear | None:
+    """One linear computing all of `linears` (projections of one input, as q, k and v are) in one kernel call, their
+    outputs side by side. Each of them keeps working alone: its buffers become views into the fused ones, so
+    nothing is stored twice. None where they differ in class or input, carry a bias, or split a block of rows."""
+    first = linears[0]
+    cls = type(first)
+    if not isinstance(first, QuantizedLinear) or any(
+        type(linear) is not cls or linear.in_features != first.in_features or linear.bias is not None
+        or linear.kernel is not first.kernel or linear.out_features % cls.rows_per_entry for linear in linears
+    ):
+        return None
+    fused = cls.__new__(cls)
+    nn.Module.__init__(fused)
+    fused.in_features, fused.out_features = first.in_features, sum(linear.out_features for linear in linears)
+    fused.bias, fused.kernel = None, first.kernel
+    for name in cls.row_buffers:
+        whole = torch.cat([getattr(linear, name) for linear in linears])
+        fused.register_buffer(name, whole)
+        start = 0
+        for linear in linears:
+            entries = linear.out_features // cls.rows_per_entry
+            setattr(linear, name, whole[start:start + entries])
+            start += entries
+    return fused
 
 
 def replace_fitting_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], scheme: str) -> int:

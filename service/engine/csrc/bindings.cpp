@@ -21,7 +21,8 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, few rows");
-  m.def("int4_linear", &int4_linear, "weight-only int4 linear (Q4_1 layout), few rows");
+  m.def("int4_linear", &int4_linear, "int4 linear (Q4_1 weights, int8 activations), few rows");
+  m.def("int4_linear_isa", &int4_linear_isa, "the int4 kernel's instruction set");
   m.def("packed_linear_f32", &packed_linear_f32, "float32 linear on a oneDNN-packed weight, few rows");
   m.def("packed_linear_bf16", &packed_linear_bf16, "bfloat16 linear on a oneDNN-packed weight, few rows");
   m.def("packed_linear_f32_chunk", &packed_linear_f32_chunk, "columns per fp32 kernel chunk");

@@ -7,10 +7,14 @@
 // y = x @ dequant(q).T, q int8 [N, K] with one float scale per output row; x float32 [M, K].
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 
-// y = x @ dequant(q).T in GGUF's Q4_1 layout: per 32 inputs of a row, 16 bytes of nibbles (byte j holds elements
-// j and j + 16) and a float16 scale d and minimum m; element = q * d + m. x float32 [M, K], K a multiple of 32.
+// y = x @ dequant(q).T for Q4_1 weights (float16 scale d and minimum m per 32 inputs, element = q * d + m) with the
+// activations quantized to int8 per group of 32, as llama.cpp runs Q4_1. Weights packed 16 outputs to a block
+// (int4_linear.cpp says how): qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], scale and minimum float16
+// [ceil(N / 16), K / 32, 16]. x float32 [M, K], K a multiple of 32; y float32 [M, N].
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
-                          const torch::Tensor& minimum);
+                          const torch::Tensor& minimum, int64_t N);
+// The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
+std::string int4_linear_isa();
 
 // y = x @ w.T in float32 for few rows, on the plain weight (AVX2 where built for it, else scalar).
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w);

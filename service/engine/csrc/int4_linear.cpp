@@ -1,116 +1,207 @@
-// Weight-only int4 linear in GGUF's Q4_1 layout, for the few-row batches of decoding. A row of q holds K / 32
-// groups; group g is 16 bytes of nibbles (byte j: element j in the low nibble, element j + 16 in the high one)
-// with a float16 scale d[g] and minimum m[g], element = q * d + m. So
-//   y[r, n] = sum_g d[g] * sum_j x[r, 32g + j] * q[j]  +  sum_g m[g] * sum_j x[r, 32g + j],
-// and the second term needs only each input row's group sums, computed once per call. Activations stay float32
-// (quantizing them to int8 as llama.cpp does was no faster here, and outputs would drift from fp32's). Each group is read
-// once, widened in registers and used for up to kRowBlock input rows; threads split the output rows.
+// Weight-only int4 linear (Q4_1 weights, int8 activations) for the few-row batches of decoding, as llama.cpp runs
+// its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d and minimum m,
+// element = q * d + m. Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+//   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
+// with xsum the float sum of the group's inputs. The inner sums are exact integer dot products (u8 x s8 -> s32),
+// so every instruction set below computes the same values; only the final float sums may round in another order.
+//
+// Layout (int4_linear.py packs it, a permutation of GGUF's Q4_1 bytes): outputs in blocks of 16. For block b and
+// group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o of the block, the Q4_1
+// bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and j + 16 (high nibble),
+// so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs 16+4c..16+4c+3: four
+// consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd) sums against four
+// activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales come 16 at a time
+// (scale and minimum: float16 [blocks, G, 16]).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include "row_blocks.h"
+#include <cmath>
+#include <cstring>
 #include <vector>
-#include "simd.h"
+
+#include "row_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+// 16 outputs per vector, one vector per block.
+#define I4_LANES 16
+using ivec = __m512i;
+using fvec = __m512;
+inline ivec i4_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline ivec i4_low(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline ivec i4_high(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline ivec i4_zero() { return _mm512_setzero_si512(); }
+inline ivec i4_bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline ivec i4_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline ivec i4_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline fvec f_zero() { return _mm512_setzero_ps(); }
+inline fvec f_set1(float v) { return _mm512_set1_ps(v); }
+inline fvec f_cvt(ivec v) { return _mm512_cvtepi32_ps(v); }
+inline fvec f_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline fvec f_fmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec f_mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+inline void f_store(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+#define I4_SIMD "avx512_vnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+// 8 outputs per vector, two vectors per block. pmaddubsw's 16-bit pair sums cannot saturate: 2 * 15 * 127 < 2^15.
+#define I4_LANES 8
+using ivec = __m256i;
+using fvec = __m256;
+inline ivec i4_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline ivec i4_low(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline ivec i4_high(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline ivec i4_zero() { return _mm256_setzero_si256(); }
+inline ivec i4_bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline ivec i4_dot(ivec acc, ivec w, ivec x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+inline ivec i4_add(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline fvec f_zero() { return _mm256_setzero_ps(); }
+inline fvec f_set1(float v) { return _mm256_set1_ps(v); }
+inline fvec f_cvt(ivec v) { return _mm256_cvtepi32_ps(v); }
+inline fvec f_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline fvec f_fmadd(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline fvec f_mul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+inline void f_store(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+#define I4_SIMD "avx2"
+#else
+#define I4_SIMD "portable"
+#endif
 
 namespace {
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kBlock = 16;                // outputs per block
+constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
+// One input row quantized per group: int8 values, scale and float sum per group.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = M * K / kGroup;
+  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<float>(groups)};
+  for (int64_t i = 0; i < groups; ++i) {
+    const float* xg = x + i * kGroup;
+    float amax = 0.f, total = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(xg[j]));
+      total += xg[j];
+    }
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) out.q[i * kGroup + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+    out.scale[i] = d;
+    out.sum[i] = total;
+  }
+  return out;
+}
+
+// Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N.
 template <int Rows>
-void rows_dot(const float* x, const float* xsum, int64_t K, const uint8_t* qs, const uint16_t* d, const uint16_t* m,
-              int64_t n0, int64_t n1, float* y, int64_t N) {
+void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, const uint8_t* qs, const uint16_t* d,
+              const uint16_t* m, int64_t b0, int64_t b1, float* y, int64_t N) {
   const int64_t G = K / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qrow = qs + n * G * 16;
-    const uint16_t* drow = d + n * G;
-    const uint16_t* mrow = m + n * G;
-    float sum[Rows];
-    for (int r = 0; r < Rows; ++r) sum[r] = 0.f;
-#ifdef SLUICE_AVX2
-    // Two accumulators per row (even and odd groups), so consecutive groups do not wait on one FMA's latency.
-    __m256 acc[2][Rows];
-    for (int r = 0; r < Rows; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-    const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* qblock = qs + b * G * kGroupBytes;
+    const uint16_t* dblock = d + b * G * kBlock;
+    const uint16_t* mblock = m + b * G * kBlock;
+    float out[Rows][kBlock];
+#ifdef I4_LANES
+    constexpr int kVecs = kBlock / I4_LANES;
+    fvec total[Rows][kVecs];
+    for (int r = 0; r < Rows; ++r)
+      for (int h = 0; h < kVecs; ++h) total[r][h] = f_zero();
     for (int64_t g = 0; g < G; ++g) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * 16));
-      const __m128i lo = _mm_and_si128(v, nibble);                        // elements 0..15
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);     // elements 16..31
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-      const __m256 dg = _mm256_set1_ps(_cvtsh_ss(drow[g]));
-      for (int r = 0; r < Rows; ++r) {
-        acc[g & 1][r] = _mm256_fmadd_ps(sluice::dot32(x + r * K + g * kGroup, w0, w1, w2, w3), dg, acc[g & 1][r]);
-      }
-    }
-    // The minimum's term, sum_g m[g] * xsum[g], eight groups at a time.
-    for (int r = 0; r < Rows; ++r) {
-      __m256 a = _mm256_add_ps(acc[0][r], acc[1][r]);
-      int64_t g = 0;
-      for (; g + 8 <= G; g += 8) {
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mrow + g)));
-        a = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * G + g), a);
-      }
-      for (; g < G; ++g) sum[r] += _cvtsh_ss(mrow[g]) * xsum[r * G + g];
-      sum[r] += sluice::hsum(a);
-    }
-#else
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* qg = qrow + g * 16;
-      const float dg = half_to_float(drow[g]), mg = half_to_float(mrow[g]);
-      for (int r = 0; r < Rows; ++r) {
-        const float* xg = x + r * K + g * kGroup;
-        float t = 0.f;
-        for (int j = 0; j < 16; ++j) {
-          t += xg[j] * static_cast<float>(qg[j] & 0x0F) + xg[j + 16] * static_cast<float>(qg[j] >> 4);
+      // Low and high nibbles in separate sums, so each group's integer chain is half as long.
+      ivec lo[Rows][kVecs], hi[Rows][kVecs];
+      for (int r = 0; r < Rows; ++r)
+        for (int h = 0; h < kVecs; ++h) lo[r][h] = hi[r][h] = i4_zero();
+      for (int c = 0; c < 4; ++c) {
+        for (int h = 0; h < kVecs; ++h) {
+          const ivec v = i4_load(qblock + g * kGroupBytes + c * 64 + h * I4_LANES * 4);
+          const ivec wl = i4_low(v), wh = i4_high(v);
+          for (int r = 0; r < Rows; ++r) {
+            const int8_t* xg = qx + r * K + g * kGroup;
+            lo[r][h] = i4_dot(lo[r][h], wl, i4_bcast(xg + 4 * c));
+            hi[r][h] = i4_dot(hi[r][h], wh, i4_bcast(xg + 16 + 4 * c));
+          }
         }
-        sum[r] += dg * t + mg * xsum[r * G + g];
+      }
+      for (int h = 0; h < kVecs; ++h) {
+        const fvec dg = f_half(dblock + g * kBlock + h * I4_LANES);
+        const fvec mg = f_half(mblock + g * kBlock + h * I4_LANES);
+        for (int r = 0; r < Rows; ++r) {
+          const fvec dot = f_cvt(i4_add(lo[r][h], hi[r][h]));
+          total[r][h] = f_fmadd(dot, f_mul(dg, f_set1(dx[r * G + g])), total[r][h]);
+          total[r][h] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < Rows; ++r)
+      for (int h = 0; h < kVecs; ++h) f_store(out[r] + h * I4_LANES, total[r][h]);
+#else
+    for (int r = 0; r < Rows; ++r) {
+      for (int64_t o = 0; o < kBlock; ++o) {
+        float total = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const int8_t* xg = qx + r * K + g * kGroup;
+          int32_t dot = 0;
+          for (int c = 0; c < 4; ++c) {
+            const uint8_t* w = qblock + g * kGroupBytes + c * 64 + o * 4;
+            for (int t = 0; t < 4; ++t) {
+              dot += (w[t] & 0x0F) * xg[4 * c + t] + (w[t] >> 4) * xg[16 + 4 * c + t];
+            }
+          }
+          total = std::fma(static_cast<float>(dot), half_to_float(dblock[g * kBlock + o]) * dx[r * G + g], total);
+          total = std::fma(half_to_float(mblock[g * kBlock + o]), xsum[r * G + g], total);
+        }
+        out[r][o] = total;
       }
     }
 #endif
-    for (int r = 0; r < Rows; ++r) y[r * N + n] = sum[r];
+    const int64_t n0 = b * kBlock, width = std::min(kBlock, N - n0);
+    for (int r = 0; r < Rows; ++r) std::memcpy(y + r * N + n0, out[r], width * sizeof(float));
   }
 }
 
 }  // namespace
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
-                          const torch::Tensor& minimum) {
+                          const torch::Tensor& minimum, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x float32 [M, K]");
-  const int64_t K = x.size(1), G = K / kGroup, N = qs.size(0);
+  const int64_t K = x.size(1), G = K / kGroup, blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK(K % kGroup == 0, "int4_linear: K must be a multiple of 32");
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.dim() == 3 && qs.size(1) == G && qs.size(2) == 16 &&
-                  qs.is_contiguous(),
-              "int4_linear: qs uint8 [N, K / 32, 16], contiguous");
+  TORCH_CHECK(N > 0 && qs.scalar_type() == at::kByte && qs.dim() == 5 && qs.size(0) == blocks && qs.size(1) == G &&
+                  qs.size(2) == 4 && qs.size(3) == kBlock && qs.size(4) == 4 && qs.is_contiguous(),
+              "int4_linear: qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], contiguous");
   for (const torch::Tensor* t : {&scale, &minimum}) {
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == N && t->size(1) == G &&
-                    t->is_contiguous(),
-                "int4_linear: scale and minimum float16 [N, K / 32], contiguous");
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == blocks && t->size(1) == G &&
+                    t->size(2) == kBlock && t->is_contiguous(),
+                "int4_linear: scale and minimum float16 [ceil(N / 16), K / 32, 16], contiguous");
   }
   const torch::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
-  const float* xp = xc.data_ptr<float>();
-  std::vector<float> xsum(static_cast<size_t>(M * G));  // group sums of x, for the minimum's term
-  for (int64_t i = 0; i < M * G; ++i) {
-    float total = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) total += xp[i * kGroup + j];
-    xsum[i] = total;
-  }
-  const float* sp = xsum.data();
+  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
   torch::Tensor y = torch::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
-      rows_dot<rows>(xp + r * K, sp + r * G, K, qp, dp, mp, n0, n1, yp + r * N, N);
+      rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, qx.sum.data() + r * G, K, qp, dp, mp, b0, b1,
+                     yp + r * N, N);
     });
   });
   return y;
 }
+
+std::string int4_linear_isa() { return I4_SIMD; }
