@@ -77,6 +77,12 @@ def _copy_attributes(source: nn.Module, target: nn.Module) -> None:
             setattr(target, name, value)
 
 
+def _forwards(*modules: nn.Module) -> tuple:
+    """The modules' bound forwards. The lean layers call their parts through these, not through nn.Module's call
+    wrapper, which costs microseconds a call at batch 1 (so no hooks run on those inner modules)."""
+    return tuple(module.forward for module in modules)
+
+
 class PagedLlamaAttention(nn.Module):
     """A Llama attention layer reading and writing the paged KV cache of the forward context."""
 
@@ -88,27 +94,33 @@ class PagedLlamaAttention(nn.Module):
         # q, k and v in one kernel call where their linears allow it (quantized ones): one pass over the input.
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         self.qkv_heads = [proj.out_features // self.head_dim for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        self._projections = _forwards(self.qkv_proj) if self.qkv_proj is not None else \
+            _forwards(self.q_proj, self.k_proj, self.v_proj)
+        self._o_proj = self.o_proj.forward
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
         """hidden_states [1, T, E] (the runner packs every sequence into one row) → ([1, T, E], None)."""
         if self.config._attn_implementation != ATTN_IMPLEMENTATION:  # a copy put back on sdpa (the bench's)
             return self.transformers_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+        return self.paged_forward(hidden_states, position_embeddings), None
+
+    def paged_forward(self, hidden_states: torch.Tensor,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The attention on the paged cache: hidden_states [1, T, E] → [1, T, E]."""
         batch, tokens = hidden_states.shape[:2]
         assert batch == 1, "the paged cache packs a step's sequences into one row"
         # Each projection is a fresh tensor (or a slice of one): its [T, H, D] view can be rotated in place.
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(hidden_states).view(tokens, -1, self.head_dim).split(self.qkv_heads, dim=1)
+        if len(self._projections) == 1:
+            q, k, v = self._projections[0](hidden_states).view(tokens, -1, self.head_dim).split(self.qkv_heads, dim=1)
         else:
-            q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
-            k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
-            v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
+            q, k, v = (project(hidden_states).view(tokens, -1, self.head_dim) for project in self._projections)
         cos, sin = position_embeddings
         apply_rotary(q, k, cos[0], sin[0])
         context = get_forward_context()
         key_cache, value_cache = context.kv_caches[self.layer_idx]
         out = paged_attention(q, k, v, key_cache, value_cache, context.attn_metadata, scale=self.scaling)
-        return self.o_proj(out.reshape(1, tokens, -1)), None
+        return self._o_proj(out.reshape(1, tokens, -1))
 
 
 class LeanLlamaMLP(nn.Module):
@@ -118,15 +130,18 @@ class LeanLlamaMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])  # as qkv_proj in PagedLlamaAttention
+        self._projections = _forwards(self.gate_up_proj) if self.gate_up_proj is not None else \
+            _forwards(self.gate_proj, self.up_proj)
+        self._down_proj = self.down_proj.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The Llama MLP on x [..., E]."""
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.gate_proj.out_features, dim=-1)
+        if len(self._projections) == 1:
+            gate, up = self._projections[0](x).split(self.gate_proj.out_features, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = (project(x) for project in self._projections)
         F.silu(gate, inplace=True)  # gate is a fresh tensor (or a slice of one): free to overwrite
-        return self.down_proj(gate.mul_(up))
+        return self._down_proj(gate.mul_(up))
 
 
 class LeanLlamaDecoderLayer(nn.Module):
@@ -139,15 +154,17 @@ class LeanLlamaDecoderLayer(nn.Module):
         _copy_attributes(layer, self)
         self.gradient_checkpointing = False  # a class attribute of transformers' layers: read by their forward
         self.transformers_forward = type(layer).forward
+        self._input_norm, self._post_norm, self._mlp = _forwards(self.input_layernorm,
+                                                                 self.post_attention_layernorm, self.mlp)
+        self._attend = self.self_attn.paged_forward
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 **kwargs) -> torch.Tensor:
         """hidden_states [1, T, E] → [1, T, E]; the attention reads its cache from the forward context."""
         if self.self_attn.config._attn_implementation != ATTN_IMPLEMENTATION:  # cache and mask are in kwargs
             return self.transformers_forward(self, hidden_states, position_embeddings=position_embeddings, **kwargs)
-        attended, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings)
-        hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self._attend(self._input_norm(hidden_states), position_embeddings).add_(hidden_states)
+        return self._mlp(self._post_norm(hidden_states)).add_(hidden_states)  # fresh outputs: added in place
 
 
 def _computes_llama_decoder_layer(module: nn.Module) -> bool:
