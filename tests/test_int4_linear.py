@@ -192,7 +192,7 @@ def _int4_twin(model: nn.Module) -> nn.Module:
     return twin
 
 
-# 8: chunked prefill and decode batches of up to 8 rows. Every row runs the kernel (KERNEL_MAX_ROWS is 128); the
+# 8: chunked prefill and decode batches of up to 8 rows. Every row runs the kernel (KERNEL_MAX_ROWS is 4096); the
 # dequantize path for more rows is the float linear (test_kernel_computes_the_int8_activation_linear...).
 @pytest.mark.parametrize("budget", [64, 8])
 def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, budget):

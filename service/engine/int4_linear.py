@@ -11,8 +11,8 @@ group of 32 (scale max|x| / 127), as llama.cpp does for Q4_1, and sums exact u8 
 (AVX512-VNNI) or pmaddubsw (AVX2). Float activations made the kernel compute-bound (widening each nibble to a
 float): 2.2x slower over SmolLM2's linears at one row. The cost is a small error per linear (`bench quant` reports
 perplexity and greedy agreement). The kernel reads the bytes regrouped 16 output rows to a block (`pack`: a
-permutation, nothing added but padding to a multiple of 16 rows). More rows, or no compiler, dequantize per call
-and run fp32 GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1 files keep it at Q8_0 too: in
+permutation, nothing added but padding to a multiple of 16 rows). More rows than KERNEL_MAX_ROWS, or no compiler,
+dequantize per call and run fp32 GEMM. The output head becomes int8 (Q8_0), not int4 (llama.cpp's Q4_1 files keep it at Q8_0 too: in
 4 bits it alone took SmolLM2's perplexity from 7.10 to 7.52). A linear whose input size is not a multiple of 32
 stays float32.
 """
@@ -28,9 +28,10 @@ from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear, replace_fitting_linears
 
 BLOCK = 16  # output rows per kernel block
-# Measured as int8's: the kernel takes 83 ms at 32 rows, 165 at 64, 328 at 128, 690 at 256; dequantize + GEMM
-# 260, 303, 394 and 580.
-KERNEL_MAX_ROWS = 128
+# Over SmolLM2's 210 layer linears on 2 Zen 4 cores the kernel takes 32 ms at 64 rows, 74 at 128, 145 at 256, 285
+# at 512 and 544 at 1024; dequantize + fp32 GEMM 511, 662, 780, 864 and 1456. So the kernel takes every prefill
+# chunk a step schedules; the dequantized path is left for batches past this (and for a machine without a compiler).
+KERNEL_MAX_ROWS = 4096
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
