@@ -119,3 +119,40 @@ def test_no_lean_layers_keeps_transformers_forwards():
     engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
     assert type(engine.model.model.layers[0]).__name__ == "LlamaDecoderLayer"
     assert type(engine.model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, quantization):
+    # csrc/llama_layer.cpp runs a quantized layer's norms, projections, rotary and MLP in two calls; it must give
+    # the Python path's results exactly: two engines on copies of one model, the second without the C++ object.
+    import copy
+
+    from sluice.scheduling.sampling_params import SamplingParams
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from tests import _tiny
+    from tests.test_parity import mixed_prompts
+
+    _, model = build_pair("llama")
+    engines = []
+    for _ in range(2):
+        cfg = SluiceConfig()
+        cfg.model.quantization = quantization
+        cfg.cache.num_kv_blocks = 64
+        cfg.scheduler.max_num_batched_tokens = 24  # chunked prefill, steps mixing prefills and decodes
+        engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=_tiny.tokenizer()))
+    cpp, python = (engine.model.model.layers for engine in engines)
+    assert all(layer._layer_ops is not None for layer in cpp)
+    for layer in python:
+        layer._layer_ops = None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = mixed_prompts(8)
+    got, want = (engine.generate(prompts, params) for engine in engines)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_layers_with_float_linears_keep_the_python_path():
+    _, model = build_pair("llama")
+    lean_llama_layers(model)
+    assert all(layer._layer_ops is None for layer in model.model.layers)

@@ -1,5 +1,5 @@
 """The C++ CPU ops (csrc/*.cpp: int8, int4, fp32 and bf16 linears for few rows, RMSNorm,
-rotary embedding), built once into one extension.
+rotary embedding, a quantized Llama layer's work around its attention), built once into one extension.
 
 Built on first use with ninja and the system compiler into $SLUICE_CACHE_DIR/kernels, keyed by the sources,
 flags, torch version and CPU flags: -march=native code runs only on the CPU it was built for. A failed build
@@ -23,7 +23,7 @@ logger = logging.getLogger("sluice.cpu_ops")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("int8_linear.cpp", "int4_linear.cpp", "f32_linear.cpp", "bf16_linear.cpp", "packed_linear.cpp",
-           "rms_norm.cpp", "rotary.cpp", "bindings.cpp")
+           "rms_norm.cpp", "rotary.cpp", "llama_layer.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native")
 # at::parallel_for is a header template around `#pragma omp parallel`: compiled without -fopenmp it runs on one
 # thread. Linked with -fopenmp the extension needs libgomp.so.1, which resolves to the copy torch already loaded.

@@ -97,6 +97,11 @@ class Int4Linear(QuantizedLinear):
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.kernel.int4_linear(rows, self.qweight, self.scale, self.minimum, self.out_features)
 
+    def kernel_op(self):
+        if self.kernel is None or self.bias is not None:
+            return None
+        return self.kernel.QuantizedLinearOp(4, self.qweight, self.scale, self.minimum, self.out_features)
+
     def dequantized(self) -> torch.Tensor:
         return dequantize(*self.q4_1())
 

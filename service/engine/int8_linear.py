@@ -54,6 +54,11 @@ class Int8Linear(QuantizedLinear):
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.kernel.int8_linear(rows, self.qweight, self.scale)
 
+    def kernel_op(self):
+        if self.kernel is None or self.bias is not None:
+            return None
+        return self.kernel.QuantizedLinearOp(8, self.qweight, self.scale, torch.empty(0), self.out_features)
+
     def dequantized(self) -> torch.Tensor:
         return dequantize(self.qweight, self.scale)
 

@@ -6,8 +6,11 @@ attention projects q, k and v, transposes each to [1, H, T, D], applies rotary a
 the attention function up by name; the paged hook then transposes back. That glue cost more than the attention
 itself. Here the attention keeps the projections' [T, H, D] views, rotates q and k in place with
 `cpu_ops.rotary_embedding_` and calls `paged_attention` directly; the MLP applies SiLU and the product in place
-on the gate's fresh output; the decoder layer calls its four parts with nothing but what they use. Every result
-is the eager one bit for bit.
+on the gate's fresh output; the decoder layer calls its four parts with nothing but what they use. Quantized
+projections that read one input run as one fused call (q/k/v, gate/up). Where every linear of a layer is
+quantized, its work before and after the attention runs as two C++ calls (csrc/llama_layer.cpp: the same ops in
+the same order), so at batch 1 the Python between the kernels no longer costs as much as the kernels. Every
+result is the eager one bit for bit (for quantized linears: the Python path's).
 
 A copy of the model put back on transformers' own attention (`set_attn_implementation("sdpa")`, as the bench's
 raw-forward ceiling does) runs transformers' forwards again. Like `fused_norm`, a module is swapped only if its
@@ -30,7 +33,8 @@ from transformers.models.llama import modeling_llama
 from sluice.kvcache.paged_attention import paged_attention
 from sluice.service.engine import cpu_ops
 from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
-from sluice.service.engine.quantized_linear import fuse_linears
+from sluice.service.engine.fused_norm import FusedRMSNorm
+from sluice.service.engine.quantized_linear import QuantizedLinear, fuse_linears
 
 ROTARY_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -117,10 +121,13 @@ class PagedLlamaAttention(nn.Module):
             q, k, v = (project(hidden_states).view(tokens, -1, self.head_dim) for project in self._projections)
         cos, sin = position_embeddings
         apply_rotary(q, k, cos[0], sin[0])
+        return self._o_proj(self.attend(q, k, v).reshape(1, tokens, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] (rotated) on this layer's paged cache → [T, H, D]."""
         context = get_forward_context()
         key_cache, value_cache = context.kv_caches[self.layer_idx]
-        out = paged_attention(q, k, v, key_cache, value_cache, context.attn_metadata, scale=self.scaling)
-        return self._o_proj(out.reshape(1, tokens, -1))
+        return paged_attention(q, k, v, key_cache, value_cache, context.attn_metadata, scale=self.scaling)
 
 
 class LeanLlamaMLP(nn.Module):
@@ -157,14 +164,40 @@ class LeanLlamaDecoderLayer(nn.Module):
         self._input_norm, self._post_norm, self._mlp = _forwards(self.input_layernorm,
                                                                  self.post_attention_layernorm, self.mlp)
         self._attend = self.self_attn.paged_forward
+        self._layer_ops, self._layer_ops_rows = _layer_ops(self)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 **kwargs) -> torch.Tensor:
         """hidden_states [1, T, E] → [1, T, E]; the attention reads its cache from the forward context."""
         if self.self_attn.config._attn_implementation != ATTN_IMPLEMENTATION:  # cache and mask are in kwargs
             return self.transformers_forward(self, hidden_states, position_embeddings=position_embeddings, **kwargs)
+        ops = self._layer_ops
+        if ops is not None and hidden_states.shape[1] <= self._layer_ops_rows \
+                and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu":
+            q, k, v = ops.before_attention(hidden_states, *position_embeddings)
+            return ops.after_attention(self.self_attn.attend(q, k, v), hidden_states)
         hidden_states = self._attend(self._input_norm(hidden_states), position_embeddings).add_(hidden_states)
         return self._mlp(self._post_norm(hidden_states)).add_(hidden_states)  # fresh outputs: added in place
+
+
+def _layer_ops(layer: LeanLlamaDecoderLayer) -> tuple[object | None, int]:
+    """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes
+    (its linears' kernel limit); (None, 0) unless every linear is quantized (q/k/v and gate/up fused) and both
+    norms are the fused C++ one."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    ops = cpu_ops.load()
+    if ops is None or not isinstance(mlp, LeanLlamaMLP) or not all(isinstance(n, FusedRMSNorm) for n in norms) \
+            or not all(isinstance(linear, QuantizedLinear) for linear in linears):
+        return None, 0
+    kernels = [linear.kernel_op() for linear in linears]
+    if None in kernels or any(n.weight.dtype != torch.float32 for n in norms):
+        return None, 0
+    heads, kv_heads, _ = attn.qkv_heads
+    layer_ops = ops.LlamaLayerOps(norms[0].weight, norms[0].variance_epsilon, kernels[0], heads, kv_heads,
+                                  attn.head_dim, kernels[1], norms[1].weight, norms[1].variance_epsilon, *kernels[2:])
+    return layer_ops, min(linear.kernel_max_rows for linear in linears)
 
 
 def _computes_llama_decoder_layer(module: nn.Module) -> bool:

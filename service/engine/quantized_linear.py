@@ -43,6 +43,10 @@ class QuantizedLinear(nn.Module, metaclass=ABCMeta):
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, K] → [M, N] through the kernel."""
 
+    def kernel_op(self):
+        """This linear as the C++ object csrc/llama_layer.cpp calls (its kernel, its tensors), or None."""
+        return None
+
     @abstractmethod
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [N, K] the quantized values stand for."""

@@ -33,4 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
+  pybind11::class_<LlamaLayerOps::Linear>(m, "QuantizedLinearOp")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>());
+  pybind11::class_<LlamaLayerOps>(m, "LlamaLayerOps")
+      .def(pybind11::init<torch::Tensor, double, LlamaLayerOps::Linear, int64_t, int64_t, int64_t,
+                          LlamaLayerOps::Linear, torch::Tensor, double, LlamaLayerOps::Linear,
+                          LlamaLayerOps::Linear>())
+      .def("before_attention", &LlamaLayerOps::before_attention, "input norm, q/k/v projection, rotary")
+      .def("after_attention", &LlamaLayerOps::after_attention, "o projection, residual, norm, MLP, residual");
 }

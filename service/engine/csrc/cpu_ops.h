@@ -41,5 +41,37 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // strided, the head dim contiguous), cos and sin [T, D]; float32 or bfloat16, bit for bit the eager result.
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin);
 
+// A Llama decoder layer's work around its attention (llama_layer.cpp), on quantized linears, float32:
+// before_attention(hidden [1, T, E], cos, sin [1, T, D]) -> {q [T, H, D], k, v [T, Hkv, D]}, the input norm, the
+// fused q/k/v projection and rotary applied; after_attention(attention [T, H, D], hidden) -> the layer's output
+// [1, T, E]: o projection, residual, post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
+class LlamaLayerOps {
+ public:
+  // One quantized linear: kind 4 (int4_linear: a, b, c = packed nibbles, scale, minimum) or 8 (int8_linear: a, b =
+  // q, scale); n outputs.
+  struct Linear {
+    Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n);
+    torch::Tensor operator()(const torch::Tensor& x) const;
+    int64_t kind;
+    torch::Tensor a, b, c;
+    int64_t n;
+  };
+  LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
+                int64_t head_dim, Linear o, torch::Tensor post_norm, double post_eps, Linear gate_up, Linear down);
+  std::vector<torch::Tensor> before_attention(const torch::Tensor& hidden, const torch::Tensor& cos,
+                                              const torch::Tensor& sin) const;
+  torch::Tensor after_attention(const torch::Tensor& attended, const torch::Tensor& hidden) const;
+
+ private:
+  torch::Tensor input_norm_;
+  double input_eps_;
+  Linear qkv_;
+  int64_t heads_, kv_heads_, head_dim_;
+  Linear o_;
+  torch::Tensor post_norm_;
+  double post_eps_;
+  Linear gate_up_, down_;
+};
+
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

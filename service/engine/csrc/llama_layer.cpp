@@ -1,0 +1,59 @@
+// A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones.
+// At batch 1 a quantized layer's kernels take tens of microseconds and the Python between them (module calls,
+// views, splits, in-place ops) about as much again. This runs the same ops in the same order as
+// lean_layers.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are that path's bit for
+// bit; the attention itself stays in Python (paged_attention covers every kind of step).
+#include "cpu_ops.h"
+
+#include <ATen/ATen.h>
+
+namespace {
+
+enum Kind : int64_t { kInt4 = 4, kInt8 = 8 };
+
+}  // namespace
+
+LlamaLayerOps::Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n)
+    : kind(kind), a(std::move(a)), b(std::move(b)), c(std::move(c)), n(n) {
+  TORCH_CHECK(kind == kInt4 || kind == kInt8, "LlamaLayerOps: linears are int4 (4) or int8 (8)");
+}
+
+torch::Tensor LlamaLayerOps::Linear::operator()(const torch::Tensor& x) const {
+  return kind == kInt4 ? int4_linear(x, a, b, c, n) : int8_linear(x, a, b);
+}
+
+LlamaLayerOps::LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, Linear o, torch::Tensor post_norm, double post_eps, Linear gate_up,
+                             Linear down)
+    : input_norm_(std::move(input_norm)), input_eps_(input_eps), qkv_(std::move(qkv)), heads_(heads),
+      kv_heads_(kv_heads), head_dim_(head_dim), o_(std::move(o)), post_norm_(std::move(post_norm)),
+      post_eps_(post_eps), gate_up_(std::move(gate_up)), down_(std::move(down)) {
+  TORCH_CHECK(qkv_.n == (heads + 2 * kv_heads) * head_dim, "LlamaLayerOps: q, k and v rows do not match the heads");
+  TORCH_CHECK(gate_up_.n % 2 == 0, "LlamaLayerOps: gate and up have one size");
+}
+
+std::vector<torch::Tensor> LlamaLayerOps::before_attention(const torch::Tensor& hidden, const torch::Tensor& cos,
+                                                           const torch::Tensor& sin) const {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.scalar_type() == at::kFloat,
+              "before_attention: hidden float32 [1, T, E]");
+  const int64_t tokens = hidden.size(1), D = head_dim_;
+  const torch::Tensor x = rms_norm(hidden, input_norm_, input_eps_);
+  const torch::Tensor qkv = qkv_(x.view({tokens, -1}));
+  torch::Tensor q = qkv.narrow(1, 0, heads_ * D).view({tokens, heads_, D});
+  torch::Tensor k = qkv.narrow(1, heads_ * D, kv_heads_ * D).view({tokens, kv_heads_, D});
+  torch::Tensor v = qkv.narrow(1, (heads_ + kv_heads_) * D, kv_heads_ * D).view({tokens, kv_heads_, D});
+  rotary_embedding_(q, k, cos.select(0, 0), sin.select(0, 0));
+  return {q, k, v};
+}
+
+torch::Tensor LlamaLayerOps::after_attention(const torch::Tensor& attended, const torch::Tensor& hidden) const {
+  const int64_t tokens = hidden.size(1);
+  // The residual adds go in place on the fresh outputs, as in Python: o(attn) + h, then down(...) + that.
+  torch::Tensor h = o_(attended.reshape({tokens, -1})).add_(hidden.view({tokens, -1}));
+  const torch::Tensor gate_up = gate_up_(rms_norm(h, post_norm_, post_eps_));
+  const int64_t inner = gate_up_.n / 2;
+  torch::Tensor gate = gate_up.narrow(1, 0, inner);
+  at::silu_(gate);
+  gate.mul_(gate_up.narrow(1, inner, inner));
+  return down_(gate.contiguous()).add_(h).view({1, tokens, -1});
+}
