@@ -5,15 +5,16 @@
  * cache order with all heads of a token together, so each block is read front to back, once per pass.
  * Layouts (float32 or bfloat16, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
  * block_tables [n, table_stride] int64; seq_lens [n] int64. Plain C so it builds in a second with any cc.
- * Sequences are shared out among `num_threads` OpenMP threads (built with -fopenmp, the runtime torch already
- * loaded): Python threads beside torch's spinning OpenMP workers would fight them for the same cores.
+ * Each sequence's KV heads are work items shared out among `num_threads` OpenMP threads (built with -fopenmp, the
+ * runtime torch already loaded): Python threads beside torch's spinning OpenMP workers would fight them for the
+ * same cores.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PARALLEL_MIN_WORK (1 << 20) /* query-key products of a call below which one thread does it all */
+#define PARALLEL_MIN_WORK (1 << 15) /* query-key products of a call below which one thread does it all */
 
 /* What stays the same for every layer of one decode step: built once per step by the caller, so each layer's call
  * passes seven pointers (a call through ctypes pays for every argument it converts). */
