@@ -15,6 +15,7 @@ from sluice.service.engine.lean_layers import (
     LeanLlamaMLP,
     PagedLlamaAttention,
     apply_rotary,
+    lean_causal_lm_forward,
     lean_llama_layers,
 )
 from tests.test_parity import build_pair
@@ -150,6 +151,38 @@ def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, qu
     got, want = (engine.generate(prompts, params) for engine in engines)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_the_runner_skips_transformers_wrappers_around_a_lean_llama_bit_for_bit():
+    import copy
+
+    from sluice.scheduling.sampling_params import SamplingParams
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from tests import _tiny
+    from tests.test_parity import mixed_prompts
+
+    _, model = build_pair("llama")
+    engines = []
+    for _ in range(2):
+        cfg = SluiceConfig()
+        cfg.model.dtype, cfg.cache.num_kv_blocks, cfg.scheduler.max_num_batched_tokens = "float32", 64, 24
+        engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=_tiny.tokenizer()))
+    assert engines[0].runner._lean_forward is not None
+    engines[1].runner._lean_forward = None  # the model's own forward
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    got, want = (engine.generate(mixed_prompts(8), params) for engine in engines)
+    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+
+
+def test_only_a_llama_on_lean_layers_gets_the_lean_forward():
+    _, model = build_pair("llama")
+    assert lean_causal_lm_forward(model) is None  # transformers' own layers
+    lean_llama_layers(model)
+    assert lean_causal_lm_forward(model) is not None
+    _, qwen = build_pair("qwen2")
+    lean_llama_layers(qwen)  # its attention keeps its own forward, so its decoder layers stay transformers'
+    assert lean_causal_lm_forward(qwen) is None
 
 
 def test_layers_with_float_linears_keep_the_python_path():
