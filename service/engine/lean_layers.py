@@ -164,7 +164,7 @@ class LeanLlamaDecoderLayer(nn.Module):
         self.transformers_forward = type(layer).forward
         self._input_norm, self._post_norm, self._mlp = _forwards(self.input_layernorm,
                                                                  self.post_attention_layernorm, self.mlp)
-        self._attend = self.self_attn.paged_forward
+        self._attention = self.self_attn.paged_forward  # projections, attention, o projection
         self._layer_ops, self._layer_ops_rows = _layer_ops(self)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -177,7 +177,7 @@ class LeanLlamaDecoderLayer(nn.Module):
                 and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu":
             q, k, v = ops.before_attention(hidden_states, *position_embeddings)
             return ops.after_attention(self.self_attn.attend(q, k, v), hidden_states)
-        hidden_states = self._attend(self._input_norm(hidden_states), position_embeddings).add_(hidden_states)
+        hidden_states = self._attention(self._input_norm(hidden_states), position_embeddings).add_(hidden_states)
         return self._mlp(self._post_norm(hidden_states)).add_(hidden_states)  # fresh outputs: added in place
 
 
