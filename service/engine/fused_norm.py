@@ -8,24 +8,18 @@ model family whose norm differs (Gemma's 1 + weight, OLMo-2's order) keeps its o
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from sluice.service.engine import cpu_ops
+from sluice.service.engine.module_swap import same_source, swap_modules
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
-def _computes_llama_rms_norm(cls: type) -> bool:
-    try:
-        return inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
-    except (OSError, TypeError):
-        return False
+def _computes_llama_rms_norm(module: nn.Module) -> bool:
+    return same_source(type(module).forward, LlamaRMSNorm.forward)
 
 
 class FusedRMSNorm(nn.Module):
@@ -53,8 +47,4 @@ class FusedRMSNorm(nn.Module):
 
 def fuse_rms_norms(model: nn.Module) -> int:
     """Swap every Llama-formula RMSNorm of `model` for a FusedRMSNorm, in place; returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if _computes_llama_rms_norm(type(child))]
-    for parent, name, child in swaps:
-        setattr(parent, name, FusedRMSNorm(child))
-    return len(swaps)
+    return swap_modules(model, _computes_llama_rms_norm, FusedRMSNorm)

@@ -20,8 +20,6 @@ source for source, transformers' Llama one.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 from collections.abc import Callable
 
@@ -35,29 +33,22 @@ from sluice.kvcache.paged_attention import paged_attention
 from sluice.service.engine import cpu_ops
 from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
 from sluice.service.engine.fused_norm import FusedRMSNorm
+from sluice.service.engine.module_swap import same_source, swap_modules
 from sluice.service.engine.quantized_linear import QuantizedLinear, fuse_linears
 
 ROTARY_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
-def _same_source(a, b) -> bool:
-    try:
-        return inspect.getsource(a) == inspect.getsource(b)
-    except (OSError, TypeError):
-        return False
-
-
 def _computes_llama_attention(module: nn.Module) -> bool:
     rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
     # Llama's forward passes no window to the attention: a config that sets one must keep its own forward.
-    return (_same_source(type(module).forward, modeling_llama.LlamaAttention.forward)
-            and rotary is not None and _same_source(rotary, modeling_llama.apply_rotary_pos_emb)
+    return (same_source(type(module).forward, modeling_llama.LlamaAttention.forward)
+            and rotary is not None and same_source(rotary, modeling_llama.apply_rotary_pos_emb)
             and getattr(module.config, "sliding_window", None) is None)
 
 
 def _computes_llama_mlp(module: nn.Module) -> bool:
-    return (_same_source(type(module).forward, modeling_llama.LlamaMLP.forward)
+    return (same_source(type(module).forward, modeling_llama.LlamaMLP.forward)
             and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU))
 
 
@@ -203,7 +194,7 @@ def _layer_ops(layer: LeanLlamaDecoderLayer) -> tuple[object | None, int]:
 
 def _computes_llama_decoder_layer(module: nn.Module) -> bool:
     # The lean layer calls its attention with positions only: that takes the paged forward, swapped first.
-    return (_same_source(type(module).forward, modeling_llama.LlamaDecoderLayer.forward)
+    return (same_source(type(module).forward, modeling_llama.LlamaDecoderLayer.forward)
             and isinstance(getattr(module, "self_attn", None), PagedLlamaAttention))
 
 
@@ -214,8 +205,8 @@ def lean_causal_lm_forward(model: nn.Module) -> Callable[[torch.Tensor, torch.Te
     ModuleList per call): a few hundred microseconds a step. The final norm runs on the kept rows only (it is per
     row). None for any other model."""
     inner = getattr(model, "model", None)
-    if inner is None or not _same_source(type(model).forward, modeling_llama.LlamaForCausalLM.forward) \
-            or not _same_source(type(inner).forward, modeling_llama.LlamaModel.forward):
+    if inner is None or not same_source(type(model).forward, modeling_llama.LlamaForCausalLM.forward) \
+            or not same_source(type(inner).forward, modeling_llama.LlamaModel.forward):
         return None
     layers = [layer.forward for layer in inner.layers[: inner.config.num_hidden_layers]]
     if not all(isinstance(layer.__self__, LeanLlamaDecoderLayer) for layer in layers):
@@ -240,11 +231,4 @@ SWAPS = (("attention", _computes_llama_attention, PagedLlamaAttention), ("mlp", 
 def lean_llama_layers(model: nn.Module) -> dict[str, int]:
     """Swap Llama-formula attention, MLP and (where its attention was swapped) decoder-layer modules of `model` for
     their lean forwards, in place; returns how many of each."""
-    counts = {}
-    for kind, computes_llama, lean in SWAPS:
-        swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-                 if computes_llama(child)]
-        for parent, name, child in swaps:
-            setattr(parent, name, lean(child))
-        counts[kind] = len(swaps)
-    return counts
+    return {kind: swap_modules(model, computes_llama, lean) for kind, computes_llama, lean in SWAPS}
