@@ -4,12 +4,17 @@ generate in test_parity."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, apply_rotary_pos_emb
 
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import SluiceConfig
 from sluice.service.engine import cpu_ops
+from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.lean_layers import (
     LeanLlamaDecoderLayer,
     LeanLlamaMLP,
@@ -18,7 +23,8 @@ from sluice.service.engine.lean_layers import (
     lean_causal_lm_forward,
     lean_llama_layers,
 )
-from tests.test_parity import build_pair
+from tests import _tiny
+from tests.test_parity import build_pair, mixed_prompts
 
 
 def rotary_case(dtype: torch.dtype, tokens: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64):
@@ -122,57 +128,43 @@ def test_no_lean_layers_keeps_transformers_forwards():
     assert type(engine.model.model.layers[0].self_attn).__name__ == "LlamaAttention"
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, quantization):
-    # csrc/llama_layer.cpp runs a quantized layer's norms, projections, rotary and MLP in two calls; it must give
-    # the Python path's results exactly: two engines on copies of one model, the second without the C++ object.
-    import copy
-
-    from sluice.scheduling.sampling_params import SamplingParams
-    from sluice.service.config import SluiceConfig
-    from sluice.service.engine.engine import LLMEngine
-    from tests import _tiny
-    from tests.test_parity import mixed_prompts
-
+def twin_engines(quantization: str) -> list[LLMEngine]:
+    """Two float32 engines on copies of one tiny Llama, chunked prefill mixing prefills and decodes in steps."""
     _, model = build_pair("llama")
     engines = []
     for _ in range(2):
         cfg = SluiceConfig()
-        cfg.model.quantization = quantization
-        cfg.cache.num_kv_blocks = 64
-        cfg.scheduler.max_num_batched_tokens = 24  # chunked prefill, steps mixing prefills and decodes
+        cfg.model.dtype, cfg.model.quantization = "float32", quantization
+        cfg.cache.num_kv_blocks, cfg.scheduler.max_num_batched_tokens = 64, 24
         engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=_tiny.tokenizer()))
-    cpp, python = (engine.model.model.layers for engine in engines)
-    assert all(layer._layer_ops is not None for layer in cpp)
-    for layer in python:
-        layer._layer_ops = None
+    return engines
+
+
+def assert_same_outputs(engines: list[LLMEngine]) -> None:
+    """Both engines give the same greedy token ids and logprobs, exactly."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    prompts = mixed_prompts(8)
-    got, want = (engine.generate(prompts, params) for engine in engines)
+    got, want = (engine.generate(mixed_prompts(8), params) for engine in engines)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, quantization):
+    # csrc/llama_layer.cpp runs a quantized layer's norms, projections, rotary and MLP in two calls; it must give
+    # the Python path's results exactly: the second engine runs without the C++ object.
+    engines = twin_engines(quantization)
+    cpp, python = (engine.model.model.layers for engine in engines)
+    assert all(layer._layer_ops is not None for layer in cpp)
+    for layer in python:
+        layer._layer_ops = None
+    assert_same_outputs(engines)
+
+
 def test_the_runner_skips_transformers_wrappers_around_a_lean_llama_bit_for_bit():
-    import copy
-
-    from sluice.scheduling.sampling_params import SamplingParams
-    from sluice.service.config import SluiceConfig
-    from sluice.service.engine.engine import LLMEngine
-    from tests import _tiny
-    from tests.test_parity import mixed_prompts
-
-    _, model = build_pair("llama")
-    engines = []
-    for _ in range(2):
-        cfg = SluiceConfig()
-        cfg.model.dtype, cfg.cache.num_kv_blocks, cfg.scheduler.max_num_batched_tokens = "float32", 64, 24
-        engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=_tiny.tokenizer()))
+    engines = twin_engines("none")
     assert engines[0].runner._lean_forward is not None
     engines[1].runner._lean_forward = None  # the model's own forward
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    got, want = (engine.generate(mixed_prompts(8), params) for engine in engines)
-    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+    assert_same_outputs(engines)
 
 
 def test_only_a_llama_on_lean_layers_gets_the_lean_forward():
