@@ -84,6 +84,7 @@ async def serve(config: SluiceConfig) -> int:
 
     from sluice.service.api.api_server import create_app
     from sluice.service.api.middlewares import STATE
+    from sluice.service.api.preprocess import max_token_bytes
     from sluice.service.engine.async_engine import AsyncEngine
     from sluice.service.engine.engine import freeze_startup_objects
 
@@ -119,6 +120,7 @@ async def serve(config: SluiceConfig) -> int:
         await runner.cleanup()
         return 1
     engine = load.result()
+    await state.preprocessor.run(max_token_bytes, engine.engine.tokenizer)  # the prompt bound, before any request
     freeze_startup_objects()
     engine.start()
     state.engine = engine
@@ -134,6 +136,7 @@ async def serve(config: SluiceConfig) -> int:
     state.draining = True
     await engine.drain(srv.shutdown_timeout)
     await runner.cleanup()
+    state.preprocessor.shutdown()
     await engine.shutdown()
     logger.info("stopped")
     return 0

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import socket
-import uuid
 
 import orjson
 from aiohttp import web
@@ -24,16 +22,10 @@ from sluice.service.api.middlewares import (
     request_id_var,
 )
 from sluice.service.api.openapi import openapi_spec
-from sluice.service.api.protocol import (
-    GenerateRequest,
-    RequestError,
-    parse_chat,
-    parse_completion,
-    resolve_params,
-)
+from sluice.service.api.preprocess import prepare_generate
+from sluice.service.api.protocol import RequestError
 from sluice.service.api.tokenize import detokenize, tokenize
-from sluice.service.api.tool_parsers import ToolOutput, finish_collected, stream_deltas
-from sluice.service.api.tools import ToolPlan, plan_tools, template_args
+from sluice.service.api.tool_parsers import finish_collected, stream_deltas
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.async_engine import (
     AsyncEngine,
@@ -125,45 +117,25 @@ def _engine(state: ServerState) -> AsyncEngine:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    return await _generate(request, parse_completion(await _body(request)))
+    return await _generate(request, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    return await _generate(request, parse_chat(await _body(request)))
+    return await _generate(request, chat=True)
 
 
-async def _body(request: web.Request) -> dict:
-    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise RequestError("the request body is not valid JSON") from None
-
-
-async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamResponse:
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
+    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
     aengine = _engine(state)
     engine = aengine.engine
-    if req.model is not None and req.model != engine.served_model_name:
-        raise RequestError(f"the model '{req.model}' does not exist", "model", status=404, code="model_not_found")
-    plan = plan_tools(req, engine.tokenizer, state.config.server.tool_call_parser) if req.chat else None
-    prompts = [_chat_prompt_ids(engine.tokenizer, req.messages, plan)] if req.chat else [
-        engine.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts
-    ]
-    vocab = getattr(engine, "vocab_size", None) or len(engine.tokenizer)
-    prefix = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
-    batch, choices = [], {}
-    for p, ids in enumerate(prompts):
-        params = resolve_params(req, ids, engine.max_model_len, vocab)
-        for i in range(req.n):
-            index = p * req.n + i
-            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            batch.append((f"{prefix}-{index}", ids, seeded))
-            choices[f"{prefix}-{index}"] = Choice(index, p, echo=_echo_text(req, p, ids, engine.tokenizer),
-                                                  tools=ToolOutput(plan.parser) if plan and plan.active else None)
+    # Parsing, the chat template and the tokenizer run in the preparation pool, never on the event loop.
+    prep = await state.preprocessor.run(prepare_generate, raw, chat, engine, state.config.server.tool_call_parser)
+    req, prefix, batch = prep.req, prep.prefix, prep.batch
+    prompt_lens = [len(ids) for _, ids, _ in batch[::req.n]]  # the n samples of a prompt are adjacent
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
-                "chat" if req.chat else "completion", len(prompts), req.n, [len(x) for x in prompts],
+                "chat" if req.chat else "completion", len(prompt_lens), req.n, prompt_lens,
                 batch[0][2].max_tokens, req.stream)
     try:
         stream = await aengine.add_requests(batch, req.priority)
@@ -183,25 +155,8 @@ async def _generate(request: web.Request, req: GenerateRequest) -> web.StreamRes
     fmt = ResponseFormat(req, prefix, engine.served_model_name, engine.tokenizer)
     async with stream:
         if req.stream:
-            return await _stream(request, stream, choices, fmt)
-        return await _collect(stream, choices, fmt)
-
-
-def _echo_text(req: GenerateRequest, p: int, ids: list[int], tokenizer) -> str:
-    if not req.echo:
-        return ""
-    prompt = req.prompts[p]
-    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-
-
-def _chat_prompt_ids(tokenizer, messages: list[dict], plan: ToolPlan) -> list[int]:
-    """Render the model's chat template; its special tokens are in the text, so none are added again."""
-    messages, kwargs = template_args(plan, messages)  # tools: native template arguments or prompt text
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    except Exception as e:  # jinja raises for what the template refuses (role order, missing template, ...)
-        raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+            return await _stream(request, stream, prep.choices, fmt)
+        return await _collect(stream, prep.choices, fmt)
 
 
 # Status, error type and retry hint for a request the server ended. `x-should-retry` is the header the OpenAI

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from sluice.metrics.prometheus import record_rejection
+from sluice.service.api.preprocess import Preprocessor
 from sluice.service.api.protocol import RequestError
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.async_engine import AsyncEngine
@@ -35,6 +36,7 @@ class ServerState:
     engine: AsyncEngine | None = None  # None while the model loads
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
+    preprocessor: Preprocessor = field(default_factory=Preprocessor)  # parsing and tokenizing, off the loop
 
 
 STATE = web.AppKey("state", ServerState)

@@ -1,4 +1,8 @@
-"""vLLM's /tokenize and /detokenize: what the server's tokenizer and chat template make of a text."""
+"""vLLM's /tokenize and /detokenize: what the server's tokenizer and chat template make of a text.
+
+The work runs in the preparation pool (service/api/preprocess.py): a megabyte of text through the tokenizer
+would otherwise pause every stream.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from aiohttp import web
 
 from sluice.service.api.errors import RequestError
 from sluice.service.api.middlewares import STATE
+from sluice.service.api.preprocess import chat_prompt_ids, load_body
 from sluice.service.api.protocol import parse_chat
 
 MAX_TOKENS = 1 << 20
@@ -14,53 +19,58 @@ MAX_TOKENS = 1 << 20
 
 async def tokenize(request: web.Request) -> web.Response:
     """{"prompt"} or {"messages", "add_generation_prompt"} -> {"count", "max_model_len", "tokens"[, "token_strs"]}."""
-    body, engine = await _body_and_engine(request)
-    tokenizer = engine.tokenizer
-    if body.get("messages") is not None:
-        messages = parse_chat({"messages": body["messages"]}).messages
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=_flag(body, "add_generation_prompt", True))
-        except Exception as e:
-            raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
-        tokens = tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise RequestError("give 'prompt' (a string) or 'messages'", "prompt")
-        tokens = tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
-    out = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
-    if _flag(body, "return_token_strs", False):
-        out["token_strs"] = tokenizer.convert_ids_to_tokens(list(tokens))
-    return _json(out)
+    state, raw = await _state_and_body(request)
+    return _json(await state.preprocessor.run(_tokenize, raw, state.engine.engine))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"prompt": text}."""
-    body, engine = await _body_and_engine(request)
+    state, raw = await _state_and_body(request)
+    return _json(await state.preprocessor.run(_detokenize, raw, state.engine.engine))
+
+
+def _tokenize(raw: bytes, engine) -> dict:
+    body = _checked(raw, engine)
+    tokenizer = engine.tokenizer
+    if body.get("messages") is not None:
+        messages = parse_chat({"messages": body["messages"]}).messages
+        ids = chat_prompt_ids(tokenizer, messages, None, _flag(body, "add_generation_prompt", True),
+                              _flag(body, "add_special_tokens", False))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError("give 'prompt' (a string) or 'messages'", "prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+    out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
+    if _flag(body, "return_token_strs", False):
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
+    return out
+
+
+def _detokenize(raw: bytes, engine) -> dict:
+    body = _checked(raw, engine)
     tokens = body.get("tokens")
     vocab = getattr(engine, "vocab_size", None) or len(engine.tokenizer)
     if (not isinstance(tokens, list) or len(tokens) > MAX_TOKENS
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
         raise RequestError(f"'tokens' must be a list of token ids below {vocab}", "tokens")
-    return _json({"prompt": engine.tokenizer.decode(tokens)})
+    return {"prompt": engine.tokenizer.decode(tokens)}
 
 
-async def _body_and_engine(request: web.Request):
+async def _state_and_body(request: web.Request):
     state = request.app[STATE]
+    raw = await request.read()
     if state.engine is None:
         raise RequestError("the model is still loading", status=503, type="server_error", code="loading")
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise RequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    engine = state.engine.engine
+    return state, raw
+
+
+def _checked(raw: bytes, engine) -> dict:
+    body = load_body(raw)
     model = body.get("model")
     if model is not None and model != engine.served_model_name:
         raise RequestError(f"the model '{model}' does not exist", "model", status=404, code="model_not_found")
-    return body, engine
+    return body
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
