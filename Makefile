@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
+.PHONY: install serve test test-fast test-deep lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ serve: model
 test: install
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+test-deep: install  ## the suite with long fuzzing: 20,000 random bodies, 1,500 scheduler examples
+	SLUICE_FUZZ_BODIES=20000 SLUICE_HYPOTHESIS_EXAMPLES=1500 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: install  ## everything but the tests that need the real SmolLM2
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
