@@ -41,11 +41,12 @@ class ModelConfig:
         "weights, decode-sized calls in a C++ GEMV on the plain layout, larger ones ~15% slower in oneDNN.",
         flag="--no-prepack-weights",
     )
-    lean_layers: bool = knob(
+    owned_model: bool = knob(
         True,
-        "CPU: Llama-family attention, MLP and decoder layers run lean forwards (rotary in one C++ op, no "
-        "transposes or wrappers), bit for bit transformers' arithmetic. Off: transformers' own forwards.",
-        flag="--no-lean-layers",
+        "Llama-family models (Llama, SmolLM2, Mistral, Qwen2, Qwen3) run Sluice's own forward (fused q/k/v and "
+        "gate/up, C++ norm, rotary and decode kernels on CPU). Off, and for any other architecture: transformers' "
+        "model with the paged attention hook, plain weights (no --quantization).",
+        flag="--no-owned-model",
     )
     quantization: str = knob(
         "none",

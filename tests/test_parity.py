@@ -12,9 +12,9 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.bench.gpu_check import parity_prompts
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.lean_layers import PagedLlamaAttention
-from sluice.service.engine.prepack import PackedLinear
-from sluice.service.engine.weight_prep import decode_kernel_wins
+from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_wins
+from sluice.service.engine.layers.packed_linear import PackedLinear
+from sluice.service.engine.models.llama import LlamaForCausalLM
 from tests import _tiny
 
 VOCAB = len(_tiny.tokenizer())
@@ -30,6 +30,8 @@ def tiny_config(arch: str):
     )
     if arch == "llama":
         return transformers.LlamaConfig(**common)
+    if arch == "mistral":  # a window shorter than the longest prompt + output: masks some steps, not others
+        return transformers.MistralConfig(sliding_window=64, **common)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
@@ -171,19 +173,23 @@ def check_paths(seen: dict, mode: str, decode_path: str) -> None:
         assert seen["torch_decode_calls"] > 0 and seen["kernel_calls"] == 0, seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def assert_owned(engine) -> None:
+    """The engine runs Sluice's own forward, not transformers' model: a supported architecture never falls back."""
+    assert isinstance(engine.model, LlamaForCausalLM), type(engine.model)
+    assert not any(type(m).__module__.startswith("transformers") for m in engine.model.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
     ours, prompts, expected = reference_case(arch)
     engine = make_engine(ours, mode, num_blocks=24)
+    assert_owned(engine)
     decode_path = "kernel" if engine.runner.decode_kernel is not None else "torch"
     # the default fp32 linears: oneDNN-packed, decode-sized calls in the C++ GEMV on that layout where it builds
     if decode_kernel_wins(torch.float32):
         assert all(m.gemv_layout for m in engine.model.modules() if isinstance(m, PackedLinear))
-        assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
-    # Llama's attention runs the lean paged forward; Qwen's (bias, q/k norms) keep transformers' own
-    lean = [isinstance(layer.self_attn, PagedLlamaAttention) for layer in engine.model.model.layers]
-    assert lean == [arch == "llama"] * len(lean)
+        assert not any(isinstance(m, PlainLinear) for m in engine.model.modules())  # the head is not tied here
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
 
@@ -208,9 +214,10 @@ def test_greedy_parity_without_prepacking_on_the_torch_decode_path():
     cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs = 64, 16
     cfg.scheduler.preemption_mode = "swap"
     engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    assert_owned(engine)
     assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
-    if decode_kernel_wins(torch.float32):
-        assert any(type(m).__name__ == "DecodeLinear" for m in engine.model.modules())
+    assert all(m.decode_kernel == decode_kernel_wins(torch.float32) for m in engine.model.modules()
+               if isinstance(m, PlainLinear))
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [r.token_ids for r in results] == expected
@@ -245,6 +252,7 @@ def test_smollm2_parity(smollm2):
     cfg_blocks = 20  # small enough to force preemption with 16 concurrent requests
     for mode in ("recompute", "swap"):
         engine = LLMEngine(_smollm_config(mode, cfg_blocks), model=model_ours, tokenizer=tokenizer)
+        assert_owned(engine)
         decode_path = "kernel" if engine.runner.decode_kernel is not None else "torch"
         seen = instrument(engine)
         results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sluice.service.bench.offline import OfflineRun
-from sluice.service.engine.prepack import unpack_linears
+from sluice.service.engine.models.llama import LlamaForCausalLM
+from sluice.service.engine.models.weights import checkpoint_state
 
 
 @dataclass(slots=True)
@@ -35,12 +36,17 @@ class Ceiling:
 
 
 def sdpa_copy(model, plain_linears: bool = False):
-    """A copy of the engine's model on transformers' own sdpa attention. With plain_linears, oneDNN-prepacked
-    linears go back to torch's own: what transformers' generate runs. Without, the copy keeps the engine's
-    kernels, so the raw-forward ceiling measures the same matmuls minus the engine."""
+    """A copy of the engine's model on transformers' own sdpa attention. Sluice's own model becomes the transformers
+    model of its config with its weights, plain (what transformers' generate runs; `plain_linears` is moot). A
+    transformers model (the fallback path) is copied as it runs."""
+    if isinstance(model, LlamaForCausalLM):
+        from transformers import AutoModelForCausalLM
+
+        twin = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype, attn_implementation="sdpa")
+        twin.load_state_dict(checkpoint_state(model), strict=False)  # strict=False: rotary buffers are not weights
+        twin.generation_config = model.generation_config or twin.generation_config
+        return twin.to(model.device).eval()
     twin = copy.deepcopy(model)
-    if plain_linears:
-        unpack_linears(twin)
     twin.set_attn_implementation("sdpa")
     return twin.eval()
 

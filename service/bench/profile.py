@@ -41,7 +41,7 @@ class StepProfile:
 def _patches(engine, timers: Timers) -> list:
     import sluice.service.engine.attention_backend as attention_backend
     import sluice.service.engine.detokenizer as detokenizer
-    import sluice.service.engine.lean_layers as lean_layers
+    import sluice.service.engine.layers.attention as attention_layer
     import sluice.service.engine.model_runner as model_runner
 
     runner = engine.runner
@@ -53,7 +53,7 @@ def _patches(engine, timers: Timers) -> list:
         (runner, "_forward", timers.wrap("forward")),
         (model_runner, "sample", timers.wrap("sample")),
         (attention_backend, "paged_attention", timers.wrap("attention")),
-        (lean_layers, "paged_attention", timers.wrap("attention")),
+        (attention_layer, "paged_attention", timers.wrap("attention")),
         (detokenizer.IncrementalDetokenizer, "update", timers.wrap("detok")),
         (engine, "_detokenize", timers.wrap("detokenize_total")),
     ]

@@ -71,7 +71,6 @@ class LLMEngine:
         from sluice.service.engine.model_loader import (
             auto_dtype,
             eos_token_ids,
-            gguf_linear_types,
             load_model,
             resolve_device_dtype,
         )
@@ -98,17 +97,15 @@ class LLMEngine:
         # From here on the config holds what the engine really runs with (the auto budget resolved).
         sched = config.scheduler.resolved(self.device.type, threads)
         self.config = config = dataclasses.replace(config, scheduler=sched)
-        types = None
-        if model is None:
-            cache = config.model.cache_dir or None
-            model, tokenizer = load_model(config.model.model, self.device, self.dtype, cache_dir=cache)
-            if quantization == "gguf":
-                types = gguf_linear_types(config.model.model, model, cache)
+        if model is None:  # Sluice's own model where the architecture allows, in the weight formats asked for
+            model, tokenizer = load_model(config.model.model, self.device, self.dtype,
+                                          cache_dir=config.model.cache_dir or None, settings=config.model)
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
         elif quantization == "gguf":
             raise ValueError("--quantization gguf needs the engine to load the model itself (from its GGUF types)")
-        prepare_weights(model, config.model, self.device, self.dtype, types)
+        else:
+            model = prepare_weights(model, config.model, self.device, self.dtype)
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)

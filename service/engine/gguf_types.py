@@ -13,13 +13,13 @@ import json
 import os
 from pathlib import Path
 
-from torch import nn
-
 TYPES_FILE = "gguf_types.json"
 
 
-def read_linear_types(gguf_path: Path, model: nn.Module) -> dict[str, str]:
-    """{linear module name: GGUF type name ("Q4_1", "Q8_0", "F32", ...)} for the linears of `model`."""
+def read_linear_types(gguf_path: Path, linear_names: list[str]) -> dict[str, str]:
+    """{linear name: GGUF type name ("Q4_1", "Q8_0", "F32", ...)} for the checkpoint linears `linear_names`
+    (transformers' names); a head tied to the embedding ("lm_head" without a tensor of its own) gets the
+    embedding's type."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -28,24 +28,21 @@ def read_linear_types(gguf_path: Path, model: nn.Module) -> dict[str, str]:
     arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
     if arch is None:
         raise ValueError(f"{gguf_path.name}: unknown GGUF architecture {arch_name!r}")
-    names = gguf.get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    layers = 1 + max((int(n.split(".")[2]) for n in linear_names if n.startswith("model.layers.")), default=0)
+    names = gguf.get_tensor_name_map(arch, layers)
     stored = {t.name: t.tensor_type.name for t in reader.tensors}
 
     def stored_type(module_name: str) -> str | None:
         gguf_name = names.get_name(module_name)
         return stored.get(f"{gguf_name}.weight") if gguf_name else None
 
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    embed_name = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
     types = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            found = stored_type(name)
-            if found is None and module is head:  # a head tied to the embedding has no tensor of its own
-                found = stored_type(embed_name)
-            if found is not None:
-                types[name] = found
+    for name in linear_names:
+        found = stored_type(name)
+        if found is None and name == "lm_head":  # a head tied to the embedding has no tensor of its own
+            found = stored_type("model.embed_tokens")
+        if found is not None:
+            types[name] = found
     return types
 
 

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from sluice.service.engine import cpu_ops
-from sluice.service.engine.int8_linear import Int8Linear
-from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear, replace_fitting_linears
+from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear
 
 BLOCK = 16  # output rows per kernel block
 # Over SmolLM2's 210 layer linears on 2 Zen 4 cores the kernel takes 32 ms at 64 rows, 74 at 128, 145 at 256, 285
@@ -80,12 +77,10 @@ class Int4Linear(QuantizedLinear):
     """An nn.Linear (no grad) with Q4_1 int4 weights, packed for the kernel; float32 activations in and out."""
 
     kernel_max_rows = KERNEL_MAX_ROWS
-    row_buffers = ("qweight", "scale", "minimum")
-    rows_per_entry = BLOCK
 
-    def __init__(self, linear: nn.Linear, kernel=None) -> None:
-        super().__init__(linear, kernel)
-        packed, scale, minimum = pack(*quantize_weight(linear.weight))
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel=None) -> None:
+        super().__init__(weight, bias, kernel)
+        packed, scale, minimum = pack(*quantize_weight(weight))
         self.register_buffer("qweight", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("minimum", minimum)
@@ -108,13 +103,3 @@ class Int4Linear(QuantizedLinear):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 Q4_1 groups of {GROUP}"
 
-
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by an Int4Linear, in place (the output head by an Int8Linear; a linear
-    whose input size is not a multiple of 32 stays float32); returns how many were replaced."""
-    kernel = cpu_ops.load()
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    return replace_fitting_linears(
-        model, lambda linear: Int8Linear(linear, kernel) if linear is head else Int4Linear(linear, kernel), "int4"
-    )

@@ -11,10 +11,8 @@ multiple of 32 stays float32.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from sluice.service.engine import cpu_ops
-from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear, replace_fitting_linears
+from sluice.service.engine.quantized_linear import GROUP, QuantizedLinear
 
 # Measured on 2 Zen 4 cores over SmolLM2's linears: the kernel takes 77 ms at 32 rows, 153 at 64, 304 at 128 and
 # 621 at 256; dequantize + GEMM 172, 221, 318 and 516.
@@ -43,11 +41,10 @@ class Int8Linear(QuantizedLinear):
     """An nn.Linear (no grad) with Q8_0-layout int8 weights; float32 activations in and out."""
 
     kernel_max_rows = KERNEL_MAX_ROWS
-    row_buffers = ("qweight", "scale")
 
-    def __init__(self, linear: nn.Linear, kernel=None) -> None:
-        super().__init__(linear, kernel)
-        q, scale = quantize_weight(linear.weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel=None) -> None:
+        super().__init__(weight, bias, kernel)
+        q, scale = quantize_weight(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
 
@@ -65,9 +62,3 @@ class Int8Linear(QuantizedLinear):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 Q8_0 groups of {GROUP}"
 
-
-def quantize_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` (lm_head included) whose input size is a multiple of 32 by an Int8Linear,
-    in place; returns how many were replaced."""
-    kernel = cpu_ops.load()
-    return replace_fitting_linears(model, lambda linear: Int8Linear(linear, kernel), "int8")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from sluice.service.config import ModelConfig
 from sluice.service.engine import gguf_types
-from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import native_bf16_flags
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -78,10 +78,17 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     cache_dir: str | Path | None = None,
+    settings: ModelConfig | None = None,
 ):
-    """(model, tokenizer) ready for ModelRunner: eval mode, on device/dtype, using the sluice_paged attention."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) ready for ModelRunner. A Llama-family checkpoint directory (the default model's too) loads
+    straight into Sluice's own model; a GGUF file or hub id loads through transformers first; any other
+    architecture stays transformers' model on the paged attention (`weight_prep`). `settings`: the weight formats
+    (--quantization, --prepack-weights, --owned-model); defaults where None."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from sluice.service.engine.weight_prep import load_owned, owned_path, prepare_weights
+
+    settings = settings or ModelConfig()
     device, dtype = resolve_device_dtype(device, dtype)
     kwargs: dict = {}
     if model in DEFAULT_MODEL_ALIASES:
@@ -99,21 +106,17 @@ def load_model(
         source = model  # a hub id: only works with network access or a warm HF cache
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
+        config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
+        types = gguf_linear_types(model, config, cache_dir) if settings.quantization == "gguf" else None
+        if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
+            return load_owned(Path(source), config, settings, device, dtype, types), tokenizer
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except OSError as error:
         raise RuntimeError(
             f"could not load model {model!r}: not a local directory or .gguf file, and the hub is unreachable "
             f"or has no such repo ({error}). Pass a local path, or '{DEFAULT_MODEL_NAME}'."
         ) from error
-    return prepare_model(hf_model, device, dtype), tokenizer
-
-
-def prepare_model(model, device: torch.device, dtype: torch.dtype):
-    """Eval mode, device/dtype, and the paged attention backend: what ModelRunner expects of a model."""
-    model.eval()
-    model.to(device=device, dtype=dtype)
-    model.set_attn_implementation(register_attention())
-    return model
+    return prepare_weights(hf_model, settings, device, dtype, types), tokenizer
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -147,17 +150,20 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def gguf_linear_types(model_name: str, model, cache_dir: str | None = None) -> dict[str, str]:
-    """For `--quantization gguf`: the GGUF type of each linear of `model`, loaded from `model_name`."""
+def gguf_linear_types(model_name: str, config, cache_dir: str | Path | None = None) -> dict[str, str]:
+    """For `--quantization gguf`: the GGUF type of each linear of the Llama-family model `model_name` (of `config`)."""
+    from sluice.service.engine.models.weights import linear_names
+
+    names = linear_names(config.get_text_config())
     if model_name in DEFAULT_MODEL_ALIASES:
         directory = ensure_default_model(cache_dir)
         types = gguf_types.load(directory)
         if types is None:  # converted before the types were kept: read them from the file once more
             with tempfile.TemporaryDirectory(prefix=".download-", dir=directory.parent) as tmp:
-                types = gguf_types.read_linear_types(fetch_default_gguf(Path(tmp)), model)
+                types = gguf_types.read_linear_types(fetch_default_gguf(Path(tmp)), names)
             gguf_types.save(types, directory)
     elif model_name.endswith(".gguf"):
-        types = gguf_types.read_linear_types(Path(model_name).expanduser(), model)
+        types = gguf_types.read_linear_types(Path(model_name).expanduser(), names)
     else:
         types = gguf_types.load(Path(model_name).expanduser())
     if not types:
@@ -201,7 +207,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    gguf_types.save(gguf_types.read_linear_types(gguf_path, model), out_dir)
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    gguf_types.save(gguf_types.read_linear_types(gguf_path, linears), out_dir)
     for path in out_dir.iterdir():  # some writers create 0600 files; a shared cache must be readable
         path.chmod(0o644)
 

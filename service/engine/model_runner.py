@@ -19,7 +19,7 @@ from sluice.service.engine.attention_backend import (
     set_forward_context,
 )
 from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
-from sluice.service.engine.lean_layers import lean_causal_lm_forward
+from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.sampler import sample
 
 GiB = 1 << 30
@@ -38,11 +38,14 @@ class ModelRunner:
         max_num_seqs: int,
     ):
         self.model = model
-        # Idempotent: a caller-built model (tests, embedding apps) may still be on sdpa/eager.
-        model.set_attn_implementation(register())
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
-                             "AttentionInterface, so it cannot use the paged KV cache")
+        # Sluice's own model calls the paged attention itself; a transformers one does through its
+        # AttentionInterface (idempotent: a caller-built model may still be on sdpa/eager).
+        self._owned = isinstance(model, LlamaForCausalLM)
+        if not self._owned:
+            model.set_attn_implementation(register())
+            if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+                raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                                 "AttentionInterface, so it cannot use the paged KV cache")
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,8 +72,6 @@ class ModelRunner:
             self.decode_kernel = load_decode_kernel()
         # Models whose forward lacks logits_to_keep get full logits, sliced afterwards (correct, just slower).
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # A Llama on lean layers (CPU): its forward without transformers' per-call wrappers; else None.
-        self._lean_forward = lean_causal_lm_forward(model)
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
 
@@ -129,8 +130,8 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """One forward over the packed batch (as a single sequence of batch 1); logits [len(sample_rows), V]."""
-        if self._lean_forward is not None:
-            return self._lean_forward(input_ids, positions, sample_rows)
+        if self._owned:
+            return self.model.compute_logits(input_ids, positions, sample_rows)
         if self._has_logits_to_keep:
             output = self.model(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=sample_rows

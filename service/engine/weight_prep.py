@@ -1,5 +1,5 @@
-"""Readies a loaded model's weights for the device: quantized, oneDNN-prepacked (read by our GEMV when decoding)
-or plain linears with decode kernels, fused norms, lean Llama layers."""
+"""Chooses the path a model runs and the format of its weights: Sluice's own Llama-family forward with a linear
+method per weight format, or, for any other architecture, transformers' model on the paged attention hook."""
 
 from __future__ import annotations
 
@@ -10,59 +10,80 @@ import torch
 from torch import nn
 
 from sluice.service.config import ModelConfig
-from sluice.service.engine import cpu_ops
+from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import release_freed_memory
-from sluice.service.engine.decode_linear import KERNEL_MAX_ROWS as DECODE_KERNEL_MAX_ROWS
-from sluice.service.engine.decode_linear import onednn_linear_available, use_decode_kernels
-from sluice.service.engine.fused_norm import FUSED_DTYPES, fuse_rms_norms
-from sluice.service.engine.lean_layers import lean_llama_layers
-from sluice.service.engine.prepack import PackedLinear, can_prepack, pad_linear_rows, prepack_linears
-from sluice.service.engine.quantize import quantize
+from sluice.service.engine.layers.linear import (
+    GgufMethod,
+    LinearMethod,
+    PackedMethod,
+    PlainMethod,
+    QuantizedMethod,
+)
+from sluice.service.engine.layers.packed_linear import can_prepack
+from sluice.service.engine.models import weights
+from sluice.service.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("sluice.engine")
 
 
-def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    gguf_types: dict[str, str] | None = None) -> None:
-    """Swap the model's linears and norms, in place, for the kernels this device and precision run fastest."""
+def linear_method(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                  gguf_types: dict[str, str] | None = None) -> LinearMethod:
+    """The linear method `--quantization` and `--prepack-weights` ask for on this device and precision."""
+    if config.quantization == "gguf":
+        if gguf_types is None:
+            raise ValueError("gguf quantization needs the GGUF type of each linear")
+        return GgufMethod(gguf_types)
+    if config.quantization in ("int8", "int4"):
+        return QuantizedMethod(config.quantization)
     if config.quantization != "none":
+        raise ValueError(f"unknown quantization {config.quantization!r}: one of int8, int4, gguf")
+    if config.prepack_weights and can_prepack(device, dtype):
+        return PackedMethod(device, dtype)
+    return PlainMethod(device, dtype)
+
+
+def owned_path(model_config, config: ModelConfig) -> str | None:
+    """Why the model runs on transformers' forward (None: it runs on Sluice's own)."""
+    if not config.owned_model:
+        return "--no-owned-model"
+    return weights.unsupported_reason(model_config)
+
+
+def load_owned(directory, model_config, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               gguf_types: dict[str, str] | None = None) -> LlamaForCausalLM:
+    """The owned model straight from a safetensors checkpoint directory."""
+    start = time.perf_counter()
+    method = linear_method(config, device, dtype, gguf_types)
+    model = weights.load(directory, model_config, method, device, dtype)
+    _log_owned(method, start, device)
+    return model
+
+
+def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    gguf_types: dict[str, str] | None = None) -> nn.Module:
+    """The model to run for a loaded transformers model: Sluice's own forward with its weights (in the formats
+    `config` asks for) where the architecture is supported, else the model itself on the paged attention hook."""
+    if isinstance(model, LlamaForCausalLM):  # built by load_model: its weights' formats were chosen at load
+        return model
+    reason = owned_path(model.config, config)
+    if reason is None:
         start = time.perf_counter()
-        logger.info("%s: quantized %d linear layers in %.1f s", config.quantization,
-                    quantize(model, config.quantization, gguf_types), time.perf_counter() - start)
-    elif config.prepack_weights and can_prepack(device, dtype):
-        packed = prepack_linears(model)  # in place: the engine owns the model it runs (idempotent)
-        gemv = [m.gemv_max_rows for m in model.modules() if isinstance(m, PackedLinear) and m.gemv_layout]
-        logger.info("prepacked %d linear layers for oneDNN; %d read by the packed-layout GEMV up to %d rows",
-                    packed, len(gemv), max(gemv, default=0))
-        _plain_with_decode_kernels(model, dtype)  # what stayed plain: a head tied to the embedding
-    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        _plain_with_decode_kernels(model, dtype)
-    if device.type == "cpu" and dtype in FUSED_DTYPES and cpu_ops.load() is not None:
-        logger.info("fused %d RMSNorm layers into one C++ op each", fuse_rms_norms(model))
-    if device.type == "cpu" and config.lean_layers:
-        counts = lean_llama_layers(model)
-        logger.info("lean Llama forwards: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()))
+        method = linear_method(config, device, dtype, gguf_types)
+        owned = weights.from_transformers(model, method, device, dtype)
+        _log_owned(method, start, device)
+        return owned
+    if config.quantization != "none":
+        raise ValueError(f"--quantization {config.quantization} needs Sluice's own forward, which this model cannot "
+                         f"run ({reason})")
+    logger.info("model path: transformers' %s with the paged attention hook (%s)", type(model).__name__, reason)
+    model.eval()
+    model.to(device=device, dtype=dtype)
+    model.set_attn_implementation(register_attention())
+    return model
+
+
+def _log_owned(method: LinearMethod, start: float, device: torch.device) -> None:
+    logger.info("model path: Sluice's own Llama-family forward; linears %s (%.1f s)", method.describe(),
+                time.perf_counter() - start)
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free
-
-
-def _plain_with_decode_kernels(model: nn.Module, dtype: torch.dtype) -> None:
-    """Pad the plain linears' row counts and, where the C++ GEMV for this dtype wins, give them its path."""
-    padded = pad_linear_rows(model)  # bounds oneDNN's per-shape kernel cache (see PaddedLinear)
-    if not padded:
-        return
-    if decode_kernel_wins(dtype):
-        logger.info("CPU %s: %d linears on plain weights, batches of up to %d rows in the C++ kernel",
-                    str(dtype).removeprefix("torch."), use_decode_kernels(model), DECODE_KERNEL_MAX_ROWS)
-    else:
-        logger.info("CPU %s: %d linears unpacked with padded row counts", str(dtype).removeprefix("torch."), padded)
-
-
-def decode_kernel_wins(dtype: torch.dtype) -> bool:
-    """Whether plain weights with the C++ decode GEMV beat the alternatives for this dtype on this CPU."""
-    ops = cpu_ops.load()
-    if ops is None:
-        return False
-    if dtype == torch.bfloat16:
-        return ops.bf16_linear_is_native()  # the scalar fallback loses to oneDNN's bf16 path
-    return onednn_linear_available()  # larger fp32 calls need oneDNN on the plain weight (MKL's sgemm is slower)

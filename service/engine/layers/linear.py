@@ -1,0 +1,192 @@
+"""Linears, one class per weight format, and the linear method that picks it at load (vLLM's LinearMethod idea).
+
+A model asks its method for each of its linears, fused ones included (q/k/v, gate/up: one weight, one call), with
+the checkpoint names of the parts. The method answers with the module serving that weight in its format:
+
+- `PlainMethod`: the weight as it is (`PlainLinear`); on CPU, row counts padded for oneDNN and, where the C++ GEMV
+  wins (`decode_kernel_wins`), few-row calls in it. On CUDA, or without a compiler: torch's own linear.
+- `PackedMethod`: oneDNN-prepacked weights read by the packed-layout GEMV (`packed_linear.PackedLinear`); a head
+  tied to the embedding stays plain (the embedding needs the plain weight).
+- `Int8Method`, `Int4Method`: GGUF's Q8_0 and Q4_1 layouts (`int8_linear`, `int4_linear`); int4's head is int8.
+- `GgufMethod`: each linear in its GGUF file's own type (Q4_1, Q8_0; anything else plain float32).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.service.engine import cpu_ops
+from sluice.service.engine.int4_linear import Int4Linear
+from sluice.service.engine.int8_linear import Int8Linear
+from sluice.service.engine.layers.packed_linear import PackedLinear, pad_rows
+from sluice.service.engine.quantized_linear import GROUP
+
+logger = logging.getLogger("sluice.engine")
+
+# Over SmolLM2's linears on 2 Zen 4 cores, the plain-layout GEMV against oneDNN on the plain weight:
+# fp32 19.0 vs 30.9 ms at 1 row, 23.3 vs 37.4 at 4, 47.8 vs 54.9 at 16;
+# bf16 10.4 vs 28.7 ms at 1 row, 32.6 vs 38.9 at 16, 58.5 vs 48.8 at 32.
+DECODE_KERNEL_MAX_ROWS = 16
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch exposes oneDNN's linear on a plain fp32 weight."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def decode_kernel_wins(dtype: torch.dtype) -> bool:
+    """Whether plain weights with the C++ decode GEMV beat the alternatives for this dtype on this CPU."""
+    ops = cpu_ops.load()
+    if ops is None:
+        return False
+    if dtype == torch.bfloat16:
+        return ops.bf16_linear_is_native()  # the scalar fallback loses to oneDNN's bf16 path
+    return dtype == torch.float32 and onednn_linear_available()  # above 16 rows fp32 needs oneDNN on the plain weight
+
+
+class PlainLinear(nn.Module):
+    """y = x W^T + b on the plain weight [N, K]. On CPU (`pad`): row counts padded to `padded_rows` (oneDNN builds
+    and caches a kernel per input shape: unpadded, a server's RSS grows by hundreds of MiB as step sizes vary). With
+    `decode_kernel`: calls of up to 16 rows in the C++ GEMV for the dtype, larger fp32 ones in oneDNN on the plain
+    weight (torch's fp32 linear calls MKL's sgemm, which re-lays-out the weight on every call: 1.2-1.6x slower)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad: bool = False,
+                 decode_kernel: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.pad, self.decode_kernel = pad, decode_kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → [..., N]."""
+        if not self.pad:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if self.decode_kernel and rows.shape[0] <= DECODE_KERNEL_MAX_ROWS and x.dtype == self.weight.dtype:
+            ops = cpu_ops.load()
+            out = ops.f32_linear(rows, self.weight) if x.dtype == torch.float32 else ops.bf16_linear(rows, self.weight)
+            if self.bias is not None:
+                out += self.bias
+            return out.view(*x.shape[:-1], self.out_features)
+        padded, m = pad_rows(x, self.in_features)
+        if self.decode_kernel and x.dtype == torch.float32:
+            out = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")
+        else:
+            out = F.linear(padded, self.weight, self.bias)
+        return out[:m].view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kernel = ", C++ GEMV for few rows" if self.decode_kernel else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{kernel}"
+
+
+class MergedLinear(nn.Module):
+    """Linears of one input side by side whose formats differ (a GGUF may store q and v in different types)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs concatenated along the last dim."""
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _split(weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+    biases = [None] * len(sizes) if bias is None else bias.split(sizes)
+    return list(zip(weight.split(sizes), biases, strict=True))
+
+
+class LinearMethod:
+    """Makes the module serving one (possibly fused) weight in this method's format."""
+
+    name = "plain"
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: list[str], sizes: list[int],
+             tied: bool = False) -> nn.Module:
+        """weight [N, K] (the parts' rows stacked, `sizes` of them each, checkpoint names `parts`); `tied`: the
+        weight is the embedding's too."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the start-up log says of the model's linears."""
+        return self.name
+
+
+class PlainMethod(LinearMethod):
+    """Plain weights; on CPU padded rows, and the C++ decode GEMV where it wins for the dtype."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.pad = device.type == "cpu"
+        self.decode_kernel = self.pad and decode_kernel_wins(dtype)
+        self.name = "plain" + (f" (C++ GEMV up to {DECODE_KERNEL_MAX_ROWS} rows)" if self.decode_kernel else "")
+
+    def make(self, weight, bias, parts, sizes, tied=False):
+        return PlainLinear(weight, bias, self.pad, self.decode_kernel)
+
+
+class PackedMethod(PlainMethod):
+    """oneDNN-prepacked weights (the plain one is dropped), decode-sized calls in the packed-layout GEMV."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.gemv_rows = Counter()
+        self.name = "prepacked for oneDNN"
+
+    def make(self, weight, bias, parts, sizes, tied=False):
+        if tied:  # a packed copy of the embedding would hold the same bytes twice
+            return super().make(weight, bias, parts, sizes, tied)
+        packed = PackedLinear(weight, bias)
+        self.gemv_rows[packed.gemv_max_rows] += 1
+        return packed
+
+    def describe(self) -> str:
+        gemv = {rows: n for rows, n in self.gemv_rows.items() if rows}
+        return f"{self.name}, read by the packed-layout GEMV: {gemv or 'none'} (rows: linears)"
+
+
+class QuantizedMethod(LinearMethod):
+    """Weight-only int8 (Q8_0) or int4 (Q4_1, the head int8) linears; a linear whose input is not a multiple of 32
+    stays plain float32."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.kernel, self.made = name, cpu_ops.load(), Counter()
+
+    def format_of(self, part: str) -> str:
+        """The format one checkpoint linear is served in."""
+        return "Q8_0" if self.name == "int8" or part == "lm_head" else "Q4_1"
+
+    def make(self, weight, bias, parts, sizes, tied=False):
+        formats = [self.format_of(p) if weight.shape[1] % GROUP == 0 else "F32" for p in parts]
+        if len(set(formats)) > 1:
+            return MergedLinear([self._one(w, b, f) for (w, b), f in zip(_split(weight, bias, sizes), formats,
+                                                                          strict=True)])
+        return self._one(weight, bias, formats[0])
+
+    def _one(self, weight, bias, fmt: str) -> nn.Module:
+        self.made[fmt] += 1
+        cls = {"Q8_0": Int8Linear, "Q4_1": Int4Linear}.get(fmt)
+        return PlainLinear(weight.float(), None if bias is None else bias.float()) if cls is None \
+            else cls(weight, bias, self.kernel)
+
+    def describe(self) -> str:
+        return f"{self.name}: {dict(self.made)} (format: weights)"
+
+
+class GgufMethod(QuantizedMethod):
+    """Each linear in its GGUF file's own block type where a linear here stores it exactly, else float32."""
+
+    def __init__(self, types: dict[str, str]) -> None:
+        super().__init__("gguf")
+        self.types = types
+
+    def format_of(self, part: str) -> str:
+        stored = self.types.get(part, "F32")
+        return stored if stored in ("Q4_1", "Q8_0") else "F32"

@@ -1,0 +1,1 @@
+"""Sluice's own model implementations (the Llama family), built from transformers configs and checkpoint weights."""

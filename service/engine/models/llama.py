@@ -1,0 +1,98 @@
+"""The Llama family's forward, owned: Llama, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k norms).
+
+One implementation for CPU and CUDA over the layers in `service/engine/layers`: embedding, RMSNorm, rotary, paged
+attention, gated MLP, a head tied to the embedding or its own. The runner packs every scheduled token of a step
+into one sequence [T] with explicit positions; the final norm and the head run on the sampled rows only. Where
+every linear of a layer is quantized (q/k/v and gate/up fused, no bias, no q/k norms), its work before and after
+the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same ops in the same order as the Python
+path, bit for bit), so at batch 1 the Python between the kernels costs less than the kernels.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from sluice.service.engine import cpu_ops
+from sluice.service.engine.layers.attention import PagedAttention
+from sluice.service.engine.layers.mlp import GatedMLP
+from sluice.service.engine.layers.norm import RMSNorm
+from sluice.service.engine.layers.rotary import RotaryEmbedding
+from sluice.service.engine.quantized_linear import QuantizedLinear
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)), on the packed tokens [T, E]."""
+
+    def __init__(self, input_layernorm: RMSNorm, self_attn: PagedAttention, post_attention_layernorm: RMSNorm,
+                 mlp: GatedMLP) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+        self._layer_ops, self._layer_ops_rows = _layer_ops(self)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden [T, E] → [T, E]; the attention reads its cache from the forward context."""
+        ops = self._layer_ops
+        if ops is not None and hidden.shape[0] <= self._layer_ops_rows and hidden.dtype == torch.float32 \
+                and hidden.device.type == "cpu":
+            q, k, v = ops.before_attention(hidden[None], cos[None], sin[None])
+            return ops.after_attention(self.self_attn.attend(q, k, v), hidden[None])[0]
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)  # fresh outputs: added in place
+
+
+def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
+    """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes;
+    (None, 0) unless its four linears are quantized ones with a kernel and both norms are float32."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    ops = cpu_ops.load()
+    if ops is None or attn.q_norm is not None or not all(isinstance(linear, QuantizedLinear) for linear in linears) \
+            or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+        return None, 0
+    kernels = [linear.kernel_op() for linear in linears]
+    if None in kernels:
+        return None, 0
+    layer_ops = ops.LlamaLayerOps(norms[0].weight, norms[0].variance_epsilon, kernels[0], attn.num_heads,
+                                  attn.num_kv_heads, attn.head_dim, kernels[1], norms[1].weight,
+                                  norms[1].variance_epsilon, *kernels[2:])
+    return layer_ops, min(linear.kernel_max_rows for linear in linears)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM on the paged KV cache. `config` is the transformers config it was built from."""
+
+    def __init__(self, config, embed_tokens: nn.Embedding, layers: list[DecoderLayer], norm: RMSNorm,
+                 lm_head: nn.Module, rotary_emb: RotaryEmbedding, generation_config=None) -> None:
+        super().__init__()
+        self.config, self.generation_config = config, generation_config
+        self.embed_tokens, self.layers, self.norm = embed_tokens, nn.ModuleList(layers), norm
+        self.lm_head, self.rotary_emb = lm_head, rotary_emb
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding's)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed_tokens.weight.device
+
+    def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """input_ids and positions [T] (every scheduled token, packed) → the logits of `rows` [n, V]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer.forward(hidden, cos, sin)  # not through nn.Module's call wrapper: microseconds a layer
+        return self.lm_head(self.norm(hidden[rows]))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep=None, **_) -> SimpleNamespace:
+        """transformers' calling convention for one packed row (input_ids, position_ids [1, T]): `.logits` [1, n, V]
+        of the rows in `logits_to_keep` (all rows where None). The KV cache profile forward calls it so."""
+        rows = torch.arange(input_ids.shape[1], device=input_ids.device) if logits_to_keep is None else logits_to_keep
+        return SimpleNamespace(logits=self.compute_logits(input_ids[0], position_ids[0], rows)[None])

@@ -1,0 +1,176 @@
+"""Builds the owned Llama-family model straight from checkpoint tensors: a safetensors directory, or the state of a
+transformers model handed to the engine. q/k/v and gate/up are fused at load; each linear's format comes from the
+linear method (`layers/linear.py`). No transformers modeling module is built on the safetensors path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sluice.service.engine.layers.attention import PagedAttention
+from sluice.service.engine.layers.linear import LinearMethod
+from sluice.service.engine.layers.mlp import GatedMLP
+from sluice.service.engine.layers.norm import RMSNorm
+from sluice.service.engine.layers.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, rope_parameters
+from sluice.service.engine.models.llama import DecoderLayer, LlamaForCausalLM
+
+# transformers model_type → the family member; all share this one forward.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+Tensors = Callable[[str], torch.Tensor | None]  # checkpoint name → tensor, None where absent
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the owned forward cannot run a model of this transformers config; None where it can."""
+    config = config.get_text_config()
+    if config.model_type not in MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r}"
+    return None
+
+
+def head_dim_of(config) -> int:
+    """The attention head size: the config's head_dim, else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def linear_names(config) -> list[str]:
+    """The checkpoint names of every linear of a Llama-family model of this config (transformers' names)."""
+    names = [f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return [*names, "lm_head"]
+
+
+def _sliding_window(config, layer: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type in ("qwen2", "qwen3"):  # a window only on layers marked so (use_sliding_window)
+        return window if layer_types and layer_types[layer] == "sliding_attention" else None
+    return window if config.model_type == "mistral" else None
+
+
+def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, dtype: torch.dtype,
+          generation_config=None) -> LlamaForCausalLM:
+    """The owned model of `config` with the checkpoint's weights, each linear in `method`'s format."""
+    config = config.get_text_config()
+
+    def take(name: str) -> torch.Tensor | None:
+        t = tensors(name)
+        return None if t is None else t.detach().to(device=device, dtype=dtype, copy=True)
+
+    def linear(prefix: str, parts: list[str], tied: bool = False) -> nn.Module:
+        names = [f"{prefix}{p}" for p in parts]
+        weights = [tensors(f"{n}.weight") for n in names]
+        biases = [tensors(f"{n}.bias") for n in names]
+        weight = torch.cat(weights).to(device=device, dtype=dtype) if len(weights) > 1 else take(f"{names[0]}.weight")
+        bias = None if biases[0] is None else torch.cat(biases).to(device=device, dtype=dtype)
+        return method.make(weight, bias, names, [w.shape[0] for w in weights], tied)
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(take(name), config.rms_norm_eps)
+
+    head_dim = head_dim_of(config)
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        has_qk_norm = tensors(f"{p}self_attn.q_norm.weight") is not None
+        attn = PagedAttention(
+            linear(p + "self_attn.", ["q_proj", "k_proj", "v_proj"]), linear(p + "self_attn.", ["o_proj"]),
+            config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads, head_dim, i,
+            norm(f"{p}self_attn.q_norm.weight") if has_qk_norm else None,
+            norm(f"{p}self_attn.k_norm.weight") if has_qk_norm else None,
+            _sliding_window(config, i),
+        )
+        mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
+        layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn, norm(f"{p}post_attention_layernorm.weight"),
+                                   mlp))
+    embed = nn.Embedding.from_pretrained(take("model.embed_tokens.weight"), freeze=True)
+    tied = config.tie_word_embeddings or tensors("lm_head.weight") is None
+    if tied:
+        head = method.make(embed.weight.data, None, ["lm_head"], [embed.weight.shape[0]], tied=True)
+    else:
+        head = linear("", ["lm_head"])
+    rotary = RotaryEmbedding(config, head_dim).to(device)
+    return LlamaForCausalLM(config, embed, layers, norm("model.norm.weight"), head, rotary, generation_config).eval()
+
+
+def safetensors_tensors(directory: Path) -> Tensors:
+    """Lazy access to a checkpoint directory's safetensors tensors by name (one or several files)."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {directory}")
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    return lambda name: where[name].get_tensor(name) if name in where else None
+
+
+def load(directory: Path, config, method: LinearMethod, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The owned model from a safetensors checkpoint directory (transformers' layout and names)."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() \
+        else GenerationConfig.from_model_config(config)
+    return build(config, safetensors_tensors(directory), method, device, dtype, generation)
+
+
+def from_transformers(model: nn.Module, method: LinearMethod, device: torch.device,
+                      dtype: torch.dtype) -> LlamaForCausalLM:
+    """The owned model with the weights of a transformers Llama-family model (copied: `model` is left as it is)."""
+    state = model.state_dict()
+    return build(model.config, state.get, method, device, dtype, getattr(model, "generation_config", None))
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight [N, K] as plain values, whatever its format."""
+    from sluice.service.engine.layers.linear import MergedLinear
+    from sluice.service.engine.layers.packed_linear import PackedLinear
+    from sluice.service.engine.quantized_linear import QuantizedLinear
+
+    if isinstance(linear, MergedLinear):
+        return torch.cat([dense_weight(part) for part in linear.parts])
+    if isinstance(linear, PackedLinear):
+        return linear.dense_weight()
+    if isinstance(linear, QuantizedLinear):
+        return linear.dequantized()
+    return linear.weight.detach()
+
+
+def checkpoint_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The owned model's weights under transformers' names, plain (the inverse of `build`, for a transformers twin)."""
+    state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+             "lm_head.weight": dense_weight(model.lm_head)}
+
+    def split(prefix: str, linear: nn.Module, parts: list[str], sizes: list[int]) -> None:
+        biases = [None] * len(parts) if linear.bias is None else linear.bias.split(sizes)
+        for part, weight, bias in zip(parts, dense_weight(linear).split(sizes), biases, strict=True):
+            state[f"{prefix}{part}.weight"] = weight
+            if bias is not None:
+                state[f"{prefix}{part}.bias"] = bias
+
+    for i, layer in enumerate(model.layers):
+        p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+        state[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
+        state[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        if attn.q_norm is not None:
+            state[f"{p}self_attn.q_norm.weight"], state[f"{p}self_attn.k_norm.weight"] = attn.q_norm.weight, \
+                attn.k_norm.weight
+        kv = attn.num_kv_heads * attn.head_dim
+        split(f"{p}self_attn.", attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], [attn.num_heads * attn.head_dim, kv, kv])
+        split(f"{p}self_attn.", attn.o_proj, ["o_proj"], [attn.o_proj.out_features])
+        split(f"{p}mlp.", mlp.gate_up_proj, ["gate_proj", "up_proj"], [mlp.intermediate_size] * 2)
+        split(f"{p}mlp.", mlp.down_proj, ["down_proj"], [mlp.down_proj.out_features])
+    return {name: t.detach().clone() for name, t in state.items()}
