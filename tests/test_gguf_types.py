@@ -32,14 +32,14 @@ def test_default_model_served_in_its_gguf_types_is_the_files_blocks_bit_for_bit(
     engine = LLMEngine(cfg)
     model = engine.model
     assert isinstance(model.lm_head, Int8Linear)  # the file's Q8_0 embedding, tied to the head
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    body = [m for name, m in model.model.named_modules() if name.rpartition(".")[2] in projections]
-    assert len(body) == 210 and all(isinstance(m, Int4Linear) for m in body)
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the file's 210, q/k/v and gate/up fused
+    body = [m for name, m in model.layers.named_modules() if name.rpartition(".")[2] in projections]
+    assert len(body) == 120 and all(isinstance(m, Int4Linear) for m in body)
 
     reader = gguf.GGUFReader(str(fetch_default_gguf(tmp_path)))
     # Q4_1 block: float16 d, float16 m, 16 bytes of nibbles. ffn_down's rows are not permuted by the converter.
     blocks = _raw_blocks(reader, "blk.0.ffn_down.weight", 20)
-    nibbles, scale, minimum = model.model.layers[0].mlp.down_proj.q4_1()
+    nibbles, scale, minimum = model.layers[0].mlp.down_proj.q4_1()
     assert np.array_equal(blocks[..., 0:2].copy().view(np.float16)[..., 0], scale.numpy())
     assert np.array_equal(blocks[..., 2:4].copy().view(np.float16)[..., 0], minimum.numpy())
     assert np.array_equal(blocks[..., 4:], nibbles.numpy())

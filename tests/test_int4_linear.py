@@ -18,8 +18,7 @@ from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.int8_linear import dequantize as int8_dequantize
 from sluice.service.engine.int8_linear import quantize_weight as int8_weight
-from sluice.service.engine.prepack import replace_linears
-from sluice.service.engine.quantized_linear import fuse_linears
+from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
 from tests import _tiny
 from tests.test_parity import MAX_NEW, build_pair, mixed_prompts
 
@@ -93,7 +92,7 @@ def test_kernel_computes_the_int8_activation_linear_and_stays_near_the_float_one
                                                                                 monkeypatch):
     torch.manual_seed(rows * 1000 + in_features)
     linear = nn.Linear(in_features, 130, bias=True)  # 130 outputs: a padded last block
-    layer = int4.Int4Linear(linear, kernel)
+    layer = int4.Int4Linear(linear.weight.detach(), linear.bias.detach(), kernel)
     x = torch.randn(2, rows, in_features)
     x[0, 0, :32] = 0  # an all-zero group: scale 0
     exact = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
@@ -148,27 +147,21 @@ def test_every_instruction_set_computes_the_same_values(kernel, tmp_path):
         assert torch.equal(variant.int4_linear(x, *weights, 48), want), isa
 
 
-def test_fused_projections_compute_each_ones_output_and_share_its_storage(kernel):
+def test_a_fused_projection_computes_each_parts_output(kernel):
     torch.manual_seed(6)
-    linears = [int4.Int4Linear(nn.Linear(64, n, bias=False), kernel) for n in (48, 16, 16)]
+    weights = [torch.randn(n, 64) for n in (48, 20, 20)]  # 20 rows: the fused weight's blocks straddle the parts
     x = torch.randn(3, 64)
     with torch.inference_mode():
-        alone = [linear(x) for linear in linears]
-        fused = fuse_linears(linears)
-        assert torch.equal(fused(x), torch.cat(alone, dim=-1))
-        for linear, out in zip(linears, alone, strict=True):  # each still computes its own output, from a view
-            assert torch.equal(linear(x), out)
-            assert linear.qweight.untyped_storage().data_ptr() == fused.qweight.untyped_storage().data_ptr()
-    padded = int4.Int4Linear(nn.Linear(64, 20, bias=False), kernel)  # 20 rows: a block of padding
-    assert fuse_linears([linears[0], padded]) is None
-    assert fuse_linears([linears[0], nn.Linear(64, 16)]) is None
+        alone = [int4.Int4Linear(w, None, kernel)(x) for w in weights]
+        assert torch.equal(int4.Int4Linear(torch.cat(weights), None, kernel)(x), torch.cat(alone, dim=-1))
 
 
-def test_a_linear_whose_input_is_not_a_multiple_of_32_stays_float32():
-    model = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 8))
-    assert int4.quantize_linears(model) == 1
-    assert type(model[0]) is nn.Linear and isinstance(model[2], int4.Int4Linear)
-    assert "2.weight" not in model.state_dict()  # the fp32 weight is gone, not kept beside the int4 one
+def test_int4_method_serves_the_head_in_int8_and_a_linear_not_in_groups_of_32_in_float32():
+    method = QuantizedMethod("int4")
+    assert isinstance(method.make(torch.randn(8, 64), None, ["model.layers.0.mlp.down_proj"], [8]), int4.Int4Linear)
+    assert isinstance(method.make(torch.randn(8, 64), None, ["lm_head"], [8]), Int8Linear)
+    assert type(method.make(torch.randn(8, 40), None, ["model.layers.0.mlp.down_proj"], [8])) is PlainLinear
+    assert method.made == {"Q4_1": 1, "Q8_0": 1, "F32": 1}
 
 
 class W4A8Reference(nn.Module):
@@ -188,7 +181,10 @@ def _int4_twin(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     head = twin.get_output_embeddings()
     head.weight = nn.Parameter(int8_dequantize(*int8_weight(head.weight)), requires_grad=False)
-    replace_linears(twin, lambda linear: linear if linear is head else W4A8Reference(linear.weight))
+    linears = [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear and m is not head]
+    for name, linear in linears:
+        parent, _, attr = name.rpartition(".")
+        setattr(twin.get_submodule(parent), attr, W4A8Reference(linear.weight))
     return twin
 
 
@@ -206,9 +202,10 @@ def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, bu
     engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
     assert engine.dtype == torch.float32
     assert isinstance(engine.model.lm_head, Int8Linear)
-    assert all(type(m) is int4.Int4Linear for m in engine.model.model.modules() if hasattr(m, "in_features"))
-    layer = engine.model.model.layers[0]
-    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None  # one call each
+    assert all(type(m) is int4.Int4Linear for m in engine.model.layers.modules() if hasattr(m, "in_features"))
+    layer = engine.model.layers[0]
+    # q/k/v and gate/up: one linear each, fused at load
+    assert layer.self_attn.qkv_proj.out_features == 128 and layer.mlp.gate_up_proj.out_features == 256
     prompts = mixed_prompts(12)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = [c.token_ids for c in engine.generate(prompts, params)]

@@ -43,7 +43,7 @@ def test_weights_that_came_from_q8_0_come_back_exactly():
 def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows, in_features, monkeypatch):
     torch.manual_seed(rows * 1000 + in_features)
     linear = nn.Linear(in_features, 130, bias=True)
-    layer = int8.Int8Linear(linear, kernel)
+    layer = int8.Int8Linear(linear.weight.detach(), linear.bias.detach(), kernel)
     x = torch.randn(2, rows, in_features)
     want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
     with torch.inference_mode():
@@ -121,12 +121,10 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, bud
     assert got == want
 
 
-def test_quantize_linears_replaces_every_linear_and_lets_the_loaded_weights_go():
-    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 50), nn.Linear(50, 8))
-    embed_ptr = model[0].weight.data_ptr()
-    assert int8.quantize_linears(model) == 2
-    assert isinstance(model[1], int8.Int8Linear) and isinstance(model[3], int8.Int8Linear)
-    assert type(model[4]) is nn.Linear  # 50 inputs: no whole groups of 32, stays float32
-    assert "1.weight" not in model.state_dict()  # the fp32 weight is gone, not kept beside the int8 one
-    # the rest is copied, so a safetensors memory map behind the loaded weights can be released
-    assert model[0].weight.data_ptr() != embed_ptr
+def test_int8_method_quantizes_whole_groups_only():
+    from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
+
+    method = QuantizedMethod("int8")
+    assert isinstance(method.make(torch.randn(8, 64), None, ["model.layers.0.self_attn.o_proj"], [8]),
+                      int8.Int8Linear)
+    assert type(method.make(torch.randn(8, 50), None, ["lm_head"], [8])) is PlainLinear  # no whole groups of 32

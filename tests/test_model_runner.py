@@ -14,9 +14,13 @@ from sluice.kvcache.kv_tensors import kv_block_bytes
 from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
+from sluice.service.config import ModelConfig
 from sluice.service.engine.model_runner import ModelRunner
+from sluice.service.engine.models.llama import LlamaForCausalLM
+from sluice.service.engine.weight_prep import prepare_weights
 
 VOCAB = 512
+CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 
 
@@ -93,9 +97,12 @@ class Driver:
                 self.logprobs[rid].append(result.logprobs[rid])
 
 
-def make_runner(model, block_size=4, num_blocks=64, swap_space=0.0):
+def make_runner(model, block_size=4, num_blocks=64, swap_space=0.0, owned=True):
+    """A runner on Sluice's own model of `model`'s weights (owned) or on the transformers model itself."""
     cache = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, swap_space=swap_space)
-    return ModelRunner(model, cache, torch.device("cpu"), torch.float32, max_num_batched_tokens=128, max_num_seqs=8)
+    model = prepare_weights(model, ModelConfig(owned_model=owned), CPU, torch.float32)
+    assert isinstance(model, LlamaForCausalLM) == owned
+    return ModelRunner(model, cache, CPU, torch.float32, max_num_batched_tokens=128, max_num_seqs=8)
 
 
 def prompts(seed=0):
@@ -103,12 +110,14 @@ def prompts(seed=0):
     return {rid: [rng.randrange(VOCAB) for _ in range(n)] for rid, n in (("a", 37), ("b", 20), ("c", 5), ("d", 23))}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch,owned", [("llama", True), ("qwen2", True), ("qwen3", True), ("llama", False),
+                                        ("qwen3", False)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_chunked_prefill_and_batched_decode_match_generate(arch, block_size):
+def test_chunked_prefill_and_batched_decode_match_generate(arch, owned, block_size):
+    """Sluice's own forward, and transformers' model on the paged attention hook (the fallback path)."""
     reference, model = tiny_pair(arch)
-    runner = make_runner(model, block_size=block_size, num_blocks=256 // block_size)
-    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    runner = make_runner(model, block_size=block_size, num_blocks=256 // block_size, owned=owned)
+    assert owned or model.config._attn_implementation == ATTN_IMPLEMENTATION
     p = prompts()
     n_new = 8
     driver = Driver(runner)
