@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-import sluice.service.engine.decode_linear as decode
-from sluice.service.engine.prepack import PaddedLinear, pad_linear_rows, padded_rows, unpack_linears
+import sluice.service.engine.layers.linear as decode
+from sluice.service.engine.layers.linear import PlainLinear
+from sluice.service.engine.layers.packed_linear import padded_rows
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +62,14 @@ def test_f32_decode_linear_takes_the_kernel_up_to_its_limit_and_onednn_on_the_pl
     reference = [nn.Linear(64, 48), nn.Linear(48, 8, bias=False)]
     for a, b in zip(reference, model, strict=True):
         a.load_state_dict(b.state_dict())
-    weights = [m.weight for m in model]
-    pad_linear_rows(model)
-    assert decode.use_decode_kernels(model) == 2 and all(type(m) is decode.DecodeLinear for m in model)
-    assert [m.weight for m in model] == weights  # the same tensors: nothing copied
+    model = nn.Sequential(*(PlainLinear(m.weight.detach(), None if m.bias is None else m.bias.detach(), pad=True,
+                                        decode_kernel=True) for m in model))
     calls, onednn = [], []
     _recording_ops(monkeypatch, kernel, calls)
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(decode.torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: onednn.append(x.shape[0]) or real(x, *a), raising=False)
-    limit = decode.KERNEL_MAX_ROWS
+    limit = decode.DECODE_KERNEL_MAX_ROWS
     with torch.inference_mode():
         for rows in (1, 3, limit, limit + 1, 100):
             x = torch.randn(2, rows, 64)
@@ -80,21 +79,17 @@ def test_f32_decode_linear_takes_the_kernel_up_to_its_limit_and_onednn_on_the_pl
     # above the limit: oneDNN, fed padded row counts only (it builds a kernel per shape)
     big = [2 * r for r in (1, 3, limit, limit + 1, 100) if 2 * r > limit]
     assert onednn == [padded_rows(r) for r in big for _ in range(2)]
-    unpack_linears(model)
-    assert all(type(m) is nn.Linear for m in model) and [m.weight for m in model] == weights
 
 
 def test_bf16_decode_linear_takes_the_kernel_up_to_its_limit_and_torch_above(native, monkeypatch):
-    model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16), nn.Linear(48, 8, bias=False, dtype=torch.bfloat16))
-    pad_linear_rows(model)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert decode.use_decode_kernels(model) == 2 and isinstance(model[0], decode.DecodeLinear)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # same weights, not copies
+    plain = nn.Linear(64, 48, dtype=torch.bfloat16)
+    model = [PlainLinear(plain.weight.detach(), plain.bias.detach(), pad=True, decode_kernel=True)]
+    padded_only = PlainLinear(plain.weight.detach(), plain.bias.detach(), pad=True)
     calls = []
     _recording_ops(monkeypatch, native, calls)
     with torch.inference_mode():
-        for rows in (1, decode.KERNEL_MAX_ROWS, decode.KERNEL_MAX_ROWS + 1):
+        for rows in (1, decode.DECODE_KERNEL_MAX_ROWS, decode.DECODE_KERNEL_MAX_ROWS + 1):
             x = torch.randn(1, rows, 64).bfloat16()
-            want = PaddedLinear.forward(model[0], x)
+            want = padded_only(x)
             torch.testing.assert_close(model[0](x).float(), want.float(), rtol=2**-7, atol=2e-2)
-    assert calls == [("bf16_linear", 1), ("bf16_linear", decode.KERNEL_MAX_ROWS)]  # above the limit: torch's path
+    assert calls == [("bf16_linear", 1), ("bf16_linear", decode.DECODE_KERNEL_MAX_ROWS)]  # above the limit: torch's path

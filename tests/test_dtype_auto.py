@@ -12,9 +12,9 @@ from sluice.kvcache import cpu_kernel
 from sluice.service.config import SluiceConfig
 from sluice.service.engine import cpu_ops, model_loader
 from sluice.service.engine.cpu import native_bf16_flags
-from sluice.service.engine.decode_linear import DecodeLinear
+from sluice.service.engine.layers.linear import PlainLinear
+from sluice.service.engine.layers.packed_linear import PackedLinear
 from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
-from sluice.service.engine.prepack import PackedLinear, PaddedLinear, pad_linear_rows, unpack_linears
 
 CPU = torch.device("cpu")
 
@@ -94,19 +94,19 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
     # the GEMVs are built for the real CPU: they exist only with real AVX512_BF16, and only then is bf16 packed
     native = packed_gemv.bf16_native()
     assert (packed(eng) > 0) == native
-    plain = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert all(type(m) is (DecodeLinear if native else PaddedLinear) for m in plain)
+    plain = [m for m in eng.model.modules() if isinstance(m, PlainLinear)]
+    assert plain and all(m.pad and m.decode_kernel == native for m in plain)  # the tied head, or every linear
     if native:
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert "read by the packed-layout GEMV up to 32 rows" in caplog.text
+        assert "read by the packed-layout GEMV: {32:" in caplog.text
     else:
-        assert plain and "linears unpacked with padded row counts" in caplog.text
+        assert "model path: Sluice's own Llama-family forward; linears plain" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 6
 
 
 def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path_factory, monkeypatch, caplog):
-    from sluice.service.engine.prepack import can_prepack
+    from sluice.service.engine.layers.packed_linear import can_prepack
 
     fake_cpu(monkeypatch, [])
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
@@ -115,17 +115,17 @@ def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
     if cpu_ops.load() is not None and packed(eng):
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert "read by the packed-layout GEMV up to 16 rows" in caplog.text
+        assert "read by the packed-layout GEMV: {16:" in caplog.text
 
 
 def test_fp32_engine_without_prepacking_runs_plain_weights(tmp_path_factory, monkeypatch):
-    from sluice.service.engine.weight_prep import decode_kernel_wins
+    from sluice.service.engine.layers.linear import decode_kernel_wins
 
     fake_cpu(monkeypatch, [])
     eng = engine(tiny_dir(tmp_path_factory), "float32", prepack_weights=False)
-    linears = [m for m in eng.model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in eng.model.modules() if isinstance(m, PlainLinear)]
     assert packed(eng) == 0 and linears
-    assert all(type(m) is (DecodeLinear if decode_kernel_wins(torch.float32) else PaddedLinear) for m in linears)
+    assert all(m.decode_kernel == decode_kernel_wins(torch.float32) for m in linears)
 
 
 def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monkeypatch):
@@ -136,18 +136,14 @@ def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monk
     assert eng.dtype == torch.float32 and eng.runner.kv.kv.dtype == torch.float32
 
 
-def test_padded_linears_compute_the_same_on_a_few_row_counts_and_share_the_weight(monkeypatch):
-    from sluice.service.engine.prepack import padded_rows
+def test_padded_linears_compute_the_same_on_a_few_row_counts(monkeypatch):
+    from sluice.service.engine.layers.packed_linear import padded_rows
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 5, bias=False)).to(torch.bfloat16)
-    weight = model[0].weight
-    plain = [torch.nn.Linear(8, 12), torch.nn.Linear(12, 5, bias=False)]
-    for a, b in zip(plain, model, strict=True):
-        a.load_state_dict(b.state_dict())
-        a.to(torch.bfloat16)
-    assert pad_linear_rows(model) == 2 and pad_linear_rows(model) == 0
-    assert model[0].weight is weight and list(model.state_dict()) == ["0.weight", "0.bias", "1.weight"]
+    plain = [torch.nn.Linear(8, 12).to(torch.bfloat16), torch.nn.Linear(12, 5, bias=False).to(torch.bfloat16)]
+    model = torch.nn.Sequential(*(PlainLinear(m.weight.detach(), None if m.bias is None else m.bias.detach(),
+                                              pad=True) for m in plain))
+    assert model[0].weight.data_ptr() == plain[0].weight.data_ptr()  # the same weight: nothing copied
     with torch.inference_mode():
         cases = [torch.randn(2, rows, 8, dtype=torch.bfloat16) for rows in (1, 3, 17, 100)]
         wants = [plain[1](plain[0](x)) for x in cases]
@@ -159,5 +155,3 @@ def test_padded_linears_compute_the_same_on_a_few_row_counts_and_share_the_weigh
     # oneDNN builds a kernel per row count it sees: only padded ones reach it (2 x 17 = 34 rows run as 48)
     assert [shape[0] for shape in seen] == [padded_rows(2 * r) for r in (1, 3, 17, 100) for _ in range(2)]
     assert all(len(shape) == 2 for shape in seen) and 48 in [shape[0] for shape in seen]
-    unpack_linears(model)
-    assert type(model[0]) is torch.nn.Linear and model[0].weight is weight

@@ -11,7 +11,6 @@ import torch
 from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION
 from sluice.service.engine.model_loader import (
     DEFAULT_MODEL_NAME,
     default_cache_dir,
@@ -21,6 +20,7 @@ from sluice.service.engine.model_loader import (
     resolve_device_dtype,
 )
 from sluice.service.engine.model_runner import ModelRunner
+from sluice.service.engine.models.llama import LlamaForCausalLM
 
 
 def test_resolve_device_dtype(monkeypatch):
@@ -66,7 +66,7 @@ def test_load_local_directory(tmp_path):
 
     path = _tiny.save_tiny_model(str(tmp_path / "tiny"))
     model, tokenizer = load_model(path, "cpu", "bfloat16")
-    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert isinstance(model, LlamaForCausalLM)  # Sluice's own forward, straight from the safetensors
     assert not model.training and model.dtype == torch.bfloat16
     assert tokenizer.eos_token_id == _tiny.tokenizer().eos_token_id
 

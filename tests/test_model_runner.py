@@ -13,8 +13,8 @@ from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.kv_tensors import kv_block_bytes
 from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
 from sluice.service.config import ModelConfig
+from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
 from sluice.service.engine.model_runner import ModelRunner
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.weight_prep import prepare_weights

@@ -7,7 +7,12 @@ import torch
 from torch import nn
 
 from sluice.service.engine import packed_gemv
-from sluice.service.engine.prepack import PackedLinear, can_prepack, padded_rows
+from sluice.service.engine.layers.packed_linear import PackedLinear, can_prepack, padded_rows
+
+
+def packed_of(linear: nn.Linear) -> PackedLinear:
+    return PackedLinear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -26,7 +31,7 @@ def test_packed_linear_matches_the_plain_one_on_both_paths(kernel, dtype, out_fe
     linear = nn.Linear(in_features, out_features).to(dtype)
     plain = nn.Linear(in_features, out_features).to(dtype)
     plain.load_state_dict(linear.state_dict())
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
     assert packed.gemv_layout is not None  # oneDNN's layout here, K padded or not, is one the GEMV reads
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 9, packed.gemv_max_rows, packed.gemv_max_rows + 1, 70):
@@ -37,7 +42,7 @@ def test_packed_linear_matches_the_plain_one_on_both_paths(kernel, dtype, out_fe
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_sized_calls_take_the_gemv_and_larger_ones_onednn(kernel, dtype, monkeypatch):
-    linear = PackedLinear(nn.Linear(64, 128, bias=False).to(dtype))
+    linear = packed_of(nn.Linear(64, 128, bias=False).to(dtype))
     gemv_rows, onednn_rows = [], []
     real_gemv, real_onednn = packed_gemv.gemv, torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(packed_gemv, "gemv", lambda x, *a: gemv_rows.append(x.shape[0]) or real_gemv(x, *a))
@@ -63,7 +68,7 @@ def test_a_layout_that_does_not_match_the_weight_is_refused(kernel, dtype):
 
 def test_no_gemv_without_the_cpu_ops(monkeypatch):
     monkeypatch.setattr(packed_gemv.cpu_ops, "load", lambda: None)
-    linear = PackedLinear(nn.Linear(64, 128))
+    linear = packed_of(nn.Linear(64, 128))
     assert linear.gemv_layout is None and linear.gemv_max_rows == 0
     x = torch.randn(1, 64)
     with torch.inference_mode():

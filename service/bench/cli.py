@@ -202,9 +202,11 @@ def _quant_command(args) -> int:
     import torch
 
     from sluice.service.bench.quant_quality import quant_quality
+    from sluice.service.config import ModelConfig
     from sluice.service.engine.model_loader import ensure_default_model, load_model
 
-    model, tokenizer = load_model(str(ensure_default_model()), torch.device("cpu"), torch.float32)
+    model, tokenizer = load_model(str(ensure_default_model()), torch.device("cpu"), torch.float32,
+                                  settings=ModelConfig(owned_model=False))  # transformers' model: its generate
     model.set_attn_implementation("sdpa")  # transformers' own attention: no paged cache outside the engine
     q = quant_quality(model, tokenizer)
     print(f"perplexity fp32 {q['perplexity']['fp32']:.3f}")

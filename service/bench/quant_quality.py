@@ -1,7 +1,7 @@
 """`bench quant`: what int8 and int4 weights cost in accuracy: perplexity on a fixed text, greedy agreement with fp32.
 
-All use transformers' own forward on the same loaded model, with and without `quantize`, so only the weights
-differ, and every quantized linear runs its few-row kernel whatever the row count: the arithmetic decoding runs
+All use transformers' own forward on the same loaded model, with its linears in the engine's quantized formats
+or not (`quantized_copy`), so only the weights differ, and every quantized linear runs its few-row kernel whatever the row count: the arithmetic decoding runs
 (int4's kernel rounds activations to int8; the dequantize path for long prefills would not). The text is public domain (the opening of the US Declaration of Independence), fixed so runs
 compare across commits.
 """
@@ -12,8 +12,9 @@ import copy
 import math
 
 import torch
+from torch import nn
 
-from sluice.service.engine.quantize import quantize
+from sluice.service.engine.layers.linear import QuantizedMethod
 from sluice.service.engine.quantized_linear import QuantizedLinear
 
 TEXT = (
@@ -54,17 +55,28 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def quantized_copy(model: nn.Module, method: str) -> nn.Module:
+    """A copy of a transformers model whose linears are the engine's `method` ones (int8, int4), each running its
+    few-row kernel whatever the row count."""
+    twin, make = copy.deepcopy(model), QuantizedMethod(method).make
+    for name, linear in [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear]:
+        parent, _, attr = name.rpartition(".")
+        bias = None if linear.bias is None else linear.bias.detach()
+        setattr(twin.get_submodule(parent) if parent else twin, attr,
+                make(linear.weight.detach(), bias, [name], [linear.out_features]))
+    for module in twin.modules():
+        if isinstance(module, QuantizedLinear):
+            module.kernel_max_rows = 1 << 30
+    return twin
+
+
 def quant_quality(model, tokenizer, methods: tuple[str, ...] = ("int8", "int4"), max_new_tokens: int = 64) -> dict:
     """fp32 vs each method: perplexity, and how far greedy outputs agree with fp32's (prefix before the first change)."""
     result = {"perplexity": {"fp32": perplexity(model, tokenizer)}, "greedy_prompts": len(PROMPTS),
               "greedy_tokens": max_new_tokens, "greedy": {}}
     reference = [greedy(model, tokenizer, prompt, max_new_tokens) for prompt in PROMPTS]
     for method in methods:
-        quantized = copy.deepcopy(model)
-        quantize(quantized, method)
-        for module in quantized.modules():
-            if isinstance(module, QuantizedLinear):
-                module.kernel_max_rows = 1 << 30
+        quantized = quantized_copy(model, method)
         result["perplexity"][method] = perplexity(quantized, tokenizer)
         prefixes, identical = [], 0
         for prompt, a in zip(PROMPTS, reference, strict=True):
