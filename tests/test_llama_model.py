@@ -191,7 +191,9 @@ def test_weights_load_straight_from_safetensors(tmp_path, monkeypatch):
     model, _ = load_model(path, "cpu", "float32", settings=ModelConfig(prepack_weights=False))
     assert isinstance(model, LlamaForCausalLM) and model.generation_config.eos_token_id == 2
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # tied: one copy
-    state = weights.checkpoint_state(model)
+    from sluice.service.bench.ceiling import checkpoint_state
+
+    state = checkpoint_state(model)
     for name, tensor in reference.state_dict().items():
         assert torch.equal(state[name], tensor), name
 

@@ -17,10 +17,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from sluice.service.bench.offline import OfflineRun
 from sluice.service.engine.models.llama import LlamaForCausalLM
-from sluice.service.engine.models.weights import checkpoint_state
 
 
 @dataclass(slots=True)
@@ -33,6 +33,48 @@ class Ceiling:
     tokens_per_s: float
     decode_step_ms: dict[str, float] = field(default_factory=dict)  # "b=64 L=164" -> measured ms per step
     prefill_groups: int = 0
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight [N, K] as plain values, whatever its format."""
+    from sluice.service.engine.layers.linear import MergedLinear
+    from sluice.service.engine.layers.packed_linear import PackedLinear
+    from sluice.service.engine.quantized_linear import QuantizedLinear
+
+    if isinstance(linear, MergedLinear):
+        return torch.cat([dense_weight(part) for part in linear.parts])
+    if isinstance(linear, PackedLinear):
+        return linear.dense_weight()
+    if isinstance(linear, QuantizedLinear):
+        return linear.dequantized()
+    return linear.weight.detach()
+
+
+def checkpoint_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The owned model's weights under transformers' names, plain (the inverse of `build`, for a transformers twin)."""
+    state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+             "lm_head.weight": dense_weight(model.lm_head)}
+
+    def split(prefix: str, linear: nn.Module, parts: list[str], sizes: list[int]) -> None:
+        biases = [None] * len(parts) if linear.bias is None else linear.bias.split(sizes)
+        for part, weight, bias in zip(parts, dense_weight(linear).split(sizes), biases, strict=True):
+            state[f"{prefix}{part}.weight"] = weight
+            if bias is not None:
+                state[f"{prefix}{part}.bias"] = bias
+
+    for i, layer in enumerate(model.layers):
+        p, attn, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
+        state[f"{p}input_layernorm.weight"] = layer.input_layernorm.weight
+        state[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        if attn.q_norm is not None:
+            state[f"{p}self_attn.q_norm.weight"], state[f"{p}self_attn.k_norm.weight"] = attn.q_norm.weight, \
+                attn.k_norm.weight
+        kv = attn.num_kv_heads * attn.head_dim
+        split(f"{p}self_attn.", attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], [attn.num_heads * attn.head_dim, kv, kv])
+        split(f"{p}self_attn.", attn.o_proj, ["o_proj"], [attn.o_proj.out_features])
+        split(f"{p}mlp.", mlp.gate_up_proj, ["gate_proj", "up_proj"], [mlp.intermediate_size] * 2)
+        split(f"{p}mlp.", mlp.down_proj, ["down_proj"], [mlp.down_proj.out_features])
+    return {name: t.detach().clone() for name, t in state.items()}
 
 
 def sdpa_copy(model, plain_linears: bool = False):
