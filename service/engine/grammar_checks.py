@@ -141,7 +141,7 @@ def ambiguous_repeat(ebnf: str) -> str | None:
             elif node[0] == "group":
                 for seq in node[1]:
                     # r ::= X r with X able to match nothing: the recursion can loop without reading a byte.
-                    if seq and seq[-1] == ("ref", name) and all(_nullable(e, empty) for e in seq[:-1]):
+                    if len(seq) > 1 and seq[-1] == ("ref", name) and all(_nullable(e, empty) for e in seq[:-1]):
                         return name
                     pending.extend(seq)
     return None
