@@ -140,7 +140,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         stream = await aengine.add_requests(batch, req.priority)
     except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
-        raise RequestError(str(e), e.param) from None
+        raise RequestError(str(e), e.param, code=e.code) from None
     except ValueError as e:  # the engine's word on a prompt that can never run
         raise RequestError(str(e), "messages" if req.chat else "prompt") from None
     except QueueFullError as e:
@@ -170,6 +170,7 @@ ABORT_STATUS: dict[str | None, tuple[int, str, bool]] = {
     "step_failed": (500, "server_error", False),
     "detokenize_failed": (500, "server_error", False),
     "slow_reader": (408, "timeout_error", False),
+    "constraint_error": (400, "invalid_request_error", False),
 }
 
 
@@ -177,7 +178,7 @@ def _error_of(out) -> RequestError:
     """The client-facing error for a request that ended badly (details are in the server log)."""
     status, type_, retry = ABORT_STATUS.get(out.error_code, (500, "server_error", False))
     headers = {"x-should-retry": "true" if retry else "false"}
-    if out.error_code in ("queue_timeout", "shutdown", "engine_dead", "slow_reader"):
+    if out.error_code in ("queue_timeout", "shutdown", "engine_dead", "slow_reader", "constraint_error"):
         message = out.error or "the request was aborted"
     else:  # internals stay in the log
         logger.error("generation failed: %s", out.error)

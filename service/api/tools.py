@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.api.errors import RequestError
-from sluice.service.api.structured import MAX_SPEC_BYTES
+from sluice.service.api.structured import MAX_SPEC_BYTES, check_schema_shape
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # calls in one forced or prompted reply: keeps a constrained array finite
@@ -118,6 +118,7 @@ def _function(tool, where: str) -> dict:
 
 
 def _check_schema(schema: dict, param: str) -> None:
+    check_schema_shape(schema, param, keywords=False)  # before json and jsonschema recurse into it
     try:
         text = json.dumps(schema)
     except (TypeError, ValueError):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import EngineOutput, LLMEngine
+from sluice.service.engine.grammar import GrammarBusyError
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -166,8 +167,12 @@ class AsyncEngine:
             raise ValueError("duplicate request id")
         loop = asyncio.get_running_loop()
         for constraint in {p.structured_output for _, _, p in requests} - {None}:
-            # Compiled off the engine thread (and cached): the add in the worker then finds it ready.
-            await loop.run_in_executor(None, self.engine.compile_grammar, constraint)
+            # Compiled in the grammar pool (and cached): the add in the worker then finds it ready. A handler
+            # cancelled here (client gone) gives up its share of the compile.
+            try:
+                await self.engine.compile_grammar_async(constraint)
+            except GrammarBusyError as e:
+                raise QueueFullError(f"{e} (--grammar-compile-queue)") from None
         group = _Group(unfinished=set(ids), size=len(ids))
         # Registered before the add job runs, so the step that follows cannot emit unclaimed outputs.
         for rid in ids:

@@ -15,12 +15,13 @@ from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
 from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
-from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
+from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
 from sluice.service.config import SluiceConfig
+from sluice.service.engine.constrained import ConstrainedDecoding
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
-from sluice.service.engine.grammar import GrammarCompiler, GrammarState
+from sluice.service.engine.grammar import GrammarState
 from sluice.service.engine.logits_controls import apply_logit_controls
 
 logger = logging.getLogger("sluice.engine")
@@ -46,7 +47,9 @@ class EngineOutput:
 
 
 # What the API maps to an HTTP status and a retry hint (service/api/api_server.py: ABORT_STATUS).
-ERROR_CODES = ("queue_timeout", "step_failed", "detokenize_failed", "shutdown", "engine_dead", "slow_reader")
+# constraint_error: a constrained row that no token can continue, or whose grammar work passed its budget.
+ERROR_CODES = ("queue_timeout", "step_failed", "detokenize_failed", "shutdown", "engine_dead", "slow_reader",
+               "constraint_error")
 
 
 @dataclass(slots=True)
@@ -61,7 +64,7 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-class LLMEngine:
+class LLMEngine(ConstrainedDecoding):
     """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
 
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
@@ -160,20 +163,6 @@ class LLMEngine:
         self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
 
     # --- requests ------------------------------------------------------------------------------
-
-    @property
-    def grammar(self) -> GrammarState:
-        """Grammar compiler and matchers; xgrammar is loaded by the first constrained request, not at start."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self._eos_ids)
-                self._grammar = GrammarState(compiler, self.config.scheduler.max_num_seqs)
-                self.runner.logits_processors.append(self._grammar.mask_logits)
-            return self._grammar
-
-    def compile_grammar(self, constraint: StructuredOutput) -> None:
-        """Compile and cache a constraint (thread-safe: the API calls it off the engine thread); GrammarError."""
-        self.grammar.compiler.compile(constraint)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt; ids are checked against the vocabulary."""
@@ -313,9 +302,13 @@ class LLMEngine:
                     outputs.append(self._ended_output(
                         request, "error", "step_failed", f"engine step failed: {type(exc).__name__}"))
             else:
+                outputs += self._end_rows_without_token(runner_out)
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
                     if self._grammar is not None and ro.new_token_ids:
-                        self._advance_grammar(ro)
+                        error = self._advance_grammar(ro)
+                        if error is not None:
+                            outputs.append(error)
+                            continue
                     outputs.append(self._detokenize_or_fail(ro))
         stats = self.last_stats = self.scheduler.make_stats()
         stats.num_batched_tokens = sched_out.num_batched_tokens
@@ -327,12 +320,6 @@ class LLMEngine:
         for out in outputs:
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
         return outputs
-
-    def _advance_grammar(self, ro) -> None:
-        """Feed the sampled token to the request's matcher; a completed grammar ends the request."""
-        if self._grammar.accept(ro.request_id, ro.new_token_ids[-1]) and not ro.finished:
-            self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
-            ro.finished, ro.finish_reason = True, "stop"
 
     def _forget(self, request_id: str) -> None:
         """Drop the per-request state of a request that ended."""

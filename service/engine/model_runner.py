@@ -73,6 +73,7 @@ class ModelRunner:
         self._lean_forward = lean_causal_lm_forward(model)
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
+        self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -93,7 +94,9 @@ class ModelRunner:
         logits = logits.float()
         for process in self.logits_processors:  # penalties, biases, grammar masks: in place, batched
             process(logits, to_sample)
-        result = sample(logits, to_sample)
+        rows, dead = _rows_without_token(logits, to_sample)
+        result = sample(logits, to_sample)  # its read-back syncs: `dead` is on the host after it
+        self.no_allowed_token = [to_sample[i].request_id for i, d in zip(rows, dead.tolist(), strict=True) if d]
         return ModelRunnerOutput(
             sampled={r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)},
             logprobs={r.request_id: lp for r, lp in zip(to_sample, result.logprobs, strict=True) if lp is not None},
@@ -138,3 +141,27 @@ class ModelRunner:
             return output.logits[0]
         output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return output.logits[0, sample_rows]
+
+
+def _rows_without_token(logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor]:
+    """The constrained rows, and for each whether no finite logit is left (counting the stop tokens the sampler
+    masks for min_tokens); on CUDA the flags reach the host by a copy the sampler's read-back waits for."""
+    rows = [i for i, r in enumerate(to_sample) if _may_forbid_all(r.sampling_params)]
+    if not rows:
+        return rows, torch.zeros(0, dtype=torch.bool)
+    forbidden = torch.isneginf(logits[torch.tensor(rows).to(logits.device, non_blocking=True)])
+    for j, i in enumerate(rows):
+        r = to_sample[i]
+        if r.min_tokens_pending:
+            stops = [t for t in [*r.sampling_params.stop_token_ids, r.eos_token_id]
+                     if t is not None and 0 <= t < logits.shape[-1]]
+            forbidden[j, stops] = True
+    dead = forbidden.all(-1)
+    if dead.device.type != "cpu":
+        dead = torch.empty(dead.shape, dtype=torch.bool, pin_memory=True).copy_(dead, non_blocking=True)
+    return rows, dead
+
+
+def _may_forbid_all(p) -> bool:
+    """Only a grammar, allowed_token_ids or bad words can leave a row without any token."""
+    return p.structured_output is not None or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
