@@ -16,6 +16,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sluice.metrics.vllm_names import CacheConfigInfo, VllmNames
+
 if TYPE_CHECKING:  # annotations only: metrics must stay importable from anywhere without cycles
     from sluice.scheduling.output import SchedulerStats
     from sluice.scheduling.request import Request
@@ -122,11 +124,31 @@ def _collectors(registry: CollectorRegistry) -> _Collectors:
     return found
 
 
-class SluiceMetrics:
-    """Records engine and request events for one served model into a Prometheus registry."""
+_vllm_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, VllmNames] = weakref.WeakKeyDictionary()
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+
+def _vllm_names(registry: CollectorRegistry) -> VllmNames:
+    """The vLLM-names collector of `registry`, registering it on first use (only when a model asks for it)."""
+    found = _vllm_by_registry.get(registry)
+    if found is None:
+        found = _vllm_by_registry[registry] = VllmNames(_collectors(registry))
+        registry.register(found)
+    return found
+
+
+class SluiceMetrics:
+    """Records engine and request events for one served model into a Prometheus registry.
+
+    `vllm_names` (the cache's configuration) also exports the model's series under vLLM's metric names, read
+    from the same families at scrape time (metrics/vllm_names.py).
+    """
+
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry = REGISTRY, vllm_names: CacheConfigInfo | None = None
+    ) -> None:
         c = _collectors(registry)
+        if vllm_names is not None:
+            _vllm_names(registry).add_model(model_name, vllm_names)
         self.registry = registry
         self.model_name = model_name
         m = model_name

@@ -79,6 +79,11 @@ class ServerConfig:
         262144, "Kernel send buffer in bytes per SSE stream: bounds what a client that stops reading holds (0: OS)."
     )
     log_level: str = knob("info", "Log level: debug, info, warning, error.")
+    vllm_metric_names: bool = knob(
+        False, "Also export the metrics under vLLM's names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+        "vllm:lora_requests_info, vllm:cache_config_info, ...), same values, for the Kubernetes inference "
+        "gateway's endpoint picker and vLLM dashboards."
+    )
     tool_call_parser: str = knob(
         "auto", "How free ('auto') tool calls are read from a model whose chat template renders tools: 'auto' "
         "(detected from the template), 'hermes', 'llama3_json', 'mistral', 'json'.",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
+from sluice.metrics.vllm_names import CacheConfigInfo
 from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
@@ -158,7 +159,8 @@ class LLMEngine(ConstrainedDecoding):
         self._pending_outputs: list[EngineOutput] = []  # abort notices delivered by the next step()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
         self.last_stats = self.scheduler.make_stats()
-        self.metrics = SluiceMetrics(self.served_model_name)
+        vllm_names = CacheConfigInfo(block_size, config.cache.enable_prefix_caching)
+        self.metrics = SluiceMetrics(self.served_model_name, vllm_names=vllm_names if config.server.vllm_metric_names else None)
         self.stat_loggers.append(self.metrics.observe_step)
         self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
 
