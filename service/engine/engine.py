@@ -21,7 +21,7 @@ from sluice.service.config import SluiceConfig
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarCompiler, GrammarState
-from sluice.service.engine.logits_controls import apply_logit_controls
+from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
 
 logger = logging.getLogger("sluice.engine")
 
@@ -149,6 +149,7 @@ class LLMEngine:
         self._extra_eos_ids = list(eos_ids[1:])
         self._eos_ids = list(eos_ids)
         self.runner.logits_processors.append(apply_logit_controls)  # first: grammar masks come after biases
+        self._allowed_masks = AllowedMasks(self.vocab_size, self.device)
         self._grammar: GrammarState | None = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -206,6 +207,8 @@ class LLMEngine:
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
                 f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
             )
+        if params.allowed_token_ids is not None:  # its mask, once: steps then cost one masked_fill_ (ValueError)
+            params = dataclasses.replace(params, disallowed_token_mask=self._allowed_masks.get(params.allowed_token_ids))
         if params.bad_words and not params.bad_words_token_ids:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         if self._extra_eos_ids and not params.ignore_eos:
