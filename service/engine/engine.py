@@ -67,7 +67,7 @@ class LLMEngine:
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
         import torch
 
-        from sluice.service.engine.kv_sizing import format_bytes
+        from sluice.service.engine.kv_sizing import format_bytes, model_context_length
         from sluice.service.engine.model_loader import (
             auto_dtype,
             eos_token_ids,
@@ -114,7 +114,8 @@ class LLMEngine:
         self.vocab_size = int(model.config.vocab_size)
 
         self.runner = ModelRunner(
-            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs
+            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs,
+            sched.max_model_len, sched.preemption_mode,
         )
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
@@ -125,8 +126,10 @@ class LLMEngine:
                     format_bytes(self.kv_cache_bytes), str(self.dtype).removeprefix("torch."), self.device,
                     self.runner.kv_cache_source)
         if sched.preemption_mode == "swap" and not self.runner.num_host_blocks:
-            logger.warning("preemption mode 'swap' but no host swap space (--swap-space %s on %s): swap preemption "
-                           "falls back to recompute", config.cache.swap_space, self.device.type)
+            block = format_bytes(self.kv_cache_bytes / self.num_kv_blocks)
+            raise ValueError(f"--preemption-mode swap needs a host swap pool, but --swap-space "
+                             f"{config.cache.swap_space} holds no KV block of {block}: pass --swap-space auto or a "
+                             "size in GiB, or use --preemption-mode recompute")
         # A request longer than the whole cache could never run: the context is capped at what the cache holds.
         capacity = self.num_kv_blocks * block_size
         if sched.max_model_len > capacity:
@@ -135,7 +138,7 @@ class LLMEngine:
                 f"({self.num_kv_blocks} blocks of {block_size}); raise --kv-cache-memory or --num-kv-blocks, "
                 "or lower --max-model-len"
             )
-        model_len = sched.max_model_len or _model_context_length(model)
+        model_len = sched.max_model_len or model_context_length(model)
         if model_len > capacity:
             logger.info("context capped at the KV cache's %d tokens (the model allows %d)", capacity, model_len)
         self.max_model_len = min(model_len, capacity)
@@ -208,7 +211,8 @@ class LLMEngine:
                 f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
             )
         if params.allowed_token_ids is not None:  # its mask, once: steps then cost one masked_fill_ (ValueError)
-            params = dataclasses.replace(params, disallowed_token_mask=self._allowed_masks.get(params.allowed_token_ids))
+            mask = self._allowed_masks.get(params.allowed_token_ids)
+            params = dataclasses.replace(params, disallowed_token_mask=mask)
         if params.bad_words and not params.bad_words_token_ids:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         if self._extra_eos_ids and not params.ignore_eos:
@@ -413,15 +417,6 @@ class LLMEngine:
 
 
 _gen_ids = itertools.count()
-
-
-def _model_context_length(model) -> int:
-    cfg = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def _default_served_name(model: str) -> str:
