@@ -143,7 +143,7 @@ def _token_list(body: dict, name: str) -> list[int] | None:
         return None
     if not isinstance(v, list) or not v or len(v) > MAX_TOKEN_LIST or not all(_is_token_id(t) for t in v):
         raise RequestError(f"'{name}' must be a non-empty list of at most {MAX_TOKEN_LIST} token ids", name)
-    return v
+    return list(dict.fromkeys(v))  # deduplicated: its length is then bounded by the vocabulary as well
 
 
 def _strings(body: dict, name: str) -> list[str]:

@@ -23,7 +23,7 @@ from sluice.service.engine.constrained import ConstrainedDecoding
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarState
-from sluice.service.engine.logits_controls import apply_logit_controls
+from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
 
 logger = logging.getLogger("sluice.engine")
 
@@ -71,7 +71,7 @@ class LLMEngine(ConstrainedDecoding):
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
         import torch
 
-        from sluice.service.engine.kv_sizing import format_bytes
+        from sluice.service.engine.kv_sizing import format_bytes, model_context_length
         from sluice.service.engine.model_loader import (
             auto_dtype,
             eos_token_ids,
@@ -118,7 +118,8 @@ class LLMEngine(ConstrainedDecoding):
         self.vocab_size = int(model.config.vocab_size)
 
         self.runner = ModelRunner(
-            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs
+            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs,
+            sched.max_model_len, sched.preemption_mode,
         )
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
@@ -129,8 +130,10 @@ class LLMEngine(ConstrainedDecoding):
                     format_bytes(self.kv_cache_bytes), str(self.dtype).removeprefix("torch."), self.device,
                     self.runner.kv_cache_source)
         if sched.preemption_mode == "swap" and not self.runner.num_host_blocks:
-            logger.warning("preemption mode 'swap' but no host swap space (--swap-space %s on %s): swap preemption "
-                           "falls back to recompute", config.cache.swap_space, self.device.type)
+            block = format_bytes(self.kv_cache_bytes / self.num_kv_blocks)
+            raise ValueError(f"--preemption-mode swap needs a host swap pool, but --swap-space "
+                             f"{config.cache.swap_space} holds no KV block of {block}: pass --swap-space auto or a "
+                             "size in GiB, or use --preemption-mode recompute")
         # A request longer than the whole cache could never run: the context is capped at what the cache holds.
         capacity = self.num_kv_blocks * block_size
         if sched.max_model_len > capacity:
@@ -139,7 +142,7 @@ class LLMEngine(ConstrainedDecoding):
                 f"({self.num_kv_blocks} blocks of {block_size}); raise --kv-cache-memory or --num-kv-blocks, "
                 "or lower --max-model-len"
             )
-        model_len = sched.max_model_len or _model_context_length(model)
+        model_len = sched.max_model_len or model_context_length(model)
         if model_len > capacity:
             logger.info("context capped at the KV cache's %d tokens (the model allows %d)", capacity, model_len)
         self.max_model_len = min(model_len, capacity)
@@ -153,6 +156,7 @@ class LLMEngine(ConstrainedDecoding):
         self._extra_eos_ids = list(eos_ids[1:])
         self._eos_ids = list(eos_ids)
         self.runner.logits_processors.append(apply_logit_controls)  # first: grammar masks come after biases
+        self._allowed_masks = AllowedMasks(self.vocab_size, self.device)
         self._grammar: GrammarState | None = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -197,6 +201,9 @@ class LLMEngine(ConstrainedDecoding):
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
                 f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
             )
+        if params.allowed_token_ids is not None:  # its mask, once: steps then cost one masked_fill_ (ValueError)
+            mask = self._allowed_masks.get(params.allowed_token_ids)
+            params = dataclasses.replace(params, disallowed_token_mask=mask)
         if params.bad_words and not params.bad_words_token_ids:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         if self._extra_eos_ids and not params.ignore_eos:
@@ -399,15 +406,6 @@ class LLMEngine(ConstrainedDecoding):
 
 
 _gen_ids = itertools.count()
-
-
-def _model_context_length(model) -> int:
-    cfg = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def _default_served_name(model: str) -> str:

@@ -36,6 +36,8 @@ class ModelRunner:
         dtype: torch.dtype,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        max_model_len: int = 0,
+        preemption_mode: str = "recompute",
     ):
         self.model = model
         # Idempotent: a caller-built model (tests, embedding apps) may still be on sdpa/eager.
@@ -56,9 +58,12 @@ class ModelRunner:
         shape = (num_layers, num_kv_heads, head_dim, self.block_size, dtype)
         # --num-kv-blocks, else --kv-cache-memory in GiB, else auto (on CUDA after a profile forward): kv_sizing.
         self.num_kv_blocks, self.kv_cache_source = kv_cache_blocks(
-            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs
+            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs, max_model_len
         )
-        self.num_host_blocks = num_blocks_for_budget(cache_config.swap_space_gib(self.device.type) * GiB, *shape)
+        # Swap 'auto' on CPU with preemption mode swap: a host pool as large as the cache (up to a cap).
+        cache_gib = self.num_kv_blocks * KVShape(*shape).block_bytes / GiB
+        swap_gib = cache_config.swap_space_gib(self.device.type, preemption_mode, cache_gib)
+        self.num_host_blocks = num_blocks_for_budget(swap_gib * GiB, *shape)
         self.kv = KVTensors(
             self.num_kv_blocks, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
             num_host_blocks=self.num_host_blocks,
