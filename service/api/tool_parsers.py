@@ -39,7 +39,7 @@ def parse(text: str, parser: str, reason: str | None = "stop") -> Parsed:
         elif e[0] == "args":
             calls[e[1]]["function"]["arguments"] += e[2]
     calls.pop(reply.cut, None)
-    return Parsed(content.strip() if reply.out.started else content, list(calls.values()))
+    return Parsed(content.strip() if reply.out.started or reply.dropped else content, list(calls.values()))
 
 
 class ToolOutput:

@@ -25,7 +25,7 @@ PROSE, TEXT, START, VALUE, AFTER, BETWEEN, SEP, V11, DONE = range(9)
 class ReplyParser:
     """One choice's reply under tools, fed as it is generated: `feed` and `finish` return Emitter events."""
 
-    __slots__ = ("parser", "out", "buf", "state", "scan", "sink", "raw", "streamed", "candidates", "cut")
+    __slots__ = ("parser", "out", "buf", "state", "scan", "sink", "raw", "streamed", "candidates", "cut", "dropped")
 
     def __init__(self, parser: str):
         self.parser = parser
@@ -38,6 +38,7 @@ class ReplyParser:
         self.streamed = False  # non-blank content went out (llama3_json: a reply opening with `{` is a call)
         self.candidates = 0
         self.cut: int | None = None  # the index of a call the reply ended inside
+        self.dropped = False  # the reply ended inside what was to be a call, and it was dropped
 
     def feed(self, text: str) -> list:
         """Take new text; the events it completes."""
@@ -57,6 +58,8 @@ class ReplyParser:
             elif self.parser == "json" or (self.parser != "constrained" and reason != "length"
                                            and not self.out.started):
                 self.out.content("".join(self.raw or ()) + self.buf)  # not a call after all: text
+            else:
+                self.dropped = True
             self.state = DONE
         self.buf = ""
         return self.out.take()
