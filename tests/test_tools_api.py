@@ -417,3 +417,40 @@ async def test_output_pushed_to_brackets_is_never_a_500(request, path, tool_choi
     chunks = await raw_stream(srv, body)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
     await wait_idle(srv)
+
+
+@pytest.mark.slow
+async def test_smollm2_required_cut_by_max_tokens_is_never_grammar_text(smol):
+    """The issue's case (a forced weather call cut by max_tokens): no JSON in `content`, a stream names the call."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0)
+    async with client(smol) as c:
+        whole = await c.chat.completions.create(max_tokens=120, **kwargs)
+        [complete] = check_calls(whole.choices[0].message.tool_calls, ("get_weather",))
+        limit = whole.usage.completion_tokens - 5  # inside the arguments
+        reply = await c.chat.completions.create(max_tokens=limit, **kwargs)
+        content, calls, finish = await streamed_lenient(c, max_tokens=limit, **kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == finish == "length"
+    assert not choice.message.content and not content and choice.message.tool_calls is None
+    assert calls == [("get_weather", None)]  # its start and argument pieces went out; they do not parse
+    await wait_idle(smol)
+
+
+async def streamed_lenient(c, **kwargs) -> tuple[str, list[tuple[str, dict]], str]:
+    """Like `streamed`, but a call the limit cut (arguments that do not parse) is kept as (name, None)."""
+    content, calls, finish = "", {}, None
+    async for chunk in await c.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+
+    def args(text):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+    return content, [(e["name"], args(e["arguments"])) for _, e in sorted(calls.items())], finish
