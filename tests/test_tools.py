@@ -334,3 +334,22 @@ def test_a_constrained_text_answer_streams_as_it_is_decoded(piece):
     assert "".join(p for ps in pieces for p in ps) == answer
     assert sum(len(ps) for ps in pieces[: len(pieces) // 2]) > 0  # the first half streamed before the end
     assert parse(text, "constrained").content == answer
+
+
+def test_tool_schemas_are_meta_checked_fast_and_never_fetch_an_unknown_schema_url():
+    import time
+
+    from sluice.service.api.errors import RequestError
+    from sluice.service.api.tools import _check_schema
+
+    props = {f"p{i}": {"type": "string", "description": "d" * 30} for i in range(100)}
+    started = time.perf_counter()
+    for _ in range(128):
+        _check_schema({"type": "object", "properties": props}, "tools[0].function.parameters")
+    assert time.perf_counter() - started < 1.0  # the pure-Python validator took ~2 s here
+    _check_schema({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object"}, "p")
+    for bad in ({"$schema": "http://169.254.169.254/latest", "type": "object"},
+                {"type": "object", "properties": {"a": {"type": "strin"}}}):
+        with pytest.raises(RequestError) as e:
+            _check_schema(bad, "tools[0].function.parameters")
+        assert e.value.param == "tools[0].function.parameters" and e.value.status == 400
