@@ -46,7 +46,8 @@ def load():
         digest = hashlib.sha256()
         for name in (*SOURCES, "cpu_ops.h", "simd.h", "row_blocks.h"):
             digest.update((CSRC / name).read_bytes())
-        digest.update((repr(CFLAGS + OPENMP_FLAGS) + torch.__version__ + cpu_flags()).encode())
+        # The source folder too: ninja records absolute paths, so two checkouts sharing one cache would rebuild in turn.
+        digest.update((repr(CFLAGS + OPENMP_FLAGS) + torch.__version__ + cpu_flags() + str(CSRC)).encode())
         key = digest.hexdigest()[:16]
         directory = cache_dir() / f"cpu_ops-{key}"
         directory.mkdir(parents=True, exist_ok=True)
