@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # annotations only: metrics must stay importable from anywher
     from sluice.scheduling.request import Request
 
 Event = tuple[str, float, dict[str, Any] | None]  # (name, monotonic time, attributes)
+# Events kept per request (the SDK's own default span limit): a long prompt in small chunks, or a request
+# preempted again and again, must not grow its list without bound. The finish is always kept.
+MAX_EVENTS = 128
 
 
 @dataclass(slots=True)
@@ -37,7 +40,15 @@ class RequestTimeline:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    dropped_events: int = 0
     attributes: dict[str, Any] = field(default_factory=dict)  # request parameters, for the span
+
+    def add(self, name: str, t: float, attrs: dict[str, Any] | None = None) -> None:
+        """Record a span event, within MAX_EVENTS (one place stays free for the finish)."""
+        if len(self.events) < MAX_EVENTS - 1 or name == "finished":
+            self.events.append((name, t, attrs))
+        else:
+            self.dropped_events += 1
 
     def phases(self) -> tuple[float, float, float]:
         """(queue, prefill, decode) seconds: arrival to first scheduled, to first token, to the end."""
@@ -91,22 +102,21 @@ class Timelines:
             tl = self._traced.get(rid)
             if tl is not None:
                 mode = "swap" if rid in swapped_out else "recompute"
-                tl.events.append(("preempted", scheduled_at, {"mode": mode}))
+                tl.add("preempted", scheduled_at, {"mode": mode})
         for rid in out.swapped_in_ids:
             tl = self._traced.get(rid)
             if tl is not None:
-                tl.events.append(("swapped_in", scheduled_at, None))
+                tl.add("swapped_in", scheduled_at)
         for s in out.scheduled:
             tl = self._traced.get(s.request_id)
             if tl is None:
                 continue
             if tl.first_scheduled is None and tl.request is not None:
                 tl.first_scheduled = tl.request.first_scheduled_time or scheduled_at
-                tl.events.append(("first_scheduled", tl.first_scheduled,
-                                  {"cached_tokens": max(tl.request.num_cached_tokens, 0)}))
+                tl.add("first_scheduled", tl.first_scheduled, {"cached_tokens": max(tl.request.num_cached_tokens, 0)})
             # Anything but the one decode token (the newest output) is prefill, recomputed outputs included.
             if s.num_output_tokens == 0 or s.start_pos < s.num_prompt_tokens + s.num_output_tokens - 1:
-                tl.events.append(("prefill_chunk", now, {"tokens": s.num_tokens, "start": s.start_pos}))
+                tl.add("prefill_chunk", now, {"tokens": s.num_tokens, "start": s.start_pos})
 
     def on_output(self, out, now: float) -> None:
         """Stamp the first token and the end; a finished output carries its timeline away (`out.timeline`)."""
@@ -116,7 +126,7 @@ class Timelines:
         if out.token_ids and tl.first_token is None:
             tl.first_token = now
             if tl.events is not None:
-                tl.events.append(("first_token", now, None))
+                tl.add("first_token", now)
         if not out.finished:
             return
         del self._live[out.request_id]
@@ -129,9 +139,8 @@ class Timelines:
         tl.num_prompt_tokens, tl.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
         tl.num_cached_tokens = out.num_cached_tokens
         if tl.events is not None:
-            tl.events.append(("finished", now, {"finish_reason": out.finish_reason or "error",
-                                                "prompt_tokens": out.num_prompt_tokens,
-                                                "output_tokens": out.num_output_tokens}))
+            tl.add("finished", now, {"finish_reason": out.finish_reason or "error",
+                                     "prompt_tokens": out.num_prompt_tokens, "output_tokens": out.num_output_tokens})
         out.timeline = tl
 
 
@@ -180,6 +189,7 @@ class RequestTracer:
             "gen_ai.latency.time_in_queue": queue, "gen_ai.latency.time_in_model_prefill": prefill,
             "gen_ai.latency.time_in_model_decode": decode, "gen_ai.latency.e2e": (tl.end or 0.0) - tl.arrival,
             "sluice.cached_tokens": tl.num_cached_tokens, "sluice.preemptions": tl.num_preemptions,
+            "sluice.dropped_events": tl.dropped_events,
             **{k: v for k, v in tl.attributes.items() if v is not None},
         }
         if tl.first_token is not None:

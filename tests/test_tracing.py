@@ -42,6 +42,17 @@ def test_phases_of_a_request_that_never_produced_a_token():
     assert timeline(1.0, None, None, 4.0).phases() == (3.0, 0.0, 0.0)  # never scheduled
 
 
+def test_events_per_request_are_bounded_and_the_finish_is_kept():
+    from sluice.metrics.tracing import MAX_EVENTS
+
+    tl = RequestTimeline("r", None, 0.0, events=[])
+    for i in range(1000):
+        tl.add("prefill_chunk", float(i), {"tokens": 1})
+    tl.add("finished", 1000.0)
+    assert len(tl.events) == MAX_EVENTS and tl.events[-1][0] == "finished"
+    assert tl.dropped_events == 1000 - (MAX_EVENTS - 1)
+
+
 def test_tracing_off_imports_no_opentelemetry():
     code = ("import sys; import sluice.service.api.api_server, sluice.service.engine.async_engine, "
             "sluice.service.cli; "
