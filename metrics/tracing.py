@@ -150,7 +150,7 @@ class RequestTracer:
     def __init__(self, model_name: str, endpoint: str = "", exporter=None) -> None:
         try:
             from opentelemetry.propagators.textmap import DefaultGetter
-            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.resources import SERVICE_NAME, Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
             from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -165,8 +165,10 @@ class RequestTracer:
             processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))  # exports off the event loop
         else:  # tests: an in-memory exporter, spans visible at once
             processor = SimpleSpanProcessor(exporter)
-        # Resource.create reads OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES; the provider is ours, not global.
-        self._provider = TracerProvider(resource=Resource.create({"service.name": "sluice"}))
+        resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+        if str(resource.attributes.get(SERVICE_NAME, "unknown_service")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: "sluice"}))
+        self._provider = TracerProvider(resource=resource)  # ours, not the global one
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer("sluice")
         self._propagator, self._getter = TraceContextTextMapPropagator(), DefaultGetter()

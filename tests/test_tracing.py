@@ -53,6 +53,21 @@ def test_events_per_request_are_bounded_and_the_finish_is_kept():
     assert tl.dropped_events == 1000 - (MAX_EVENTS - 1)
 
 
+def test_service_name_is_sluice_unless_the_environment_names_one(monkeypatch):
+    from opentelemetry.sdk.resources import SERVICE_NAME
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sluice.metrics.tracing import RequestTracer
+
+    def service(tracer):
+        return tracer._provider.resource.attributes[SERVICE_NAME]
+
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    assert service(RequestTracer("m", exporter=InMemorySpanExporter())) == "sluice"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "sluice-eu-1")
+    assert service(RequestTracer("m", exporter=InMemorySpanExporter())) == "sluice-eu-1"
+
+
 def test_tracing_off_imports_no_opentelemetry():
     code = ("import sys; import sluice.service.api.api_server, sluice.service.engine.async_engine, "
             "sluice.service.cli; "
@@ -232,3 +247,46 @@ def test_a_swap_preemption_is_recorded_as_such():
     assert book._traced["swapped"].events[-1] == ("preempted", 5.0, {"mode": "swap"})
     assert book._traced["dropped"].events[-1] == ("preempted", 5.0, {"mode": "recompute"})
     assert "plain" not in book._traced
+
+
+# ---- the real server, exporting over OTLP/HTTP to a collector stand-in --------------------------------------
+
+async def test_sluice_serve_exports_spans_over_otlp_http(model_dir, tmp_path):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    from aiohttp import ClientSession, web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tests._server import Server
+
+    spans = []
+
+    async def collect(request: web.Request) -> web.Response:
+        msg = ExportTraceServiceRequest()
+        msg.ParseFromString(await request.read())
+        spans.extend(sp for rs in msg.resource_spans for ss in rs.scope_spans for sp in ss.spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", collect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    endpoint = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/traces"
+    srv = await asyncio.to_thread(
+        lambda: Server(model_dir, tmp_path, "--num-kv-blocks", "64", "--otlp-traces-endpoint", endpoint).wait_ready())
+    try:
+        async with ClientSession() as s, s.post(srv.url + "/v1/completions", json=body(max_tokens=5),
+                                                headers={"traceparent": TRACEPARENT}) as r:
+            assert r.status == 200 and r.headers["Server-Timing"].startswith("queue;dur=")
+        for _ in range(100):  # the batch processor sends within its 5 s schedule
+            if spans:
+                break
+            await asyncio.sleep(0.1)
+        (span,) = spans
+        assert span.name == "llm_request" and span.trace_id.hex() == TRACE_ID
+        assert span.parent_span_id.hex() == PARENT_SPAN
+        assert [e.name for e in span.events][-2:] == ["first_token", "finished"]
+    finally:
+        assert srv.stop() == 0, srv.log()[-4000:]
+        await runner.cleanup()
