@@ -84,6 +84,10 @@ class ServerConfig:
         "vllm:lora_requests_info, vllm:cache_config_info, ...), same values, for the Kubernetes inference "
         "gateway's endpoint picker and vLLM dashboards."
     )
+    otlp_traces_endpoint: str = knob(
+        "", "OTLP/HTTP endpoint that receives one OpenTelemetry span per engine request, e.g. "
+        "http://collector:4318/v1/traces (empty: tracing off). Needs `pip install 'sluice[otel]'`."
+    )
     tool_call_parser: str = knob(
         "auto", "How free ('auto') tool calls are read from a model whose chat template renders tools: 'auto' "
         "(detected from the template), 'hermes', 'llama3_json', 'mistral', 'json'.",

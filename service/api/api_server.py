@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from sluice.metrics.prometheus import render_latest
+from sluice.metrics.tracing import server_timing
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.middlewares import (
     REQUEST_ID,
@@ -138,7 +139,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 "chat" if req.chat else "completion", len(prompt_lens), req.n, prompt_lens,
                 batch[0][2].max_tokens, req.stream)
     try:
-        stream = await aengine.add_requests(batch, req.priority)
+        stream = await aengine.add_requests(batch, req.priority, _trace_headers(request, aengine))
     except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
         raise RequestError(str(e), e.param, code=e.code) from None
     except ValueError as e:  # the engine's word on a prompt that can never run
@@ -157,6 +158,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, stream, prep.choices, fmt)
         return await _collect(stream, prep.choices, fmt)
+
+
+def _trace_headers(request: web.Request, aengine: AsyncEngine) -> dict[str, str] | None:
+    """The client's W3C trace context when tracing is on (an empty dict: traced, as a root span)."""
+    if aengine.tracer is None:
+        return None
+    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k)) is not None}
 
 
 # Status, error type and retry hint for a request the server ended. `x-should-retry` is the header the OpenAI
@@ -188,17 +196,23 @@ def _error_of(out) -> RequestError:
 
 
 async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.Response:
+    timelines = []
     async for out in stream:
         choice = choices[out.request_id]
         if out.error:
             raise _error_of(out)
+        if out.timeline is not None:
+            timelines.append(out.timeline)
         choice.text.append(out.text)
         choice.logprobs.extend(out.logprobs)
         record(choice, out)
     for choice in choices.values():
         finish_collected(choice)  # tools: content and tool calls
     ordered = sorted(choices.values(), key=lambda c: c.index)
-    return _json(fmt.response(ordered, usage(choices)))
+    resp = _json(fmt.response(ordered, usage(choices)))
+    if timelines:  # where the time went, for a client without a tracing stack (the slowest choice's phases)
+        resp.headers["Server-Timing"] = server_timing(timelines)
+    return resp
 
 
 async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.StreamResponse:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from sluice.metrics.tracing import RequestTracer
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import EngineOutput, LLMEngine
@@ -70,8 +72,9 @@ class AsyncEngine:
     """Runs LLMEngine.step() in one dedicated thread; every engine call goes through that thread, in order."""
 
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None):
         self.engine = engine
+        self.tracer = tracer  # None: tracing off, requests carry no trace headers
         self.max_queued_requests = max_queued_requests
         self.max_stream_buffer = max_stream_buffer
         # One worker: add, abort and step never overlap, and FIFO order means an abort queued after an
@@ -95,8 +98,12 @@ class AsyncEngine:
     async def load(cls, config: SluiceConfig) -> AsyncEngine:
         """Build the LLMEngine (loading the model) in the worker thread that will run its steps."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
+        endpoint = config.server.otlp_traces_endpoint
+        tracer = RequestTracer(config.model.served_model_name, endpoint) if endpoint else None  # fails fast
         engine = await asyncio.get_running_loop().run_in_executor(executor, LLMEngine, config)
-        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor)
+        if tracer is not None:
+            tracer.model_name = engine.served_model_name
+        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor, tracer)
 
     def start(self) -> None:
         """Start the background loop; call from the event loop."""
@@ -128,6 +135,8 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -153,9 +162,13 @@ class AsyncEngine:
         return await self.add_requests([(request_id, prompt, params)], priority)
 
     async def add_requests(
-        self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0
+        self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
-        """Admit several requests atomically (all or none) with one stream of their outputs."""
+        """Admit several requests atomically (all or none) with one stream of their outputs.
+
+        `trace_headers` (with a tracer): each engine request's span is a child of the context they carry.
+        """
         if self.dead is not None or self._task is None:
             raise EngineDeadError("the engine is not running")
         if self.draining:
@@ -181,18 +194,19 @@ class AsyncEngine:
         self._groups.add(group)
         self._idle.clear()
         try:
-            await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority)
+            await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority,
+                                       trace_headers if self.tracer is not None else None)
         except BaseException:  # ValueError, or the handler cancelled: the add may still run, abort after it
             self._release(group)
             raise
         self._wakeup.set()
         return RequestStream(self, group, len(ids))
 
-    def _add_in_worker(self, requests, priority: int) -> None:
+    def _add_in_worker(self, requests, priority: int, trace_headers: Mapping[str, str] | None) -> None:
         added = []
         try:
             for rid, prompt, params in requests:
-                self.engine.add_request(rid, prompt, params, priority)
+                self.engine.add_request(rid, prompt, params, priority, trace_headers=trace_headers)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -279,6 +293,11 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         """Hand outputs to their streams; a stream whose reader fell too far behind is cut off."""
         for out in outputs:
+            if out.timeline is not None and out.timeline.events is not None and self.tracer is not None:
+                try:  # a request whose client left still gets its span: this is its abort notice
+                    self.tracer.emit(out.timeline)
+                except Exception:
+                    logger.exception("building the span of %s failed", out.request_id)
             group = self._owner.get(out.request_id)
             if group is None:  # its stream was closed: this is the abort notice, or a late straggler
                 continue

@@ -8,11 +8,12 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
+from sluice.metrics.tracing import RequestTimeline, Timelines
 from sluice.metrics.vllm_names import CacheConfigInfo
 from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
@@ -45,6 +46,7 @@ class EngineOutput:
     stop_reason: int | str | None = None
     # Why the engine ended it, when it was not the request's own stop: one of ERROR_CODES.
     error_code: str | None = None
+    timeline: RequestTimeline | None = None  # on the final output: queue/prefill/decode times, span events
 
 
 # What the API maps to an HTTP status and a retry hint (service/api/api_server.py: ABORT_STATUS).
@@ -161,6 +163,7 @@ class LLMEngine(ConstrainedDecoding):
         self._grammar_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[EngineOutput] = []  # abort notices delivered by the next step()
+        self.timelines = Timelines()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
         self.last_stats = self.scheduler.make_stats()
         vllm_names = CacheConfigInfo(block_size, config.cache.enable_prefix_caching)
@@ -187,8 +190,12 @@ class LLMEngine(ConstrainedDecoding):
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> int:
-        """Queue a request; returns its prompt length. ValueError for prompts that can never run."""
+        """Queue a request; returns its prompt length. ValueError for prompts that can never run.
+
+        `trace_headers` (W3C traceparent/tracestate, may be empty) marks it traced: its span events are recorded.
+        """
         params.validate()
         token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -226,6 +233,7 @@ class LLMEngine(ConstrainedDecoding):
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.metrics.track(request)
+        self.timelines.start(request, trace_headers)
         return len(token_ids)
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
@@ -302,6 +310,7 @@ class LLMEngine(ConstrainedDecoding):
                 "(--max-queue-wait); the server is at capacity",
             ))
         sched_out = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
         if not sched_out.is_empty or sched_out.finished_ids:
             try:
                 runner_out = self.runner.execute(sched_out)
@@ -326,8 +335,10 @@ class LLMEngine(ConstrainedDecoding):
         for stat_logger in self.stat_loggers:
             stat_logger(stats)
         now = time.monotonic()
+        self.timelines.on_step(sched_out, scheduled_at, now)
         for out in outputs:
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
+            self.timelines.on_output(out, now)
         return outputs
 
     def _forget(self, request_id: str) -> None:
