@@ -125,7 +125,10 @@ class Request:
         while (len(hashes) + 1) * block_size <= len(self.all_token_ids):
             start = len(hashes) * block_size
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + block_size]))
+            # The salt enters the first block only: the chain carries it into every later hash.
+            salt = self.sampling_params.cache_salt if not hashes else None
+            extra = salt.encode("utf-8", "surrogatepass") if salt else b""
+            hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + block_size], extra))
 
     def __repr__(self) -> str:
         return (

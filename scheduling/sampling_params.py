@@ -54,6 +54,9 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generate these (as text)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # their tokenizations (the engine fills)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # Not a sampling choice but a request option carried with them (vLLM's `cache_salt`): requests share cached
+    # prefix blocks only when their salts are equal, so one tenant's prompts never warm another's cache.
+    cache_salt: str | None = None
 
     @property
     def has_logit_controls(self) -> bool:

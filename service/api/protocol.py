@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
 MAX_TOKEN_LIST = 65536  # allowed_token_ids
 MAX_MESSAGES = 4096
+MAX_CACHE_SALT = 256
 INT32 = 2**31
 INT64 = 2**63
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -156,6 +157,15 @@ def _strings(body: dict, name: str) -> list[str]:
     return v
 
 
+def _cache_salt(body: dict) -> str | None:
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_CACHE_SALT:
+        raise RequestError(f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters", "cache_salt")
+    return v
+
+
 def _is_token_id(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < INT32
 
@@ -192,6 +202,7 @@ def _common(body: dict, chat: bool) -> GenerateRequest:
         allowed_token_ids=_token_list(body, "allowed_token_ids"),
         bad_words=_strings(body, "bad_words"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        cache_salt=_cache_salt(body),
     )
     if params.repetition_penalty == 0.0:
         raise RequestError("'repetition_penalty' must be greater than 0", "repetition_penalty")
