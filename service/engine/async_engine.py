@@ -9,10 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sluice.metrics.tracing import RequestTracer
+from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
-from sluice.service.engine.engine import EngineOutput, LLMEngine
+from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.grammar import GrammarBusyError
+from sluice.service.engine.outputs import EngineOutput
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -123,7 +125,7 @@ class AsyncEngine:
         except asyncio.TimeoutError:
             logger.warning("shutdown timeout: aborting %d in-flight requests", len(self._owner))
             for group in set(self._owner.values()):
-                self._fail(group, "abort", "the server is shutting down", "shutdown")
+                self._fail(group, FinishReason.ABORT, ErrorCode.SHUTDOWN, "the server is shutting down")
             try:  # the handlers write their error events and return
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:
@@ -176,8 +178,10 @@ class AsyncEngine:
         if self.num_waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"more than {self.max_queued_requests} requests are waiting")
         ids = [rid for rid, _, _ in requests]
+        # Checked here, not only by the scheduler: the groups are registered below before the add job runs, and
+        # a duplicate would take over the routing of a live request's outputs.
         if len(set(ids)) != len(ids) or any(rid in self._owner for rid in ids):
-            raise ValueError("duplicate request id")
+            raise RequestRejected("duplicate request id", ErrorCode.DUPLICATE_REQUEST_ID)
         loop = asyncio.get_running_loop()
         for constraint in {p.structured_output for _, _, p in requests} - {None}:
             # Compiled in the grammar pool (and cached): the add in the worker then finds it ready. A handler
@@ -246,12 +250,11 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", rid)
 
-    def _fail(self, group: _Group, reason: str, message: str, code: str) -> None:
+    def _fail(self, group: _Group, reason: FinishReason, code: ErrorCode, message: str) -> None:
         """End every unfinished request of a group with a terminal error output (stream stays open)."""
         left = self._detach(group)  # a second failure finds nothing left
         for rid in left:
-            group.queue.put_nowait(EngineOutput(rid, "", [], [], True, reason, 0, 0, 0, error=message,
-                                                error_code=code))
+            group.queue.put_nowait(EngineOutput.ended(rid, reason, code, message))
         self._abort(left)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -272,7 +275,7 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead = exc
             for group in set(self._owner.values()):
-                self._fail(group, "error", "the engine failed", "engine_dead")
+                self._fail(group, FinishReason.ERROR, ErrorCode.ENGINE_DEAD, "the engine failed")
 
     def _step(self) -> tuple[list[EngineOutput], bool, dict]:
         """Worker thread: one step if there is work, then the state the loop needs."""
@@ -306,7 +309,8 @@ class AsyncEngine:
             if group.queue.qsize() >= self.max_stream_buffer * group.size:
                 logger.warning("request %s: client not reading, %d outputs buffered; aborting",
                                out.request_id, group.queue.qsize())
-                self._fail(group, "error", "the client did not read the stream fast enough", "slow_reader")
+                self._fail(group, FinishReason.ERROR, ErrorCode.SLOW_READER,
+                           "the client did not read the stream fast enough")
                 continue
             if out.finished:
                 group.unfinished.discard(out.request_id)
