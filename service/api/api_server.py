@@ -96,10 +96,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     """The one served model."""
-    engine = _engine(request.app[STATE]).engine
+    model = _engine(request.app[STATE]).model
     return _json({"object": "list", "data": [{
-        "id": engine.served_model_name, "object": "model", "created": request.app[STATE].started,
-        "owned_by": "sluice", "max_model_len": engine.max_model_len,
+        "id": model.served_model_name, "object": "model", "created": request.app[STATE].started,
+        "owned_by": "sluice", "max_model_len": model.max_model_len,
     }]})
 
 
@@ -131,9 +131,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
     aengine = _engine(state)
-    engine = aengine.engine
+    model = aengine.model
     # Parsing, the chat template and the tokenizer run in the preparation pool, never on the event loop.
-    prep = await state.preprocessor.run(prepare_generate, raw, chat, engine, state.config.server.tool_call_parser)
+    prep = await state.preprocessor.run(prepare_generate, raw, chat, model, state.config.server.tool_call_parser)
     req, prefix, batch = prep.req, prep.prefix, prep.batch
     prompt_lens = [len(ids) for _, ids, _ in batch[::req.n]]  # the n samples of a prompt are adjacent
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
@@ -156,7 +156,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except EngineDeadError:
         raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
                            headers={"x-should-retry": "true"}) from None
-    fmt = ResponseFormat(req, prefix, engine.served_model_name, engine.tokenizer)
+    fmt = ResponseFormat(req, prefix, model.served_model_name, model.tokenizer)
     async with stream:
         if req.stream:
             return await _stream(request, stream, prep.choices, fmt)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.metrics.tracing import RequestTracer
 from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
@@ -29,6 +30,21 @@ class EngineDrainingError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are already waiting for their first token."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the API reads about the served model: the engine client's whole static surface."""
+
+    served_model_name: str
+    max_model_len: int  # prompt plus completion tokens, capped at what the KV cache holds
+    vocab_size: int  # token ids run 0 .. vocab_size - 1 (the model's, which may exceed the tokenizer's)
+    tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
+
+    @classmethod
+    def of(cls, engine) -> ModelInfo:
+        """Read from an LLMEngine (or a stand-in with the same attributes)."""
+        return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets
@@ -75,7 +91,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
                  executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None):
-        self.engine = engine
+        self.engine = engine  # the engine thread's own: the API reads `model`, `stats` and the streams instead
+        self.model = ModelInfo.of(engine)
         self.tracer = tracer  # None: tracing off, requests carry no trace headers
         self.max_queued_requests = max_queued_requests
         self.max_stream_buffer = max_stream_buffer
