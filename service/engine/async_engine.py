@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sluice.metrics.tracing import RequestTracer
 from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
@@ -32,6 +32,26 @@ class QueueFullError(RuntimeError):
     """Too many requests are already waiting for their first token."""
 
 
+class SyncEngine(Protocol):
+    """What AsyncEngine drives in its worker thread: LLMEngine, or tests/fake_engine.py's stand-in."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None) -> int: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineOutput]: ...
+    def kv_stats(self) -> dict: ...
+    # Optional: compile_grammar_async (structured outputs) and last_stats (preemption counts).
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the API reads about the served model: the engine client's whole static surface."""
@@ -42,7 +62,7 @@ class ModelInfo:
     tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
 
     @classmethod
-    def of(cls, engine) -> ModelInfo:
+    def of(cls, engine: SyncEngine) -> ModelInfo:
         """Read from an LLMEngine (or a stand-in with the same attributes)."""
         return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
 
@@ -89,7 +109,7 @@ class RequestStream:
 class AsyncEngine:
     """Runs LLMEngine.step() in one dedicated thread; every engine call goes through that thread, in order."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
+    def __init__(self, engine: SyncEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
                  executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None):
         self.engine = engine  # the engine thread's own: the API reads `model`, `stats` and the streams instead
         self.model = ModelInfo.of(engine)
