@@ -157,26 +157,23 @@ class SluiceMetrics:
                          else getattr(c, spec.field).labels(model_name))
             for spec in METRICS
         }
-        # What a step writes: (child, stats field, set or inc) for the gauges and counters the stats feed.
+        # What a step writes: (child.set or child.inc, stats field) for the gauges and counters the stats feed.
         self._per_step = [
-            (child, spec.stat.format(v), spec.kind is Gauge)
+            (child.set if spec.kind is Gauge else child.inc, spec.stat.format(v))
             for spec in METRICS if spec.stat is not None and spec.kind is not Histogram
             for v, child in (self._c[spec.field].items() if spec.label else [("", self._c[spec.field])])
         ]
-        self._step_histograms = [(self._c[spec.field], spec.stat) for spec in METRICS
+        self._step_histograms = [(self._c[spec.field].observe, spec.stat) for spec in METRICS
                                  if spec.stat is not None and spec.kind is Histogram]
         self._tracked: dict[str, _Timing] = {}  # request_id -> timing state, dropped at the finish
 
     def observe_step(self, stats: SchedulerStats) -> None:
         """Set the gauges to the state after a step and add the step's counter increments."""
-        for child, stat, is_gauge in self._per_step:
-            if is_gauge:
-                child.set(getattr(stats, stat))
-            else:
-                child.inc(getattr(stats, stat))
+        for write, stat in self._per_step:
+            write(getattr(stats, stat))
         if stats.num_batched_tokens:  # a step that only swapped or idled says nothing about batch size
-            for child, stat in self._step_histograms:
-                child.observe(getattr(stats, stat))
+            for observe, stat in self._step_histograms:
+                observe(getattr(stats, stat))
 
     def observe_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's time to first token and the time it spent queued before its first step."""
