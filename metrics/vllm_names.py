@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-# Sluice family (a _Collectors field) -> the vLLM names it is also exported as. Several vLLM names for one family
+# Sluice family (a MetricSpec field, metrics/prometheus.py) -> the vLLM names it is also exported as. Several vLLM names for one family
 # where vLLM renamed a series and both spellings are still read (gpu_cache_usage_perc by older pickers and
 # dashboards, time_per_output_token_seconds by dashboards made before vLLM's inter_token_latency_seconds).
 RENAMES: dict[str, tuple[str, ...]] = {
@@ -53,7 +53,7 @@ class VllmNames(Collector):
     """Yields the vLLM-named copies of the Sluice families of one registry (registered once per registry)."""
 
     def __init__(self, families: object) -> None:
-        self._families = families  # prometheus._Collectors, read by field name (no import back: no cycle)
+        self._families = families  # the families of prometheus.METRICS, read by field name (no import back: no cycle)
         self._cache_info: dict[str, CacheConfigInfo] = {}  # model_name -> its cache configuration
 
     def add_model(self, model_name: str, cache: CacheConfigInfo) -> None:

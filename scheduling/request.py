@@ -7,6 +7,7 @@ import itertools
 import time
 
 from sluice.kvcache.hashing import BlockHash, hash_block_tokens
+from sluice.scheduling.outcomes import FinishReason
 from sluice.scheduling.sampling_params import SamplingParams
 
 _arrival_seq = itertools.count()
@@ -30,16 +31,16 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         """OpenAI's finish_reason for a terminal status (None while unfinished)."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

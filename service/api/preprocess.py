@@ -26,6 +26,7 @@ from sluice.service.api.formatting import Choice
 from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_completion, resolve_params
 from sluice.service.api.tool_parsers import ToolOutput
 from sluice.service.api.tools import ToolPlan, plan_tools, template_args
+from sluice.service.engine.async_engine import ModelInfo
 
 MAX_BODY_DEPTH = 256  # JSON nesting of a whole body, far below Python's recursion limit; schemas have a lower one
 _PARAM_DEPTH = 4  # path components an error's `param` names: `tools[0].function.parameters`
@@ -148,13 +149,13 @@ class Prepared:
     choices: dict[str, Choice]
 
 
-def prepare_generate(raw: bytes, chat: bool, engine, tool_call_parser: str) -> Prepared:
+def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str) -> Prepared:
     """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
     body = load_body(raw)
     req = parse_chat(body) if chat else parse_completion(body)
-    if req.model is not None and req.model != engine.served_model_name:
+    if req.model is not None and req.model != model.served_model_name:
         raise RequestError(f"the model '{req.model}' does not exist", "model", status=404, code="model_not_found")
-    tokenizer, max_len = engine.tokenizer, engine.max_model_len
+    tokenizer, max_len = model.tokenizer, model.max_model_len
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
     if chat:
         refuse_if_longer_than_context(_chat_bytes(req, plan), tokenizer, max_len, "messages")
@@ -164,11 +165,10 @@ def prepare_generate(raw: bytes, chat: bool, engine, tool_call_parser: str) -> P
             if isinstance(p, str):
                 refuse_if_longer_than_context(len(p.encode("utf-8", "replace")), tokenizer, max_len, "prompt")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-    vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
     prefix = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     batch, choices = [], {}
     for p, ids in enumerate(prompts):
-        params = resolve_params(req, ids, max_len, vocab)
+        params = resolve_params(req, ids, max_len, model.vocab_size)
         for i in range(req.n):
             index = p * req.n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)

@@ -328,6 +328,8 @@ def resolve_params(req: GenerateRequest, prompt_ids: list[int], max_model_len: i
             raise RequestError(f"token id {bad} in '{name}' is outside the vocabulary (0..{vocab_size - 1})", name)
     n = len(prompt_ids)
     max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - n
+    # The scheduler owns this rule (RequestRejected); checked here too because max_tokens is settled here anyway,
+    # and an early refusal never queues n requests behind a step on the engine thread to roll them back.
     if n + max(max_tokens, 1) > max_model_len:
         where = "in the messages" if req.chat else "in your prompt"
         raise RequestError(

@@ -7,12 +7,15 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from sluice.metrics.tracing import RequestTracer
+from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
-from sluice.service.engine.engine import EngineOutput, LLMEngine
+from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.grammar import GrammarBusyError
+from sluice.service.engine.outputs import EngineOutput
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -27,6 +30,41 @@ class EngineDrainingError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are already waiting for their first token."""
+
+
+class SyncEngine(Protocol):
+    """What AsyncEngine drives in its worker thread: LLMEngine, or tests/fake_engine.py's stand-in."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None) -> int: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineOutput]: ...
+    def kv_stats(self) -> dict: ...
+    # Optional: compile_grammar_async (structured outputs) and last_stats (preemption counts).
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the API reads about the served model: the engine client's whole static surface."""
+
+    served_model_name: str
+    max_model_len: int  # prompt plus completion tokens, capped at what the KV cache holds
+    vocab_size: int  # token ids run 0 .. vocab_size - 1 (the model's, which may exceed the tokenizer's)
+    tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
+
+    @classmethod
+    def of(cls, engine: SyncEngine) -> ModelInfo:
+        """Read from an LLMEngine (or a stand-in with the same attributes)."""
+        return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets
@@ -71,9 +109,10 @@ class RequestStream:
 class AsyncEngine:
     """Runs LLMEngine.step() in one dedicated thread; every engine call goes through that thread, in order."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
+    def __init__(self, engine: SyncEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
                  executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None):
-        self.engine = engine
+        self.engine = engine  # the engine thread's own: the API reads `model`, `stats` and the streams instead
+        self.model = ModelInfo.of(engine)
         self.tracer = tracer  # None: tracing off, requests carry no trace headers
         self.max_queued_requests = max_queued_requests
         self.max_stream_buffer = max_stream_buffer
@@ -123,7 +162,7 @@ class AsyncEngine:
         except asyncio.TimeoutError:
             logger.warning("shutdown timeout: aborting %d in-flight requests", len(self._owner))
             for group in set(self._owner.values()):
-                self._fail(group, "abort", "the server is shutting down", "shutdown")
+                self._fail(group, FinishReason.ABORT, ErrorCode.SHUTDOWN, "the server is shutting down")
             try:  # the handlers write their error events and return
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:
@@ -176,8 +215,10 @@ class AsyncEngine:
         if self.num_waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"more than {self.max_queued_requests} requests are waiting")
         ids = [rid for rid, _, _ in requests]
+        # Checked here, not only by the scheduler: the groups are registered below before the add job runs, and
+        # a duplicate would take over the routing of a live request's outputs.
         if len(set(ids)) != len(ids) or any(rid in self._owner for rid in ids):
-            raise ValueError("duplicate request id")
+            raise RequestRejected("duplicate request id", ErrorCode.DUPLICATE_REQUEST_ID)
         loop = asyncio.get_running_loop()
         for constraint in {p.structured_output for _, _, p in requests} - {None}:
             # Compiled in the grammar pool (and cached): the add in the worker then finds it ready. A handler
@@ -246,12 +287,11 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", rid)
 
-    def _fail(self, group: _Group, reason: str, message: str, code: str) -> None:
+    def _fail(self, group: _Group, reason: FinishReason, code: ErrorCode, message: str) -> None:
         """End every unfinished request of a group with a terminal error output (stream stays open)."""
         left = self._detach(group)  # a second failure finds nothing left
         for rid in left:
-            group.queue.put_nowait(EngineOutput(rid, "", [], [], True, reason, 0, 0, 0, error=message,
-                                                error_code=code))
+            group.queue.put_nowait(EngineOutput.ended(rid, reason, code, message))
         self._abort(left)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -272,7 +312,7 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead = exc
             for group in set(self._owner.values()):
-                self._fail(group, "error", "the engine failed", "engine_dead")
+                self._fail(group, FinishReason.ERROR, ErrorCode.ENGINE_DEAD, "the engine failed")
 
     def _step(self) -> tuple[list[EngineOutput], bool, dict]:
         """Worker thread: one step if there is work, then the state the loop needs."""
@@ -306,7 +346,8 @@ class AsyncEngine:
             if group.queue.qsize() >= self.max_stream_buffer * group.size:
                 logger.warning("request %s: client not reading, %d outputs buffered; aborting",
                                out.request_id, group.queue.qsize())
-                self._fail(group, "error", "the client did not read the stream fast enough", "slow_reader")
+                self._fail(group, FinishReason.ERROR, ErrorCode.SLOW_READER,
+                           "the client did not read the stream fast enough")
                 continue
             if out.finished:
                 group.unfinished.discard(out.request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sluice.scheduling.outcomes import ErrorCode, FinishReason
 from sluice.scheduling.request import RequestStatus
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.engine.grammar import GrammarCompiler, GrammarState, GrammarStep
@@ -34,7 +35,7 @@ class ConstrainedDecoding:
         step = self._grammar.accept(ro.request_id, ro.new_token_ids[-1])
         if step is GrammarStep.COMPLETE and not ro.finished:
             self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
-            ro.finished, ro.finish_reason = True, "stop"
+            ro.finished, ro.finish_reason = True, FinishReason.STOP
         if step not in (GrammarStep.REJECTED, GrammarStep.OVER_BUDGET):
             return None
         constraint = self._grammar.constraints[ro.request_id]
@@ -46,7 +47,7 @@ class ConstrainedDecoding:
                        f"{self.config.grammar.grammar_token_budget_ms:g} ms (--grammar-token-budget-ms); simplify it")
         if not ro.finished:
             self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_ABORTED)
-        return self._ended_output(ro, "error", "constraint_error", message)
+        return self._ended_output(ro, FinishReason.ERROR, ErrorCode.CONSTRAINT_ERROR, message)
 
     def _end_rows_without_token(self, runner_out) -> list:
         """End the rows whose constraints together left no token to sample (their sampled id is meaningless)."""
@@ -63,7 +64,7 @@ class ConstrainedDecoding:
                                       ("min_tokens", request.num_output_tokens < p.min_tokens)) if on]
             self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             ended.append(self._ended_output(
-                request, "error", "constraint_error",
+                request, FinishReason.ERROR, ErrorCode.CONSTRAINT_ERROR,
                 f"no token satisfies {' and '.join(names) or 'the constraints'} at output token "
                 f"{request.num_output_tokens}: the constraints together allow nothing"))
         return ended

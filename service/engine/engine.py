@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
-from sluice.metrics.tracing import RequestTimeline, Timelines
+from sluice.metrics.tracing import Timelines
 from sluice.metrics.vllm_names import CacheConfigInfo
+from sluice.scheduling.outcomes import ErrorCode, FinishReason
 from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
@@ -25,34 +26,11 @@ from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarState
 from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
+from sluice.service.engine.outputs import EngineOutput
 
 logger = logging.getLogger("sluice.engine")
 
-
-@dataclass(slots=True)
-class EngineOutput:
-    """One step's news for one request."""
-
-    request_id: str
-    text: str  # new text since the previous output (stop strings cut, no broken UTF-8)
-    token_ids: list[int]  # new token ids
-    logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
-    stop_reason: int | str | None = None
-    # Why the engine ended it, when it was not the request's own stop: one of ERROR_CODES.
-    error_code: str | None = None
-    timeline: RequestTimeline | None = None  # on the final output: queue/prefill/decode times, span events
-
-
-# What the API maps to an HTTP status and a retry hint (service/api/api_server.py: ABORT_STATUS).
-# constraint_error: a constrained row that no token can continue, or whose grammar work passed its budget.
-ERROR_CODES = ("queue_timeout", "step_failed", "detokenize_failed", "shutdown", "engine_dead", "slow_reader",
-               "constraint_error")
+__all__ = ["Completion", "EngineOutput", "LLMEngine", "freeze_startup_objects"]
 
 
 @dataclass(slots=True)
@@ -63,7 +41,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -200,14 +178,6 @@ class LLMEngine(ConstrainedDecoding):
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if request_id in self.scheduler.requests or request_id in self._detokenizers:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
-            )
         if params.allowed_token_ids is not None:  # its mask, once: steps then cost one masked_fill_ (ValueError)
             mask = self._allowed_masks.get(params.allowed_token_ids)
             params = dataclasses.replace(params, disallowed_token_mask=mask)
@@ -220,7 +190,8 @@ class LLMEngine(ConstrainedDecoding):
         request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time)
         if params.structured_output is not None:
             self.compile_grammar(params.structured_output)  # before anything is queued: it may refuse it
-        self.scheduler.add_request(request)  # first: it may still refuse the request
+        # First: it owns the duplicate-id and context-length checks (RequestRejected, a ValueError).
+        self.scheduler.add_request(request)
         if params.structured_output is not None:
             self.grammar.add(request_id, params.structured_output)
         # An id aborted and added again: the old request's abort notice must not end the new one.
@@ -253,19 +224,7 @@ class LLMEngine(ConstrainedDecoding):
             return
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
-        self._pending_outputs.append(
-            EngineOutput(
-                request_id,
-                "",
-                [],
-                [],
-                True,
-                "abort",
-                request.num_prompt_tokens,
-                request.num_output_tokens,
-                max(request.num_cached_tokens, 0),
-            )
-        )
+        self._pending_outputs.append(EngineOutput.ended_from(request, FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits, runs, is swapped, or has an undelivered output."""
@@ -305,7 +264,7 @@ class LLMEngine(ConstrainedDecoding):
         outputs, self._pending_outputs = self._pending_outputs, []
         for request in self.scheduler.expire_waiting(time.monotonic()):
             outputs.append(self._ended_output(
-                request, "abort", "queue_timeout",
+                request, FinishReason.ABORT, ErrorCode.QUEUE_TIMEOUT,
                 f"the request waited more than {self.config.scheduler.max_queue_wait:g} s in the queue "
                 "(--max-queue-wait); the server is at capacity",
             ))
@@ -318,7 +277,7 @@ class LLMEngine(ConstrainedDecoding):
                 logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))
                 for request in self.scheduler.fail_step(sched_out):
                     outputs.append(self._ended_output(
-                        request, "error", "step_failed", f"engine step failed: {type(exc).__name__}"))
+                        request, FinishReason.ERROR, ErrorCode.STEP_FAILED, f"engine step failed: {type(exc).__name__}"))
             else:
                 outputs += self._end_rows_without_token(runner_out)
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
@@ -347,13 +306,10 @@ class LLMEngine(ConstrainedDecoding):
         if self._grammar is not None:
             self._grammar.remove(request_id)
 
-    def _ended_output(self, ro, reason: str, code: str, message: str) -> EngineOutput:
+    def _ended_output(self, ro, reason: FinishReason, code: ErrorCode, message: str) -> EngineOutput:
         """The final output of a request the engine ended (ro: a Request or RequestOutput)."""
         self._forget(ro.request_id)
-        return EngineOutput(
-            ro.request_id, "", [], [], True, reason, ro.num_prompt_tokens, ro.num_output_tokens,
-            max(ro.num_cached_tokens, 0), error=message, error_code=code,
-        )
+        return EngineOutput.ended_from(ro, reason, code, message)
 
     def _detokenize_or_fail(self, ro) -> EngineOutput:
         """Detokenize; a tokenizer failure ends that one request with an error instead of the engine loop."""
@@ -363,7 +319,8 @@ class LLMEngine(ConstrainedDecoding):
             logger.exception("detokenizing request %s failed", ro.request_id)
             if not ro.finished:
                 self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_ABORTED)
-            return self._ended_output(ro, "error", "detokenize_failed", f"detokenizing failed: {type(exc).__name__}")
+            return self._ended_output(ro, FinishReason.ERROR, ErrorCode.DETOKENIZE_FAILED,
+                                      f"detokenizing failed: {type(exc).__name__}")
 
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]
@@ -371,21 +328,11 @@ class LLMEngine(ConstrainedDecoding):
         finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
         if detok.stop_hit is not None and not finished:
             self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
-            finished, reason, stop_reason = True, "stop", detok.stop_hit
+            finished, reason, stop_reason = True, FinishReason.STOP, detok.stop_hit
         if finished:
             self._forget(ro.request_id)
-        return EngineOutput(
-            ro.request_id,
-            text,
-            ro.new_token_ids,
-            ro.logprobs,
-            finished,
-            reason,
-            ro.num_prompt_tokens,
-            ro.num_output_tokens,
-            ro.num_cached_tokens,
-            stop_reason=stop_reason,
-        )
+        return EngineOutput.tokens(ro.request_id, text, ro.new_token_ids, ro.logprobs, reason if finished else None,
+                                   ro.num_prompt_tokens, ro.num_output_tokens, ro.num_cached_tokens, stop_reason)
 
     # --- offline entry point -------------------------------------------------------------------
 
