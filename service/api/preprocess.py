@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -27,23 +26,19 @@ from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_compl
 from sluice.service.api.tool_parsers import ToolOutput
 from sluice.service.api.tools import ToolPlan, plan_tools, template_args
 from sluice.service.engine.async_engine import ModelInfo
+from sluice.service.engine.cpu import BACKGROUND_NICENESS, lower_priority
 
 MAX_BODY_DEPTH = 256  # JSON nesting of a whole body, far below Python's recursion limit; schemas have a lower one
 _PARAM_DEPTH = 4  # path components an error's `param` names: `tools[0].function.parameters`
-# The pool's threads run at this nice level. On a machine with as many busy cores as the step has threads, a
-# megabyte through the tokenizer at equal priority takes a core from the step's threads, and the step waits for
-# its slowest thread: every stream slows by more than the request's share. At +5 the kernel gives the step's
-# threads about three quarters of a shared core (CFS weights 1024 : 335) and the preparation still finishes.
-PREP_NICENESS = 5
 T = TypeVar("T")
 
 
 class Preprocessor:
     """A bounded pool for request preparation: `max_pending` calls queued or running, more get a 429."""
 
-    def __init__(self, max_workers: int = 2, max_pending: int = 64, niceness: int = PREP_NICENESS):
+    def __init__(self, max_workers: int = 2, max_pending: int = 64, niceness: int = BACKGROUND_NICENESS):
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sluice-prep",
-                                            initializer=_lower_priority, initargs=(niceness,))
+                                            initializer=lower_priority, initargs=(niceness,))
         self.max_pending = max_pending
         self._pending = 0
 
@@ -62,14 +57,6 @@ class Preprocessor:
     def shutdown(self) -> None:
         """Stop the pool's threads once their current work is done."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _lower_priority(niceness: int) -> None:
-    """Lower the calling thread's scheduling priority (Linux: nice is per thread); elsewhere a no-op."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
 
 
 # ---- the body ---------------------------------------------------------------------------------------

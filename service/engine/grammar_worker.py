@@ -7,8 +7,8 @@ ended by killing the process (grammar_compile.py). The child imports only xgramm
 from __future__ import annotations
 
 import json
-import os
 
+from sluice.service.engine.cpu import lower_priority
 from sluice.service.engine.grammar_checks import (
     TOO_COMPLEX,
     GrammarError,
@@ -70,17 +70,9 @@ def _check_accepts_something(xgr, compiled, param: str) -> None:
         raise GrammarError(f"{param} accepts no text at all: no output could satisfy it", param)
 
 
-# A compile is one request's work: at a lower CPU priority it takes at most about a quarter of a core that the
-# step's threads also want (CFS weights 1024 : 335), instead of half the machine on two cores.
-COMPILE_NICENESS = 5
-
-
 def serve(conn, tokenizer_info_json: str) -> None:
     """Child process main: answer (kind, spec, param) with ("ok", json), ("error", message, code) until EOF."""
-    try:
-        os.nice(COMPILE_NICENESS)
-    except OSError:
-        pass
+    lower_priority()  # a compile is one request's work: it must not take the step's cores at equal priority
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
