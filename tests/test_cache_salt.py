@@ -35,13 +35,9 @@ def test_the_api_takes_a_bounded_string():
 
 
 def test_tenants_with_different_salts_never_hit_each_others_prefix(model_dir):
-    from sluice.service.config import SluiceConfig
-    from sluice.service.engine.engine import LLMEngine
+    from tests._tiny import tiny_engine
 
-    config = SluiceConfig()
-    config.model.model, config.model.device, config.model.dtype = model_dir, "cpu", "float32"
-    config.cache.num_kv_blocks, config.cache.block_size = 64, 16
-    engine = LLMEngine(config)
+    engine = tiny_engine(model_dir, 64)
     prompt = "The capital of France is Paris. Hello world, how are you today? I am fine, thank you." * 2
 
     def cached(salt: str | None) -> int:

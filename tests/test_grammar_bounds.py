@@ -136,17 +136,10 @@ def test_the_cache_is_bounded_by_bytes(tok):
 # ---- the engine: impossible rows, min_tokens, the per-token budget -----------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from sluice.service.config import SluiceConfig
-    from sluice.service.engine.engine import LLMEngine
-    from tests._tiny import save_tiny_model
+def engine(model_dir):
+    from tests._tiny import tiny_engine
 
-    config = SluiceConfig()
-    config.model.model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-bounds-engine")))
-    config.model.device, config.model.dtype = "cpu", "float32"
-    config.cache.num_kv_blocks, config.cache.swap_space = 64, 0.01
-    config.scheduler.max_num_batched_tokens = 32
-    return LLMEngine(config)
+    return tiny_engine(model_dir, 64, max_num_batched_tokens=32)
 
 
 def run(engine, rid, params, others=None):
