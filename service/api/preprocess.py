@@ -136,12 +136,17 @@ class Prepared:
     choices: dict[str, Choice]
 
 
+def check_model(name, model: ModelInfo) -> None:
+    """404 unless the request names no model or the one served."""
+    if name is not None and name != model.served_model_name:
+        raise RequestError(f"the model '{name}' does not exist", "model", status=404, code="model_not_found")
+
+
 def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str) -> Prepared:
     """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
     body = load_body(raw)
     req = parse_chat(body) if chat else parse_completion(body)
-    if req.model is not None and req.model != model.served_model_name:
-        raise RequestError(f"the model '{req.model}' does not exist", "model", status=404, code="model_not_found")
+    check_model(req.model, model)
     tokenizer, max_len = model.tokenizer, model.max_model_len
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
     if chat:

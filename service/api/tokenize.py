@@ -11,7 +11,7 @@ from aiohttp import web
 
 from sluice.service.api.errors import RequestError
 from sluice.service.api.middlewares import STATE
-from sluice.service.api.preprocess import chat_prompt_ids, load_body
+from sluice.service.api.preprocess import chat_prompt_ids, check_model, load_body
 from sluice.service.api.protocol import parse_chat
 from sluice.service.engine.async_engine import ModelInfo
 
@@ -68,9 +68,7 @@ async def _state_and_body(request: web.Request):
 
 def _checked(raw: bytes, model: ModelInfo) -> dict:
     body = load_body(raw)
-    name = body.get("model")
-    if name is not None and name != model.served_model_name:
-        raise RequestError(f"the model '{name}' does not exist", "model", status=404, code="model_not_found")
+    check_model(body.get("model"), model)
     return body
 
 
