@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from sluice.knobs import knob
 
 AUTO = "auto"
-# vLLM's default host swap space on an accelerator.
+# vLLM's default host swap space on an accelerator; also the most 'auto' gives a CPU swap pool.
 CUDA_SWAP_SPACE_GIB = 4.0
+# The most an 'auto' KV cache takes on CPU, as vLLM's VLLM_CPU_KVCACHE_SPACE default: a default that leaves a
+# laptop usable. Larger caches are one flag away (--kv-cache-memory, --num-kv-blocks).
+CPU_KV_CACHE_GIB = 4.0
 
 
 def gib_or_auto(value: float | int | str) -> float | str:
@@ -38,9 +41,11 @@ class CacheConfig:
     num_kv_blocks: int = knob(0, "KV cache blocks on the device (0: derive from --kv-cache-memory).")
     kv_cache_memory: float | str = knob(
         AUTO,
-        "KV cache size in GiB on the device when --num-kv-blocks is 0; 'auto': on CPU half of the memory left after "
-        "loading the model (the smaller of the cgroup limit less the weights and MemAvailable), on CUDA "
-        "--gpu-memory-utilization of the device less the weights and the peak activations of the largest step.",
+        "KV cache size in GiB on the device when --num-kv-blocks is 0; 'auto': on CPU the smallest of "
+        f"{CPU_KV_CACHE_GIB:g} GiB, what --max-num-seqs sequences of the context length (--max-model-len, else the "
+        "model's) can use, and half of the memory left after loading the model (the smaller of the cgroup limit "
+        "less the weights and MemAvailable); on CUDA --gpu-memory-utilization of the device less the weights and "
+        "the peak activations of the largest step.",
         type=gib_or_auto,
     )
     gpu_memory_utilization: float = knob(
@@ -50,8 +55,9 @@ class CacheConfig:
     )
     swap_space: float | str = knob(
         AUTO,
-        "Host memory in GiB for swapped-out KV blocks (preemption mode 'swap'); 'auto': 0 on CPU, where the host "
-        f"pool would be the same RAM as the cache (preemption then recomputes), {CUDA_SWAP_SPACE_GIB:g} on CUDA.",
+        "Host memory in GiB for swapped-out KV blocks (preemption mode 'swap'); 'auto': on CPU 0 unless "
+        "--preemption-mode is swap (the host pool is the same RAM as the cache), then as large as the KV cache up "
+        f"to {CUDA_SWAP_SPACE_GIB:g} GiB; {CUDA_SWAP_SPACE_GIB:g} on CUDA.",
         type=gib_or_auto,
     )
     enable_prefix_caching: bool = knob(
@@ -90,9 +96,12 @@ class CacheConfig:
         except ValueError as e:
             raise ValueError(f"swap_space: {e}") from None
 
-    def swap_space_gib(self, device_type: str) -> float:
-        """Host swap pool size in GiB on this device: an explicit value as given, 'auto' resolved."""
+    def swap_space_gib(self, device_type: str, preemption_mode: str = "recompute", kv_cache_gib: float = 0) -> float:
+        """Host swap pool size in GiB on this device: an explicit value as given, 'auto' resolved (on CPU, a pool
+        only when preemption swaps, as large as the `kv_cache_gib` cache up to CUDA_SWAP_SPACE_GIB)."""
         value = gib_or_auto(self.swap_space)
         if value != AUTO:
             return value
-        return 0.0 if device_type == "cpu" else CUDA_SWAP_SPACE_GIB
+        if device_type != "cpu":
+            return CUDA_SWAP_SPACE_GIB
+        return min(kv_cache_gib, CUDA_SWAP_SPACE_GIB) if preemption_mode == "swap" else 0.0

@@ -41,6 +41,8 @@ except ImportError:  # pragma: no cover - torch too old
 Q_BLOCK = 128
 # Triton's dot needs tiles of at least 16: smaller engine blocks cannot be a KV tile on CUDA.
 MIN_CUDA_BLOCK_SIZE = 16
+# The KV tile when Inductor's own flex configs cannot be read (its internals moved): one every dtype fits.
+FALLBACK_BLOCK_N = 32
 
 
 def available(device: torch.device, block_size: int) -> bool:
@@ -177,6 +179,36 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=None)
 
 
+@lru_cache(maxsize=64)
+def kernel_options(block_size: int, dtype: torch.dtype, head_dim: int, prefill: bool) -> dict:
+    """CUDA kernel options whose tiles divide the BlockMask's (Q_BLOCK x block_size), which Inductor requires.
+
+    BLOCK_N (the KV tile): Inductor's default for this GPU, dtype and head size, shrunk to the block size (on an
+    H100/H200, bf16 with head_dim 64 defaults to 128 x 128 tiles: --block-size 64 would not compile). Both are
+    powers of two, so the smaller divides the larger; never larger than the default, so never more shared memory.
+    BLOCK_M (the query tile) is left to Inductor: the main kernel's defaults are powers of two up to 128, which
+    divide Q_BLOCK, and forcing it would also set the decoding kernel's tile. That kernel packs q_len x (query
+    heads per KV head) rows into BLOCK_M, which past Q_BLOCK divides nothing: prefill chunks (q_len > 1) are kept
+    on the main kernel, and decodes (q_len 1) on the decoding kernel."""
+    options: dict = {"BLOCK_N": min(block_size, _inductor_block_n(dtype, head_dim))}
+    if prefill:
+        options["FORCE_USE_FLEX_ATTENTION"] = True
+    return options
+
+
+def _inductor_block_n(dtype: torch.dtype, head_dim: int) -> int:
+    """The smallest KV tile among Inductor's flex configs (forward and decoding) for this shape on this GPU."""
+    try:
+        from torch._inductor.choices import InductorChoices
+
+        choices = InductorChoices()
+        tiles = [c.block_n for c in choices.get_flex_attention_fwd_configs(head_dim, dtype, "cuda")]
+        tiles += [c.block_n for c in choices.get_flex_decode_configs(head_dim, dtype, "cuda")]
+        return min(tiles)
+    except Exception:  # torch internals differ from 2.11's: a tile every dtype and head size fits
+        return FALLBACK_BLOCK_N
+
+
 def flex_paged_attention(query, key_cache, value_cache, groups: list[FlexGroup], block_size: int, scale: float,
                          window: int | None, softcap: float | None) -> torch.Tensor:
     """query [T, H, D] (new K/V already written) → output [T, H, D], one flex call per group."""
@@ -190,17 +222,17 @@ def flex_paged_attention(query, key_cache, value_cache, groups: list[FlexGroup],
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
     attend = _compiled_flex() if query.is_cuda else flex_attention
-    kernel_options = {"BLOCK_N": block_size} if query.is_cuda and block_size < 64 else None
     out = torch.empty_like(query) if len(groups) > 1 or groups[0].num_seqs * groups[0].q_len != len(query) else None
     for group in groups:
         mask = group.masks.get(window)
         if mask is None:
             mask = group.masks[window] = build_block_mask(group, num_physical, block_size, window)
         q = query[group.rows].view(group.num_seqs, group.q_len, num_heads, head_dim).transpose(1, 2)
+        options = kernel_options(block_size, query.dtype, head_dim, group.q_len > 1) if query.is_cuda else None
         with warnings.catch_warnings():  # off CUDA the unfused path is the point: no advice to compile it
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             o = attend(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
-                       enable_gqa=num_heads != num_kv_heads, kernel_options=kernel_options)
+                       enable_gqa=num_heads != num_kv_heads, kernel_options=options)
         o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
         if out is None:
             return o

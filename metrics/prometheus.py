@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -16,12 +17,15 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sluice.metrics.vllm_names import CacheConfigInfo, VllmNames
+from sluice.scheduling.outcomes import FinishReason
+
 if TYPE_CHECKING:  # annotations only: metrics must stay importable from anywhere without cycles
     from sluice.scheduling.output import SchedulerStats
     from sluice.scheduling.request import Request
 
 PREEMPTION_MODES = ("recompute", "swap")
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = tuple(r.value for r in FinishReason)  # "stop", "length", "abort", "error"
 # Bounded on purpose: a label value per client-supplied string would explode the series count.
 REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "not_found", "too_large", "draining", "unavailable")
 _REJECT_BY_STATUS = {400: "invalid", 401: "unauthorized", 403: "unauthorized", 404: "not_found", 405: "invalid",
@@ -51,70 +55,68 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(frozen=True, slots=True)
-class _Collectors:
-    """The metric families of one registry (labelled parents; children are per model_name)."""
+class MetricSpec:
+    """One metric family: everything its definition, its children and its per-step update are made from."""
 
-    free_blocks: Gauge
-    total_blocks: Gauge
-    usage: Gauge
-    free_host_blocks: Gauge
-    total_host_blocks: Gauge
-    waiting: Gauge
-    running: Gauge
-    swapped: Gauge
-    preemptions: Counter
-    prompt_tokens: Counter
-    generation_tokens: Counter
-    prefix_queries: Counter
-    prefix_hits: Counter
-    finished: Counter
-    rejected: Counter
-    ttft: Histogram
-    itl: Histogram
-    e2e: Histogram
-    queue_time: Histogram
-    prompt_len: Histogram
-    generation_len: Histogram
-    step_tokens: Histogram
-    step_requests: Histogram
-    step_duration: Histogram
+    field: str  # its key in the families and children (metrics/vllm_names.py reads the families by it)
+    kind: type  # Gauge, Counter or Histogram
+    name: str
+    help: str
+    label: str | None = None  # the one label besides model_name,
+    values: tuple[str, ...] = ()  # and its values: children made up front export 0 from the start
+    buckets: tuple[float, ...] | None = None
+    # The SchedulerStats field a step sets (gauge) or adds (counter); "{}" stands for the label's value.
+    stat: str | None = None
 
 
-def _define(r: CollectorRegistry) -> _Collectors:
-    """Register every Sluice metric family in `r`."""
-    return _Collectors(
-        free_blocks=Gauge("sluice_kv_cache_free_blocks", "KV cache blocks on the device that are free (cached-but-unreferenced blocks count as free).", _L, registry=r),
-        total_blocks=Gauge("sluice_kv_cache_total_blocks", "KV cache blocks on the device.", _L, registry=r),
-        usage=Gauge("sluice_kv_cache_usage_ratio", "Fraction of device KV cache blocks in use, 0 to 1.", _L, registry=r),
-        free_host_blocks=Gauge("sluice_swap_free_blocks", "Host-memory swap blocks that are free.", _L, registry=r),
-        total_host_blocks=Gauge("sluice_swap_total_blocks", "Host-memory swap blocks (0 when swap is off).", _L, registry=r),
-        waiting=Gauge("sluice_requests_waiting", "Requests waiting to be scheduled, including recompute-preempted ones.", _L, registry=r),
-        running=Gauge("sluice_requests_running", "Requests holding device KV blocks and being computed.", _L, registry=r),
-        swapped=Gauge("sluice_requests_swapped", "Requests whose KV cache is swapped out to host memory.", _L, registry=r),
-        preemptions=Counter("sluice_preemptions", "Running requests preempted for lack of KV cache blocks.", (*_L, "mode"), registry=r),
-        prompt_tokens=Counter("sluice_prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded).", _L, registry=r),
-        generation_tokens=Counter("sluice_generation_tokens", "Tokens generated.", _L, registry=r),
-        prefix_queries=Counter("sluice_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.", _L, registry=r),
-        prefix_hits=Counter("sluice_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", _L, registry=r),
-        finished=Counter("sluice_requests_finished", "Requests that ended, by finish reason.", (*_L, "finish_reason"), registry=r),
-        rejected=Counter("sluice_requests_rejected", "Requests refused before reaching the engine, by reason.", (*_L, "reason"), registry=r),
-        ttft=Histogram("sluice_time_to_first_token_seconds", "Time from arrival to the first generated token.", _L, registry=r, buckets=_LATENCY_BUCKETS),
-        itl=Histogram("sluice_inter_token_latency_seconds", "Time between consecutive generated tokens of one request.", _L, registry=r, buckets=_LATENCY_BUCKETS),
-        e2e=Histogram("sluice_e2e_request_latency_seconds", "Time from arrival to the end of a request.", _L, registry=r, buckets=_REQUEST_BUCKETS),
-        queue_time=Histogram("sluice_request_queue_time_seconds", "Time from arrival to first being scheduled.", _L, registry=r, buckets=_REQUEST_BUCKETS),
-        prompt_len=Histogram("sluice_request_prompt_tokens", "Prompt length of finished requests, in tokens.", _L, registry=r, buckets=_LENGTH_BUCKETS),
-        generation_len=Histogram("sluice_request_generation_tokens", "Generated length of finished requests, in tokens.", _L, registry=r, buckets=_LENGTH_BUCKETS),
-        step_tokens=Histogram("sluice_engine_step_tokens", "Tokens computed in one engine step (the batch size in tokens).", _L, registry=r, buckets=_STEP_TOKEN_BUCKETS),
-        step_requests=Histogram("sluice_engine_step_requests", "Requests computed in one engine step (the batch size in sequences).", _L, registry=r, buckets=_STEP_REQUEST_BUCKETS),
-        step_duration=Histogram("sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", _L, registry=r, buckets=_STEP_BUCKETS),
-    )
+def _spec(field, kind, name, help, stat=None, **kw) -> MetricSpec:
+    return MetricSpec(field, kind, name, help, stat=stat, **kw)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    _spec("free_blocks", Gauge, "sluice_kv_cache_free_blocks", "KV cache blocks on the device that are free (cached-but-unreferenced blocks count as free).", "num_free_blocks"),
+    _spec("total_blocks", Gauge, "sluice_kv_cache_total_blocks", "KV cache blocks on the device.", "num_total_blocks"),
+    _spec("usage", Gauge, "sluice_kv_cache_usage_ratio", "Fraction of device KV cache blocks in use, 0 to 1.", "kv_cache_usage"),
+    _spec("free_host_blocks", Gauge, "sluice_swap_free_blocks", "Host-memory swap blocks that are free.", "num_free_host_blocks"),
+    _spec("total_host_blocks", Gauge, "sluice_swap_total_blocks", "Host-memory swap blocks (0 when swap is off).", "num_total_host_blocks"),
+    _spec("waiting", Gauge, "sluice_requests_waiting", "Requests waiting to be scheduled, including recompute-preempted ones.", "num_waiting"),
+    _spec("running", Gauge, "sluice_requests_running", "Requests holding device KV blocks and being computed.", "num_running"),
+    _spec("swapped", Gauge, "sluice_requests_swapped", "Requests whose KV cache is swapped out to host memory.", "num_swapped"),
+    _spec("preemptions", Counter, "sluice_preemptions", "Running requests preempted for lack of KV cache blocks.", "num_preemptions_{}", label="mode", values=PREEMPTION_MODES),
+    _spec("prompt_tokens", Counter, "sluice_prompt_tokens", "Prompt tokens computed by prefill (prefix-cache hits excluded).", "num_prompt_tokens"),
+    _spec("generation_tokens", Counter, "sluice_generation_tokens", "Tokens generated.", "num_generation_tokens"),
+    _spec("prefix_queries", Counter, "sluice_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    _spec("prefix_hits", Counter, "sluice_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    _spec("finished", Counter, "sluice_requests_finished", "Requests that ended, by finish reason.", label="finish_reason", values=FINISH_REASONS),
+    _spec("rejected", Counter, "sluice_requests_rejected", "Requests refused before reaching the engine, by reason.", label="reason", values=REJECT_REASONS),
+    _spec("ttft", Histogram, "sluice_time_to_first_token_seconds", "Time from arrival to the first generated token.", buckets=_LATENCY_BUCKETS),
+    _spec("itl", Histogram, "sluice_inter_token_latency_seconds", "Time between consecutive generated tokens of one request.", buckets=_LATENCY_BUCKETS),
+    _spec("e2e", Histogram, "sluice_e2e_request_latency_seconds", "Time from arrival to the end of a request.", buckets=_REQUEST_BUCKETS),
+    _spec("queue_time", Histogram, "sluice_request_queue_time_seconds", "Time from arrival to first being scheduled.", buckets=_REQUEST_BUCKETS),
+    _spec("prompt_len", Histogram, "sluice_request_prompt_tokens", "Prompt length of finished requests, in tokens.", buckets=_LENGTH_BUCKETS),
+    _spec("generation_len", Histogram, "sluice_request_generation_tokens", "Generated length of finished requests, in tokens.", buckets=_LENGTH_BUCKETS),
+    # The step histograms: observed only for steps that computed tokens (observe_step).
+    _spec("step_tokens", Histogram, "sluice_engine_step_tokens", "Tokens computed in one engine step (the batch size in tokens).", "num_batched_tokens", buckets=_STEP_TOKEN_BUCKETS),
+    _spec("step_requests", Histogram, "sluice_engine_step_requests", "Requests computed in one engine step (the batch size in sequences).", "num_scheduled_requests", buckets=_STEP_REQUEST_BUCKETS),
+    _spec("step_duration", Histogram, "sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", "step_duration_s", buckets=_STEP_BUCKETS),
+)
+
+
+def _define(r: CollectorRegistry) -> SimpleNamespace:
+    """Register every family of METRICS in `r`; the result holds each by its field (labelled parents)."""
+    families = {}
+    for spec in METRICS:
+        labels = (*_L, spec.label) if spec.label else _L
+        kw = {"buckets": spec.buckets} if spec.buckets is not None else {}
+        families[spec.field] = spec.kind(spec.name, spec.help, labels, registry=r, **kw)
+    return SimpleNamespace(**families)
 
 
 # One set of families per registry, so that several SluiceMetrics (tests, two models) can share a registry.
-_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = weakref.WeakKeyDictionary()
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, SimpleNamespace] = weakref.WeakKeyDictionary()
 
 
-def _collectors(registry: CollectorRegistry) -> _Collectors:
+def _collectors(registry: CollectorRegistry) -> SimpleNamespace:
     """The families registered in `registry`, defining them on first use."""
     found = _by_registry.get(registry)
     if found is None:
@@ -122,84 +124,79 @@ def _collectors(registry: CollectorRegistry) -> _Collectors:
     return found
 
 
-class SluiceMetrics:
-    """Records engine and request events for one served model into a Prometheus registry."""
+_vllm_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, VllmNames] = weakref.WeakKeyDictionary()
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+
+def _vllm_names(registry: CollectorRegistry) -> VllmNames:
+    """The vLLM-names collector of `registry`, registering it on first use (only when a model asks for it)."""
+    found = _vllm_by_registry.get(registry)
+    if found is None:
+        found = _vllm_by_registry[registry] = VllmNames(_collectors(registry))
+        registry.register(found)
+    return found
+
+
+class SluiceMetrics:
+    """Records engine and request events for one served model into a Prometheus registry.
+
+    `vllm_names` (the cache's configuration) also exports the model's series under vLLM's metric names, read
+    from the same families at scrape time (metrics/vllm_names.py).
+    """
+
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry = REGISTRY, vllm_names: CacheConfigInfo | None = None
+    ) -> None:
         c = _collectors(registry)
+        if vllm_names is not None:
+            _vllm_names(registry).add_model(model_name, vllm_names)
         self.registry = registry
         self.model_name = model_name
-        m = model_name
-        self._free_blocks = c.free_blocks.labels(m)
-        self._total_blocks = c.total_blocks.labels(m)
-        self._usage = c.usage.labels(m)
-        self._free_host_blocks = c.free_host_blocks.labels(m)
-        self._total_host_blocks = c.total_host_blocks.labels(m)
-        self._waiting = c.waiting.labels(m)
-        self._running = c.running.labels(m)
-        self._swapped = c.swapped.labels(m)
-        # Children made up front export 0 from the start, so rate() sees the first increment.
-        self._preemptions = {mode: c.preemptions.labels(m, mode) for mode in PREEMPTION_MODES}
-        self._prompt_tokens = c.prompt_tokens.labels(m)
-        self._generation_tokens = c.generation_tokens.labels(m)
-        self._prefix_queries = c.prefix_queries.labels(m)
-        self._prefix_hits = c.prefix_hits.labels(m)
-        self._finished = {reason: c.finished.labels(m, reason) for reason in FINISH_REASONS}
-        self._rejected = {reason: c.rejected.labels(m, reason) for reason in REJECT_REASONS}
-        self._ttft = c.ttft.labels(m)
-        self._itl = c.itl.labels(m)
-        self._e2e = c.e2e.labels(m)
-        self._queue_time = c.queue_time.labels(m)
-        self._prompt_len = c.prompt_len.labels(m)
-        self._generation_len = c.generation_len.labels(m)
-        self._step_tokens = c.step_tokens.labels(m)
-        self._step_requests = c.step_requests.labels(m)
-        self._step_duration = c.step_duration.labels(m)
+        # One child per model (a dict of them per label value for a labelled family).
+        self._c: dict = {
+            spec.field: ({v: getattr(c, spec.field).labels(model_name, v) for v in spec.values} if spec.label
+                         else getattr(c, spec.field).labels(model_name))
+            for spec in METRICS
+        }
+        # What a step writes: (child.set or child.inc, stats field) for the gauges and counters the stats feed.
+        self._per_step = [
+            (child.set if spec.kind is Gauge else child.inc, spec.stat.format(v))
+            for spec in METRICS if spec.stat is not None and spec.kind is not Histogram
+            for v, child in (self._c[spec.field].items() if spec.label else [("", self._c[spec.field])])
+        ]
+        self._step_histograms = [(self._c[spec.field].observe, spec.stat) for spec in METRICS
+                                 if spec.stat is not None and spec.kind is Histogram]
         self._tracked: dict[str, _Timing] = {}  # request_id -> timing state, dropped at the finish
 
     def observe_step(self, stats: SchedulerStats) -> None:
         """Set the gauges to the state after a step and add the step's counter increments."""
-        self._free_blocks.set(stats.num_free_blocks)
-        self._total_blocks.set(stats.num_total_blocks)
-        self._usage.set(stats.kv_cache_usage)
-        self._free_host_blocks.set(stats.num_free_host_blocks)
-        self._total_host_blocks.set(stats.num_total_host_blocks)
-        self._waiting.set(stats.num_waiting)
-        self._running.set(stats.num_running)
-        self._swapped.set(stats.num_swapped)
-        self._preemptions["recompute"].inc(stats.num_preemptions_recompute)
-        self._preemptions["swap"].inc(stats.num_preemptions_swap)
-        self._prompt_tokens.inc(stats.num_prompt_tokens)
-        self._generation_tokens.inc(stats.num_generation_tokens)
-        self._prefix_queries.inc(stats.prefix_cache_queries)
-        self._prefix_hits.inc(stats.prefix_cache_hits)
+        for write, stat in self._per_step:
+            write(getattr(stats, stat))
         if stats.num_batched_tokens:  # a step that only swapped or idled says nothing about batch size
-            self._step_tokens.observe(stats.num_batched_tokens)
-            self._step_requests.observe(stats.num_scheduled_requests)
-            self._step_duration.observe(stats.step_duration_s)
+            for observe, stat in self._step_histograms:
+                observe(getattr(stats, stat))
 
     def observe_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's time to first token and the time it spent queued before its first step."""
-        self._ttft.observe(ttft_s)
-        self._queue_time.observe(queue_s)
+        self._c["ttft"].observe(ttft_s)
+        self._c["queue_time"].observe(queue_s)
 
     def observe_token_latency(self, itl_s: float) -> None:
         """Record the gap between two consecutive tokens of one request."""
-        self._itl.observe(itl_s)
+        self._c["itl"].observe(itl_s)
 
     def observe_finished(self, finish_reason: str, e2e_s: float, prompt_tokens: int, generation_tokens: int) -> None:
         """Record a request that ended (stop, length, abort or error)."""
-        counter = self._finished.get(finish_reason)
+        counter = self._c["finished"].get(finish_reason)
         if counter is None:
             raise ValueError(f"unknown finish_reason {finish_reason!r}; expected one of {FINISH_REASONS}")
         counter.inc()
-        self._e2e.observe(e2e_s)
-        self._prompt_len.observe(prompt_tokens)
-        self._generation_len.observe(generation_tokens)
+        self._c["e2e"].observe(e2e_s)
+        self._c["prompt_len"].observe(prompt_tokens)
+        self._c["generation_len"].observe(generation_tokens)
 
     def observe_rejected(self, reason: str) -> None:
         """Record a request refused before admission (see REJECT_REASONS)."""
-        counter = self._rejected.get(reason)
+        counter = self._c["rejected"].get(reason)
         if counter is None:
             raise ValueError(f"unknown reject reason {reason!r}; expected one of {REJECT_REASONS}")
         counter.inc()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sluice.scheduling.outcomes import FinishReason
 from sluice.scheduling.sampling_params import SamplingParams
 
 
@@ -136,7 +137,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0

@@ -7,6 +7,7 @@ import itertools
 import time
 
 from sluice.kvcache.hashing import BlockHash, hash_block_tokens
+from sluice.scheduling.outcomes import FinishReason
 from sluice.scheduling.sampling_params import SamplingParams
 
 _arrival_seq = itertools.count()
@@ -30,16 +31,16 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         """OpenAI's finish_reason for a terminal status (None while unfinished)."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -125,7 +126,10 @@ class Request:
         while (len(hashes) + 1) * block_size <= len(self.all_token_ids):
             start = len(hashes) * block_size
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + block_size]))
+            # The salt enters the first block only: the chain carries it into every later hash.
+            salt = self.sampling_params.cache_salt if not hashes else None
+            extra = salt.encode("utf-8", "surrogatepass") if salt else b""
+            hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + block_size], extra))
 
     def __repr__(self) -> str:
         return (

@@ -48,9 +48,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers/vLLM: over prompt and output, logit / p if > 0 else logit * p
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # allowed_token_ids as a [vocab] bool device tensor, True where a token is NOT allowed: built once by the engine
+    # at admission (service/engine/logits_controls.py: AllowedMasks) and shared by the requests of one list.
+    disallowed_token_mask: object | None = field(default=None, repr=False, compare=False)
     bad_words: list[str] = field(default_factory=list)  # never generate these (as text)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # their tokenizations (the engine fills)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # Not a sampling choice but a request option carried with them (vLLM's `cache_salt`): requests share cached
+    # prefix blocks only when their salts are equal, so one tenant's prompts never warm another's cache.
+    cache_salt: str | None = None
 
     @property
     def has_logit_controls(self) -> bool:

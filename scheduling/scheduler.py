@@ -8,6 +8,7 @@ import time
 
 from sluice.kvcache.manager import KVCacheManager, cdiv
 from sluice.scheduling.config import SchedulerConfig
+from sluice.scheduling.outcomes import ErrorCode, RequestRejected
 from sluice.scheduling.output import (
     ModelRunnerOutput,
     RequestOutput,
@@ -55,14 +56,16 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request; ValueError for a duplicate id or one that could never fit in the KV cache."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestRejected(f"request id {request.request_id!r} is already in use",
+                                  ErrorCode.DUPLICATE_REQUEST_ID)
         needed = request.num_tokens + request.sampling_params.max_tokens
         if needed > self.max_model_len:
             capacity = self.kv.num_blocks * self.block_size
             what = (f"the KV cache holds {capacity} tokens" if self.max_model_len == capacity
                     else f"max_model_len is {self.max_model_len}")
-            raise ValueError(f"the request needs up to {needed} tokens ({request.num_tokens} in the prompt, "
-                             f"max_tokens {request.sampling_params.max_tokens}) but {what}")
+            raise RequestRejected(f"the request needs up to {needed} tokens ({request.num_tokens} in the prompt, "
+                                  f"max_tokens {request.sampling_params.max_tokens}) but {what}",
+                                  ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         request.update_block_hashes(self.block_size)
         self.requests[request.request_id] = request
         self.waiting.push(request)

@@ -120,7 +120,7 @@ async def serve(config: SluiceConfig) -> int:
         await runner.cleanup()
         return 1
     engine = load.result()
-    await state.preprocessor.run(max_token_bytes, engine.engine.tokenizer)  # the prompt bound, before any request
+    await state.preprocessor.run(max_token_bytes, engine.model.tokenizer)  # the prompt bound, before any request
     freeze_startup_objects()
     engine.start()
     state.engine = engine

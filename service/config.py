@@ -80,11 +80,53 @@ class ServerConfig:
         262144, "Kernel send buffer in bytes per SSE stream: bounds what a client that stops reading holds (0: OS)."
     )
     log_level: str = knob("info", "Log level: debug, info, warning, error.")
+    vllm_metric_names: bool = knob(
+        False, "Also export the metrics under vLLM's names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+        "vllm:lora_requests_info, vllm:cache_config_info, ...), same values, for the Kubernetes inference "
+        "gateway's endpoint picker and vLLM dashboards."
+    )
+    otlp_traces_endpoint: str = knob(
+        "", "OTLP/HTTP endpoint that receives one OpenTelemetry span per engine request, e.g. "
+        "http://collector:4318/v1/traces (empty: tracing off). Needs `pip install 'sluice[otel]'`."
+    )
     tool_call_parser: str = knob(
         "auto", "How free ('auto') tool calls are read from a model whose chat template renders tools: 'auto' "
         "(detected from the template), 'hermes', 'llama3_json', 'mistral', 'json'.",
         choices=["auto", "hermes", "llama3_json", "mistral", "json"],
     )
+
+
+@dataclass(slots=True)
+class GrammarConfig:
+    """Bounds on the work structured outputs can ask for: compiles, the compiled-grammar cache, per-token masks."""
+
+    grammar_compile_timeout: float = knob(
+        5.0, "Seconds one grammar compile (schema, regex, EBNF, choice list, tool set) may take; past it the "
+        "compile process is killed and the request gets a 400 grammar_too_complex."
+    )
+    grammar_compile_workers: int = knob(2, "Child processes compiling grammars (started on demand).")
+    grammar_compile_queue: int = knob(
+        32, "Distinct grammar compiles allowed to wait for a worker; past it new ones get 429."
+    )
+    grammar_max_bytes: int = knob(
+        256 * 1024, "Largest constraint text compiled, in bytes (a tool set's combined schema included)."
+    )
+    grammar_cache_bytes: int = knob(
+        256 << 20, "Bytes of compiled grammars kept (least recently used dropped first); a grammar that alone "
+        "compiles to more is refused."
+    )
+    grammar_token_budget_ms: float = knob(
+        20.0, "Milliseconds of grammar work (mask fill plus advance) one constrained row may take per token; a "
+        "row over it on 3 tokens in a row ends with error code constraint_error, the others go on."
+    )
+
+    def validate(self) -> None:
+        """Raise ValueError on a bound that cannot work."""
+        if self.grammar_compile_timeout <= 0 or self.grammar_token_budget_ms <= 0:
+            raise ValueError("grammar_compile_timeout and grammar_token_budget_ms must be positive")
+        if min(self.grammar_compile_workers, self.grammar_compile_queue, self.grammar_max_bytes,
+               self.grammar_cache_bytes) < 1:
+            raise ValueError("grammar_compile_workers, _queue, grammar_max_bytes and _cache_bytes must be >= 1")
 
 
 @dataclass(slots=True)
@@ -95,6 +137,7 @@ class SluiceConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
     def validate(self) -> None:
         """Raise ValueError on an inconsistent configuration."""
@@ -102,6 +145,7 @@ class SluiceConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.model.quantization!r}")
         self.cache.validate()
         self.scheduler.validate()
+        self.grammar.validate()
 
 
 # ---- command-line flags and environment variables (`sluice serve`, `sluice bench offline`)

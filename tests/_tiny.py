@@ -54,3 +54,17 @@ def save_tiny_model(path: str) -> str:
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def tiny_engine(model_dir: str, num_kv_blocks: int, **scheduler):
+    """An LLMEngine on the tiny model saved at `model_dir`: fp32 on CPU, `num_kv_blocks` device blocks, a small
+    host swap pool, and the given SchedulerConfig fields."""
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+
+    config = SluiceConfig()
+    config.model.model, config.model.device, config.model.dtype = model_dir, "cpu", "float32"
+    config.cache.num_kv_blocks, config.cache.swap_space = num_kv_blocks, 0.01
+    for name, value in scheduler.items():
+        setattr(config.scheduler, name, value)
+    return LLMEngine(config)

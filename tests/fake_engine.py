@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from sluice.service.engine.engine import EngineOutput
+from sluice.scheduling.outcomes import FinishReason
+from sluice.service.engine.outputs import EngineOutput
 
 
 class FakeEngine:
@@ -25,7 +26,7 @@ class FakeEngine:
         self.threads: set[int] = set()
         self.step_delay, self.fail_at_step, self.steps = step_delay, fail_at_step, 0
 
-    def add_request(self, rid, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, rid, prompt, params, priority=0, arrival_time=None, trace_headers=None):
         self.threads.add(threading.get_ident())
         if self.add_error is not None:
             raise self.add_error
@@ -38,7 +39,7 @@ class FakeEngine:
         self.threads.add(threading.get_ident())
         if self.requests.pop(rid, None) is not None:
             self.aborted.append(rid)
-            self.pending.append(EngineOutput(rid, "", [], [], True, "abort", 0, 0, 0))
+            self.pending.append(EngineOutput.ended(rid, FinishReason.ABORT))
 
     def has_unfinished_requests(self):
         return bool(self.requests or self.pending)
@@ -53,11 +54,12 @@ class FakeEngine:
         for rid, st in list(self.requests.items()):
             st[0] += 1
             if st[0] == self.error_at_token:
-                outs.append(EngineOutput(rid, "", [], [], True, "error", st[2], st[0], 0, error="RuntimeError: CUDA"))
+                outs.append(EngineOutput.ended(rid, FinishReason.ERROR, message="RuntimeError: CUDA",
+                                               num_prompt_tokens=st[2], num_output_tokens=st[0]))
                 del self.requests[rid]
                 continue
             done = st[0] >= st[1]
-            outs.append(EngineOutput(rid, "x", [7], [], done, "length" if done else None, st[2], st[0], 0))
+            outs.append(EngineOutput.tokens(rid, "x", [7], [], FinishReason.LENGTH if done else None, st[2], st[0], 0))
             if done:
                 del self.requests[rid]
         return outs

@@ -25,3 +25,22 @@ def test_release_freed_memory_runs_here():
 
     if platform.libc_ver()[0] == "glibc":
         assert release_freed_memory() is True
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
+    import os
+    import time
+
+    from sluice.service.engine.cpu_ops import wait_for_build_lock
+
+    lock = tmp_path / "lock"
+    wait_for_build_lock(lock)  # no lock: nothing to wait for
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    wait_for_build_lock(lock, stale_after=600)
+    assert not lock.exists()
+    lock.touch()  # a fresh lock: a builder is at work, so it is waited on until it goes
+    started = time.monotonic()
+    wait_for_build_lock(lock, stale_after=0.3, poll=0.05)
+    assert 0.25 < time.monotonic() - started < 5 and not lock.exists()

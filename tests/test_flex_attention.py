@@ -195,3 +195,58 @@ def test_block_masks_are_exact_where_the_kernel_skips_mask_mod(window, block_siz
                         pos_q = seq_lens[i] - group.q_len + q
                         expected[q, p * block_size + o] = pos_k <= pos_q and (window is None or pos_k > pos_q - window)
             assert torch.equal(got[b], expected), (i, seqs[i])
+
+
+# --- CUDA kernel options, checked on CPU against Inductor's own default configs -----------------------------
+
+
+@pytest.fixture
+def gpu_capability(monkeypatch):
+    """Inductor's CUDA config tables, read on CPU by faking the device capability they are keyed by."""
+    from torch._inductor.choices import InductorChoices
+
+    def use(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        flex.kernel_options.cache_clear()
+        return InductorChoices()
+
+    yield use
+    flex.kernel_options.cache_clear()
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_kernel_tiles_divide_the_block_mask_tiles(gpu_capability, capability, dtype, head_dim):
+    """Inductor's check ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N") for every block size."""
+    choices = gpu_capability(capability)
+    fwd = choices.get_flex_attention_fwd_configs(head_dim, dtype, "cuda")
+    decode = choices.get_flex_decode_configs(head_dim, dtype, "cuda")
+    for block_size in (16, 32, 64, 128, 256):
+        for prefill in (True, False):
+            options = flex.kernel_options(block_size, dtype, head_dim, prefill)
+            assert options.get("FORCE_USE_FLEX_ATTENTION", False) == prefill  # prefill: never the decoding kernel
+            for conf in fwd:
+                block_n, block_m = options.get("BLOCK_N", conf.block_n), options.get("BLOCK_M", conf.block_m)
+                assert block_size % block_n == 0 and flex.Q_BLOCK % block_m == 0
+                assert block_n <= conf.block_n  # never a wider tile than Inductor's: no more shared memory
+            for conf in decode:
+                assert block_size % options["BLOCK_N"] == 0 and options["BLOCK_N"] <= conf.block_n
+
+
+def test_h200_bf16_head_64_block_64_is_what_failed(gpu_capability):
+    """Inductor's H100/H200 default for bf16, head_dim 64 is a 128 x 128 tile: block size 64 needs BLOCK_N 64."""
+    (default,) = gpu_capability((9, 0)).get_flex_attention_fwd_configs(64, torch.bfloat16, "cuda")
+    assert (default.block_m, default.block_n) == (128, 128) and 64 % default.block_n != 0
+    tiles = {bs: flex.kernel_options(bs, torch.bfloat16, 64, True)["BLOCK_N"] for bs in (16, 32, 64, 128, 256)}
+    assert tiles == {16: 16, 32: 32, 64: 64, 128: 64, 256: 64}  # 64: the decoding kernel's default tile
+
+
+def test_kernel_options_fall_back_to_a_small_tile_when_inductor_cannot_say(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: 1 / 0)
+    flex.kernel_options.cache_clear()
+    try:
+        assert {bs: flex.kernel_options(bs, torch.bfloat16, 64, False) for bs in (16, 64, 256)} == {
+            16: {"BLOCK_N": 16}, 64: {"BLOCK_N": flex.FALLBACK_BLOCK_N}, 256: {"BLOCK_N": flex.FALLBACK_BLOCK_N}}
+    finally:
+        flex.kernel_options.cache_clear()

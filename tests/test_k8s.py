@@ -1,5 +1,5 @@
 """The Kubernetes manifests: schema-valid, rendered overlays consistent, generated copies in sync, and the
-autoscalers scaling on a metric that Sluice really exports."""
+autoscalers and the inference gateway's endpoint picker reading metrics that Sluice really exports."""
 
 from __future__ import annotations
 
@@ -17,12 +17,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.metrics import gen_k8s
 from sluice.metrics.prometheus import SluiceMetrics, render_latest
+from sluice.metrics.vllm_names import CacheConfigInfo
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # oldest supported, newest known
 CRD_SCHEMAS = yaml.safe_load((K8S / "crd-schemas.yaml").read_text())
-OVERLAYS = ("cpu", "gpu", "gpu+keda")
+# Overlay -> the device its Sluice pods run on; "gpu+keda" is the gpu overlay with the KEDA component added.
+DEVICE = {"cpu": "cpu", "gpu": "gpu", "gpu+keda": "gpu", "inference-gateway": "gpu"}
+OVERLAYS = tuple(DEVICE)
+# What the endpoint picker (Gateway API Inference Extension v1.x) reads when run with its built-in configuration,
+# as its core metrics extractor defines them: queue, running, KV use (0..1), LoRA info (labels), cache info.
+EPP_DEFAULT_METRICS = {
+    "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+    "vllm:lora_requests_info", "vllm:cache_config_info",
+}
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -46,7 +55,7 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
         f.write("components:\n  - ../../components/keda\n")
     out = {}
     for name in OVERLAYS:
-        root = K8S if name in ("cpu", "gpu") else copy
+        root = copy if "+" in name else K8S
         path = root / "overlays" / name.split("+")[0]
         done = subprocess.run([*cmd, str(path)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
@@ -54,10 +63,14 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     return out
 
 
-def by_kind(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+def by_kind(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
+
+
+def sluice_deployment(docs: list[dict]) -> dict:
+    return by_kind(docs, "Deployment", "sluice")
 
 
 def raw_manifests() -> list[tuple[Path, dict]]:
@@ -86,10 +99,10 @@ def validate(doc: dict) -> None:
             assert isinstance(v, str), f"{doc['kind']} {key} {k} must be a string"
 
 
-def exported_metric_names() -> set[str]:
-    """Sample names `/metrics` exposes, as prometheus_client renders them."""
+def exported_metric_names(vllm_names: bool = False) -> set[str]:
+    """Sample names `/metrics` exposes, as prometheus_client renders them (with --vllm-metric-names or not)."""
     reg = CollectorRegistry()
-    SluiceMetrics("m", reg)
+    SluiceMetrics("m", reg, vllm_names=CacheConfigInfo(16, True) if vllm_names else None)
     body, _ = render_latest(reg)
     return {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
 
@@ -148,7 +161,7 @@ def env(c: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_deployment_probes_shutdown_security_and_resources(rendered, overlay):
-    dep = by_kind(rendered[overlay], "Deployment")
+    dep = sluice_deployment(rendered[overlay])
     pod = dep["spec"]["template"]["spec"]
     c = container(dep)
     assert c["startupProbe"]["httpGet"]["path"] in ("/ready", "/health")
@@ -173,12 +186,12 @@ def test_deployment_probes_shutdown_security_and_resources(rendered, overlay):
 
     res = c["resources"]
     assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"])
-    if overlay.startswith("gpu"):
+    if DEVICE[overlay] == "gpu":
         assert res["limits"]["nvidia.com/gpu"] == "1" and env(c)["SLUICE_DEVICE"] == "cuda"
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     else:
         assert "nvidia.com/gpu" not in res["limits"] and env(c)["SLUICE_DEVICE"] == "cpu"
-    assert c["image"].endswith("-cuda" if overlay.startswith("gpu") else "-cpu")
+    assert c["image"].endswith("-cuda" if DEVICE[overlay] == "gpu" else "-cpu")
 
 
 def test_env_names_are_real_sluice_flags(rendered):
@@ -189,7 +202,7 @@ def test_env_names_are_real_sluice_flags(rendered):
 
     knobs = {f"SLUICE_{f.name.upper()}" for section in fields(SluiceConfig) for f in fields(section.default_factory)}
     for overlay in OVERLAYS:
-        names = {n for n in env(container(by_kind(rendered[overlay], "Deployment"))) if n.startswith("SLUICE_")}
+        names = {n for n in env(container(sluice_deployment(rendered[overlay]))) if n.startswith("SLUICE_")}
         assert names <= knobs, names - knobs
 
 
@@ -242,6 +255,79 @@ def test_autoscalers_scale_on_an_exported_metric(rendered):
     assert series in names, "the HPA and KEDA should scale on the same signal"
     # The same per-replica target either way.
     assert float(trigger["metadata"]["threshold"]) == float(metric["pods"]["target"]["averageValue"])
+
+
+# --- the inference gateway --------------------------------------------------------------------------------
+
+GATEWAY = K8S / "overlays" / "inference-gateway"
+
+
+def test_inference_gateway_wires_pool_picker_route_and_objective(rendered):
+    docs = rendered["inference-gateway"]
+    dep, pool = sluice_deployment(docs), by_kind(docs, "InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [container(dep)["ports"][0]["containerPort"]]
+
+    ref = pool["spec"]["endpointPickerRef"]
+    epp_svc = by_kind(docs, "Service", ref["name"])
+    epp = by_kind(docs, "Deployment", "sluice-epp")
+    (svc_port,) = [p for p in epp_svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    epp_ports = {p["name"]: p["containerPort"] for p in container(epp)["ports"]}
+    assert epp_ports[svc_port["targetPort"]] == 9002 and svc_port["appProtocol"] == "http2"
+    assert epp_svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    args = container(epp)["args"]
+    assert f"--pool-name={pool['metadata']['name']}" in args
+    assert container(epp)["image"].startswith("registry.k8s.io/gateway-api-inference-extension/epp:v")
+
+    sa = epp["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = by_kind(docs, "RoleBinding")
+    assert {"kind": "ServiceAccount", "name": sa, "namespace": "sluice"} in binding["subjects"]
+    by_kind(docs, "ServiceAccount", sa)
+    rules = by_kind(docs, "Role", binding["roleRef"]["name"])["rules"]
+    granted = {(g, r) for rule in rules if {"get", "list", "watch"} <= set(rule["verbs"])
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
+            ("inference.networking.x-k8s.io", "inferenceobjectives")} <= granted
+
+    route = by_kind(docs, "HTTPRoute")
+    backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "sluice"}]
+    assert by_kind(docs, "InferenceObjective")["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
+
+
+def test_endpoint_picker_reads_metrics_sluice_exports(rendered):
+    """The picker's metric names (its flags, else its vLLM defaults) are on /metrics as the overlay runs Sluice."""
+    docs = rendered["inference-gateway"]
+    args = container(by_kind(docs, "Deployment", "sluice-epp"))["args"]
+    flagged = {a.split("=", 1)[1].split("{")[0] for a in args if a.split("=")[0].endswith("-metric")}
+    reads = flagged or EPP_DEFAULT_METRICS
+    vllm_names = env(container(sluice_deployment(docs))).get("SLUICE_VLLM_METRIC_NAMES", "").lower() in ("1", "true")
+    exported = exported_metric_names(vllm_names)
+    assert reads <= exported, f"the endpoint picker reads {reads - exported}, which /metrics does not export"
+    assert not EPP_DEFAULT_METRICS & exported_metric_names(), "vLLM names leak out without the flag"
+
+
+def test_crd_schemas_reject_gateway_mistakes():
+    pool = yaml.safe_load((GATEWAY / "inferencepool.yaml").read_text())
+    validate(pool)
+    for mistake in (
+        lambda p: p["spec"].update(targetPortNumber=8000),  # the v1alpha2 spelling
+        lambda p: p["spec"]["endpointPickerRef"].pop("port"),  # a Service reference needs its port
+        lambda p: p["spec"]["endpointPickerRef"].update(failureMode="FailOpn"),
+        lambda p: p["spec"]["targetPorts"].append({"number": 70000}),
+    ):
+        bad = yaml.safe_load(yaml.safe_dump(pool))
+        mistake(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            validate(bad)
+    route = yaml.safe_load((GATEWAY / "httproute.yaml").read_text())
+    route["spec"]["rules"][0]["backendRefs"] = [{"name": "sluice"}]  # a Service backend without a port
+    with pytest.raises(jsonschema.ValidationError):
+        validate(route)
+    objective = yaml.safe_load((GATEWAY / "inferenceobjective.yaml").read_text())
+    objective["spec"]["criticality"] = "Critical"  # InferenceModel's field, gone from InferenceObjective
+    with pytest.raises(jsonschema.ValidationError):
+        validate(objective)
 
 
 # --- generated copies --------------------------------------------------------------------------------------

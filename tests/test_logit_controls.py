@@ -10,7 +10,7 @@ import torch
 
 from sluice.scheduling.output import ScheduledRequest
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.logits_controls import apply_logit_controls
+from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls, disallowed_mask
 
 V = 50
 
@@ -61,6 +61,8 @@ def test_batched_controls_equal_the_per_row_reference(seed):
         )
         prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 8))]
         output = [rng.randrange(V) for _ in range(rng.randrange(0, 8))]
+        if kind == 2 and rng.random() < 0.5:  # as admitted by the engine: with its mask (else built per step)
+            params.disallowed_token_mask = AllowedMasks(V, torch.device("cpu")).get(params.allowed_token_ids)
         requests.append(row(params, prompt, output))
     logits = torch.randn(len(requests), V, generator=torch.Generator().manual_seed(seed)) * 3
     want = torch.stack([reference(logits[i], r) for i, r in enumerate(requests)])
@@ -112,6 +114,20 @@ def test_allowed_token_ids_and_bad_words(engine):
     assert free.token_ids[0] not in r.token_ids[:1]
 
 
+def test_admission_builds_one_mask_per_allowed_list_and_refuses_ids_outside_the_vocabulary(engine):
+    allowed = list(range(40, 60)) * 3
+    params = SamplingParams(**GREEDY, allowed_token_ids=allowed)
+    for rid in ("m1", "m2"):
+        engine.add_request(rid, "Hello world", params)
+    masks = [engine.scheduler.requests[rid].sampling_params.disallowed_token_mask for rid in ("m1", "m2")]
+    assert masks[0] is masks[1] and masks[0].shape == (engine.vocab_size,) and int((~masks[0]).sum()) == 20
+    for rid in ("m1", "m2"):
+        engine.abort_request(rid)
+    engine.step()
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        engine.add_request("m3", "Hello world", SamplingParams(**GREEDY, allowed_token_ids=[1, engine.vocab_size]))
+
+
 def test_frequency_penalty_lowers_repetition(engine):
     def most_common_share(params):
         (r,) = engine.generate(["Hello Hello Hello Hello"], params)
@@ -129,3 +145,47 @@ def test_neutral_values_keep_greedy_output_identical(engine):
     neutral = engine.generate(prompts, SamplingParams(**GREEDY, presence_penalty=0.0, frequency_penalty=0.0,
                                                       repetition_penalty=1.0, logit_bias={}, bad_words=[]))
     assert [r.token_ids for r in base] == [r.token_ids for r in neutral]
+
+
+def test_no_host_writes_into_device_logits():
+    """Every control on meta logits (where a CUDA host sync shows up as a host write; tests/_host_writes.py)."""
+    from tests._host_writes import HostWrites
+
+    requests = [
+        row(SamplingParams(logit_bias={3: 5.0, 7: -2.0}), [1, 2], [3]),
+        row(SamplingParams(allowed_token_ids=[4, 5, 5, 9]), [1], []),
+        row(SamplingParams(allowed_token_ids=[4, 5, 5, 9]), [1], [4]),
+        row(SamplingParams(bad_words_token_ids=[[6], [2, 8]]), [1], [2]),
+        row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2), [1, 2], [2, 2]),
+        row(SamplingParams(), [1], []),
+    ]
+    logits = torch.empty(len(requests), V, device="meta")
+    with HostWrites() as writes:
+        apply_logit_controls(logits, requests)
+    assert writes.found == []
+
+
+def test_allowed_ids_mask_keeps_exactly_the_listed_tokens_across_rows_sharing_or_not_one_mask():
+    shared = [7, 3, 3, 49, 0, 7]  # duplicates change nothing
+    masks = AllowedMasks(V, torch.device("cpu"))
+    assert masks.get(shared) is masks.get(shared)  # one list object (an API call's n x prompts): one mask
+    allowed_ids = (~disallowed_mask(shared, V, torch.device("cpu"))).nonzero()[:, 0]
+    assert allowed_ids.tolist() == [0, 3, 7, 49]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        disallowed_mask([1, V], V, torch.device("cpu"))
+    other = [5]
+    requests = [row(SamplingParams(allowed_token_ids=shared, disallowed_token_mask=masks.get(shared)), [1], []),
+                row(SamplingParams(), [1], []),
+                row(SamplingParams(allowed_token_ids=other), [1], []),  # no mask: built for the step
+                row(SamplingParams(allowed_token_ids=shared, disallowed_token_mask=masks.get(shared)), [1], [])]
+    logits = torch.randn(4, V)
+    got = logits.clone()
+    apply_logit_controls(got, requests)
+    for i, keep in ((0, {0, 3, 7, 49}), (2, {5}), (3, {0, 3, 7, 49})):
+        assert {t for t in range(V) if got[i, t] > float("-inf")} == keep
+        assert torch.equal(got[i, sorted(keep)], logits[i, sorted(keep)])
+    assert torch.equal(got[1], logits[1])
+    # Every row constrained by one mask: the broadcast path.
+    got = logits.clone()
+    apply_logit_controls(got, [requests[0], requests[3]] * 2)
+    assert torch.equal(got > float("-inf"), (~masks.get(shared)).expand(4, V))

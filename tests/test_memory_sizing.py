@@ -36,13 +36,18 @@ def cli(argv: list[str]) -> SluiceConfig:
 # ---- swap space
 
 
-def test_swap_space_auto_is_zero_on_cpu_and_vllms_four_gib_on_cuda():
+def test_swap_space_auto_is_zero_on_cpu_unless_swapping_and_vllms_four_gib_on_cuda():
     cache = CacheConfig()
     assert cache.swap_space == "auto"
     assert cache.swap_space_gib("cpu") == 0.0 and cache.swap_space_gib("cuda") == 4.0
+    assert cache.swap_space_gib("cpu", "recompute", 2.0) == 0.0
+    # Asking for swap preemption gets a pool as large as the cache, up to vLLM's 4 GiB.
+    assert cache.swap_space_gib("cpu", "swap", 2.0) == 2.0 and cache.swap_space_gib("cpu", "swap", 11.2) == 4.0
+    assert cache.swap_space_gib("cuda", "swap", 11.2) == 4.0
     for explicit in (0.5, "0.5", 0, "0"):
-        assert CacheConfig(swap_space=explicit).swap_space_gib("cpu") == float(explicit)
-        assert CacheConfig(swap_space=explicit).swap_space_gib("cuda") == float(explicit)
+        for mode in ("recompute", "swap"):
+            assert CacheConfig(swap_space=explicit).swap_space_gib("cpu", mode, 2.0) == float(explicit)
+            assert CacheConfig(swap_space=explicit).swap_space_gib("cuda", mode, 2.0) == float(explicit)
 
 
 @pytest.mark.parametrize("bad", [-1.0, "lots", "-2", float("nan"), True, None])
@@ -62,28 +67,35 @@ def test_size_flags_take_a_number_or_auto(monkeypatch):
     assert gib_or_auto(" auto ") == "auto"
 
 
-def test_cpu_runner_gets_no_host_pool_by_default_and_keeps_an_explicit_one():
+def test_cpu_runner_gets_a_host_pool_only_when_swapping_and_keeps_an_explicit_one():
     model = tiny_model()
     runner = ModelRunner(model, CacheConfig(num_kv_blocks=8), "cpu", torch.float32, 64, 4)
     assert runner.num_host_blocks == 0 and runner.kv.host_num_bytes == 0
+    runner = ModelRunner(model, CacheConfig(num_kv_blocks=8), "cpu", torch.float32, 64, 4, preemption_mode="swap")
+    assert runner.num_host_blocks == 8 and runner.kv.host_num_bytes == runner.kv_cache_bytes
     runner = ModelRunner(model, CacheConfig(num_kv_blocks=8, swap_space=0.001), "cpu", torch.float32, 64, 4)
     assert runner.num_host_blocks > 0
 
 
-def test_swap_mode_without_host_blocks_says_it_recomputes(caplog):
+def swap_engine(swap_space):
     from sluice.service.engine.engine import LLMEngine
     from tests import _tiny
 
     cfg = SluiceConfig()
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
-    cfg.cache.num_kv_blocks = 16
+    cfg.cache.num_kv_blocks, cfg.cache.swap_space = 16, swap_space
     cfg.scheduler.preemption_mode = "swap"
     model = tiny_model()
     model.resize_token_embeddings(len(_tiny.tokenizer()))
-    with caplog.at_level(logging.INFO, logger="sluice.engine"):
-        engine = LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
-    assert engine.runner.num_host_blocks == 0
-    assert "falls back to recompute" in caplog.text
+    return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
+
+
+def test_swap_mode_gets_a_host_pool_by_default_or_refuses_to_start_without_one():
+    engine = swap_engine("auto")
+    assert engine.runner.num_host_blocks == 16 and engine.kv_stats()["total_host_blocks"] == 16
+    for none in (0, 1e-9):  # no pool, or one too small for a block: a start-up error that says why
+        with pytest.raises(ValueError, match="--preemption-mode swap needs a host swap pool.*--swap-space"):
+            swap_engine(none)
 
 
 # ---- KV cache size on CPU: cgroup limit / MemAvailable
@@ -193,8 +205,16 @@ def test_kv_cache_blocks_precedence(monkeypatch):
     assert kv_cache_blocks(model, CacheConfig(num_kv_blocks=7), cpu, shape, 64, 4) == (7, "--num-kv-blocks")
     n, source = kv_cache_blocks(model, CacheConfig(kv_cache_memory="0.002"), cpu, shape, 64, 4)
     assert (n, source) == (int(0.002 * GiB) // shape.block_bytes, "--kv-cache-memory 0.002 GiB")
+    # 'auto' on CPU: the smallest of 4 GiB, what the limits can use and half of what is left. Here the limits:
+    # 4 sequences x the model's 256 tokens (16 blocks each) = 64 blocks, or x the configured 64 tokens = 16.
     n, source = kv_cache_blocks(model, CacheConfig(), cpu, shape, 64, 4)
-    assert n == int(0.01 * GiB * 0.5) // shape.block_bytes and source.startswith("auto: 0.5 x")
+    assert n == 64 and source.startswith("auto: ") and source.split(",")[0].endswith("for 4 sequences x 256 tokens")
+    assert "--kv-cache-memory" in source and "--num-kv-blocks" in source  # how to raise it
+    n, source = kv_cache_blocks(model, CacheConfig(), cpu, shape, 64, 4, max_model_len=64)
+    assert n == 16 and "4 sequences x 64 tokens" in source
+    fake_host(monkeypatch, None, 0.0001)  # 105 KiB available: half of it
+    n, source = kv_cache_blocks(model, CacheConfig(), cpu, shape, 64, 4)
+    assert n == int(0.0001 * GiB * 0.5) // shape.block_bytes and source.startswith("auto: 0.5 x")
     fake_host(monkeypatch, 0.00005, 0.01)  # a 52 KiB cgroup: less than the weights
     assert model_weight_bytes(model) > 0.00005 * GiB
     with pytest.raises(ValueError, match="too small for a single block"):
@@ -398,3 +418,22 @@ def test_profile_forward_goes_through_the_runners_attention_backend(monkeypatch)
     assert seen == ["torch"] and len(calls) == 1
     # the forward wrote its 40 tokens' K/V into the scratch cache: the paged attention really ran
     assert all(k[:3].abs().sum() > 0 for k, _ in calls[0].kv_caches)
+
+
+def test_cpu_auto_leaves_a_laptop_usable():
+    """Issue 21: a 23 GB machine gave SmolLM2-135M an 11.2 GiB cache (half of MemAvailable); now 4 GiB at most."""
+    from sluice.service.engine.kv_sizing import KVBudget, KVShape, cpu_auto_budget
+
+    smollm2 = KVShape(30, 3, 64, 16, torch.float32)  # 46,080 bytes a token
+    left = KVBudget(int(11.2 * GiB), "auto: 0.5 x 22.40 GiB left, from MemAvailable")
+    b = cpu_auto_budget(left, smollm2, 64, 8192)  # 64 x 8192 tokens would take 22.5 GiB
+    assert b.num_bytes == 4 * GiB and b.source.startswith("auto: the CPU default 4 GiB, the smallest beside ")
+    assert "22.50 GiB for 64 sequences x 8192 tokens" in b.source and "0.5 x 22.40 GiB left" in b.source
+    assert b.source.endswith("raise it with --kv-cache-memory GiB or --num-kv-blocks N")
+    b = cpu_auto_budget(left, smollm2, 4, 2048)  # what the limits can use: 4 x 2048 tokens
+    assert b.num_bytes == 4 * 2048 * 46080 and b.source.startswith("auto: 360.0 MiB for 4 sequences x 2048 tokens")
+    small = KVBudget(GiB, "auto: 0.5 x 2.00 GiB left, from a cgroup")
+    b = cpu_auto_budget(small, smollm2, 64, 8192)  # a small machine: half of what is left, as before
+    assert b.num_bytes == GiB and b.source.startswith("auto: 0.5 x 2.00 GiB left")
+    # A context that is not a whole number of blocks still gets its last block.
+    assert cpu_auto_budget(left, smollm2, 1, 17).num_bytes == 2 * smollm2.block_bytes

@@ -122,7 +122,7 @@ BAD_COMPLETIONS = [
 
 def test_sampling_controls_are_parsed():
     p = parse_completion({"prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
-                          "logit_bias": {"7": -100, "9": 2.5}, "allowed_token_ids": [1, 2], "bad_words": ["no"],
+                          "logit_bias": {"7": -100, "9": 2.5}, "allowed_token_ids": [1, 2, 1, 2], "bad_words": ["no"],
                           "skip_special_tokens": False, "echo": True}).params
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.3)
     assert p.logit_bias == {7: -100.0, 9: 2.5} and p.allowed_token_ids == [1, 2] and p.bad_words == ["no"]

@@ -235,3 +235,18 @@ def test_cuda_sampler_syncs_once(monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     assert all(0 <= t < 32000 for t in out.token_ids)
     assert out.token_ids[7] == logits[7].argmax().item()  # greedy, min_tokens met
+
+
+def test_no_host_writes_into_device_logits(monkeypatch):
+    """min_tokens masking and the filters write no host scalar into device tensors (tests/_host_writes.py)."""
+    from sluice.service.engine import sampler
+    from tests._host_writes import HostWrites
+
+    monkeypatch.setattr(sampler, "read_back", lambda t: [0.0] * t.numel())
+    monkeypatch.setattr(sampler, "pools_allowed", lambda device: False)
+    logits = torch.empty(12, 1000, device="meta")
+    requests = mixed_batch(1000)
+    assert any(r.min_tokens_pending for r in requests)
+    with HostWrites() as writes:
+        sample(logits, requests)
+    assert writes.found == []

@@ -31,18 +31,10 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from sluice.service.config import SluiceConfig
-    from sluice.service.engine.engine import LLMEngine
-    from tests._tiny import save_tiny_model
+def engine(model_dir):
+    from tests._tiny import tiny_engine
 
-    config = SluiceConfig()
-    config.model.model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-grammar")))
-    config.model.device, config.model.dtype = "cpu", "float32"
-    config.cache.num_kv_blocks, config.cache.swap_space = 12, 0.01
-    config.scheduler.max_num_batched_tokens = 32
-    config.scheduler.preemption_mode = "swap"
-    return LLMEngine(config)
+    return tiny_engine(model_dir, 12, max_num_batched_tokens=32, preemption_mode="swap")
 
 
 def constrained(kind: str, spec: str = "", **kw) -> SamplingParams:

@@ -281,20 +281,42 @@ def test_parsers(parser, text, content, calls):
         assert c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) > 10
 
 
+def reassemble(chunks) -> list[dict]:
+    """Tool-call deltas joined by index as the openai client does; checks OpenAI's delta shapes on the way."""
+    calls: dict[int, dict] = {}
+    for _, deltas, _, _ in chunks:
+        for d in deltas or []:
+            if d["index"] not in calls:  # the first delta: id, type, name and empty arguments
+                assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["arguments"] == ""
+                calls[d["index"]] = {"function": {"name": d["function"]["name"], "arguments": ""}, "pieces": 0}
+            else:  # later ones: arguments only
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+                calls[d["index"]]["pieces"] += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
+
+
+def stream_pieces(parser: str, pieces: list[str], reason: str = "stop") -> list:
+    tools = ToolOutput(parser)
+    outs = [SimpleNamespace(text=p, logprobs=[], finished=False, finish_reason=None) for p in pieces]
+    outs[-1].finished, outs[-1].finish_reason = True, reason
+    return [c for out in outs for c in stream_deltas(tools, out)]
+
+
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_streamed_pieces_reassemble_to_the_same_reply(parser, text, content, calls, piece):
-    tools = ToolOutput(parser)
-    outs = [SimpleNamespace(text=text[i:i + piece], logprobs=[], finished=False, finish_reason=None)
-            for i in range(0, len(text), piece)]
-    outs[-1].finished, outs[-1].finish_reason = True, "stop"
-    chunks = [c for out in outs for c in stream_deltas(tools, out)]
+    chunks = stream_pieces(parser, [text[i:i + piece] for i in range(0, len(text), piece)])
     streamed = "".join(text for text, _, _, _ in chunks)
-    deltas = [d for _, ds, _, _ in chunks if ds for d in ds]
     assert streamed.strip() == content
-    assert _simple([{"function": d["function"]} for d in deltas]) == calls
-    assert [d["index"] for d in deltas] == list(range(len(calls)))
+    got = reassemble(chunks)
+    assert _simple(got) == calls
+    whole = parse(text, parser).calls  # the arguments text itself is the finished reply's
+    assert [c["function"]["arguments"] for c in got] == [c["function"]["arguments"] for c in whole]
     assert chunks[-1][2] == ("tool_calls" if calls else "stop")
+    if piece == 1 and calls and '"tool_calls"' not in text:  # name first, then arguments as they are generated
+        assert all(c["pieces"] > 1 for c in got)
     if parser in ("hermes", "mistral") and calls:  # nothing of the markup leaks into the content
         assert "<tool_call>" not in streamed and "[TOOL_CALLS]" not in streamed
 
@@ -312,3 +334,22 @@ def test_a_constrained_text_answer_streams_as_it_is_decoded(piece):
     assert "".join(p for ps in pieces for p in ps) == answer
     assert sum(len(ps) for ps in pieces[: len(pieces) // 2]) > 0  # the first half streamed before the end
     assert parse(text, "constrained").content == answer
+
+
+def test_tool_schemas_are_meta_checked_fast_and_never_fetch_an_unknown_schema_url():
+    import time
+
+    from sluice.service.api.errors import RequestError
+    from sluice.service.api.tools import _check_schema
+
+    props = {f"p{i}": {"type": "string", "description": "d" * 30} for i in range(100)}
+    started = time.perf_counter()
+    for _ in range(128):
+        _check_schema({"type": "object", "properties": props}, "tools[0].function.parameters")
+    assert time.perf_counter() - started < 1.0  # the pure-Python validator took ~2 s here
+    _check_schema({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object"}, "p")
+    for bad in ({"$schema": "http://169.254.169.254/latest", "type": "object"},
+                {"type": "object", "properties": {"a": {"type": "strin"}}}):
+        with pytest.raises(RequestError) as e:
+            _check_schema(bad, "tools[0].function.parameters")
+        assert e.value.param == "tools[0].function.parameters" and e.value.status == 400

@@ -325,3 +325,132 @@ async def test_smollm2_auto_round_trip(smol):
                                                 max_tokens=200)
         assert (content, calls, finish) == (answer.message.content, [], "stop")
     await wait_idle(smol)
+
+
+# --- max_tokens, streamed pieces, hostile output (issue 21) ---------------------------------------------------
+
+
+async def raw_stream(srv, body: dict) -> list[dict]:
+    """Every chunk of a streamed chat completion, as JSON."""
+    import aiohttp
+
+    chunks = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(srv.url + "/v1/chat/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+    assert all("error" not in c for c in chunks), chunks[-1]
+    return chunks
+
+
+@pytest.mark.parametrize("path", ["prompted", "native"])
+async def test_calls_complete_before_max_tokens_come_back_as_tool_calls(request, path):
+    srv = request.getfixturevalue("tiny" if path == "prompted" else "tiny_native")
+    kwargs = dict(model=MODEL, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=1000)
+    kept = 0
+    async with client(srv) as c:
+        for city in ("Paris", "Rome", "Oslo", "Lima"):  # greedy: the cut reply is a prefix of the full one
+            kwargs["messages"] = [{"role": "user", "content": f"What is the weather in {city}?"}]
+            full = await c.chat.completions.create(**kwargs)
+            calls = full.choices[0].message.tool_calls
+            limit = full.usage.completion_tokens - 6  # inside the last call (or its closing bracket)
+            cut = await c.chat.completions.create(**{**kwargs, "max_tokens": limit})
+            choice = cut.choices[0]
+            assert choice.finish_reason == "length"
+            assert choice.message.content in (None, "")  # never the grammar's text
+            got = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
+            assert got == [(t.function.name, t.function.arguments) for t in calls[:len(got)]]
+            assert len(got) >= len(calls) - 1
+            kept += len(got)
+            chunks = await raw_stream(srv, {**kwargs, "max_tokens": limit})
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert not "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+            pieces: dict[int, list] = {}
+            for ch in chunks:
+                for d in ch["choices"][0]["delta"].get("tool_calls") or []:
+                    pieces.setdefault(d["index"], []).append(d)
+            assert len(pieces) in (len(got), len(got) + 1)  # and the start and pieces of a cut call
+            for i, call in enumerate(choice.message.tool_calls or []):
+                first, *rest = pieces[i]
+                assert first["function"] == {"name": call.function.name, "arguments": ""} and first["id"]
+                assert "".join(d["function"]["arguments"] for d in rest) == call.function.arguments
+                assert len(rest) > 1  # the arguments came as they were generated
+    assert kept, "no reply had a call complete before the limit"
+    await wait_idle(srv)
+
+
+async def test_streamed_calls_arrive_name_first_and_the_client_reassembles_them(tiny):
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=1000)
+    chunks = await raw_stream(tiny, kwargs)
+    deltas = [d for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas and set(deltas[0]) == {"index", "id", "type", "function"} and deltas[0]["function"]["name"]
+    assert sum(1 for d in deltas if d["index"] == 0) > 2
+    async with client(tiny) as c:
+        reply = await c.chat.completions.create(**kwargs)
+        _, calls, finish = await streamed(c, **kwargs)  # the openai client's chunks, joined by index
+        final = None
+        async with c.beta.chat.completions.stream(**kwargs) as stream:  # the SDK's own accumulation
+            final = await stream.get_final_completion()
+    expected = [(t.function.name, json.loads(t.function.arguments)) for t in reply.choices[0].message.tool_calls]
+    assert calls == expected and finish == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in final.choices[0].message.tool_calls] == expected
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+@pytest.mark.parametrize("path", ["prompted", "native"])
+async def test_output_pushed_to_brackets_is_never_a_500(request, path, tool_choice):
+    import aiohttp
+
+    srv = request.getfixturevalue("tiny" if path == "prompted" else "tiny_native")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(srv.url + "/tokenize", json={"prompt": "[[", "add_special_tokens": False}) as resp:
+            ids = (await resp.json())["tokens"]
+        body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 300,
+                "logit_bias": {str(i): 100 for i in set(ids)}}
+        async with session.post(srv.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            message = (await resp.json())["choices"][0]["message"]
+    for call in message.get("tool_calls") or []:
+        json.loads(call["function"]["arguments"])
+    chunks = await raw_stream(srv, body)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    await wait_idle(srv)
+
+
+@pytest.mark.slow
+async def test_smollm2_required_cut_by_max_tokens_is_never_grammar_text(smol):
+    """The issue's case (a forced weather call cut by max_tokens): no JSON in `content`, a stream names the call."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0)
+    async with client(smol) as c:
+        whole = await c.chat.completions.create(max_tokens=120, **kwargs)
+        [complete] = check_calls(whole.choices[0].message.tool_calls, ("get_weather",))
+        limit = whole.usage.completion_tokens - 5  # inside the arguments
+        reply = await c.chat.completions.create(max_tokens=limit, **kwargs)
+        content, calls, finish = await streamed_lenient(c, max_tokens=limit, **kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == finish == "length"
+    assert not choice.message.content and not content and choice.message.tool_calls is None
+    assert calls == [("get_weather", None)]  # its start and argument pieces went out; they do not parse
+    await wait_idle(smol)
+
+
+async def streamed_lenient(c, **kwargs) -> tuple[str, list[tuple[str, dict]], str]:
+    """Like `streamed`, but a call the limit cut (arguments that do not parse) is kept as (name, None)."""
+    content, calls, finish = "", {}, None
+    async for chunk in await c.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+
+    def args(text):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+    return content, [(e["name"], args(e["arguments"])) for _, e in sorted(calls.items())], finish

@@ -10,6 +10,8 @@ import orjson
 from aiohttp import web
 
 from sluice.metrics.prometheus import render_latest
+from sluice.metrics.tracing import server_timing
+from sluice.scheduling.outcomes import ErrorCode, RequestRejected
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.middlewares import (
     REQUEST_ID,
@@ -94,10 +96,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     """The one served model."""
-    engine = _engine(request.app[STATE]).engine
+    model = _engine(request.app[STATE]).model
     return _json({"object": "list", "data": [{
-        "id": engine.served_model_name, "object": "model", "created": request.app[STATE].started,
-        "owned_by": "sluice", "max_model_len": engine.max_model_len,
+        "id": model.served_model_name, "object": "model", "created": request.app[STATE].started,
+        "owned_by": "sluice", "max_model_len": model.max_model_len,
     }]})
 
 
@@ -129,19 +131,21 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
     aengine = _engine(state)
-    engine = aengine.engine
+    model = aengine.model
     # Parsing, the chat template and the tokenizer run in the preparation pool, never on the event loop.
-    prep = await state.preprocessor.run(prepare_generate, raw, chat, engine, state.config.server.tool_call_parser)
+    prep = await state.preprocessor.run(prepare_generate, raw, chat, model, state.config.server.tool_call_parser)
     req, prefix, batch = prep.req, prep.prefix, prep.batch
     prompt_lens = [len(ids) for _, ids, _ in batch[::req.n]]  # the n samples of a prompt are adjacent
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
                 "chat" if req.chat else "completion", len(prompt_lens), req.n, prompt_lens,
                 batch[0][2].max_tokens, req.stream)
     try:
-        stream = await aengine.add_requests(batch, req.priority)
+        stream = await aengine.add_requests(batch, req.priority, _trace_headers(request, aengine))
     except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
-        raise RequestError(str(e), e.param) from None
-    except ValueError as e:  # the engine's word on a prompt that can never run
+        raise RequestError(str(e), e.param, code=e.code) from None
+    except RequestRejected as e:  # the scheduler's word: a prompt that can never run, an id in use
+        raise RequestError(str(e), "messages" if req.chat else "prompt", code=e.code.value) from None
+    except ValueError as e:  # the engine's word on a prompt or its parameters
         raise RequestError(str(e), "messages" if req.chat else "prompt") from None
     except QueueFullError as e:
         raise RequestError(f"{e}; retry shortly", status=429, type="rate_limit_error", code="rate_limit_exceeded",
@@ -152,52 +156,50 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except EngineDeadError:
         raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
                            headers={"x-should-retry": "true"}) from None
-    fmt = ResponseFormat(req, prefix, engine.served_model_name, engine.tokenizer)
+    fmt = ResponseFormat(req, prefix, model.served_model_name, model.tokenizer)
     async with stream:
         if req.stream:
             return await _stream(request, stream, prep.choices, fmt)
         return await _collect(stream, prep.choices, fmt)
 
 
-# Status, error type and retry hint for a request the server ended. `x-should-retry` is the header the OpenAI
-# SDKs obey before their own status rules (they retry 408/409/429/5xx): a retry makes sense when another replica
-# or a later moment can serve it (shutdown, dead engine), not when the same request would fail again (a failed
-# step) or join the same overloaded queue (waited too long).
-ABORT_STATUS: dict[str | None, tuple[int, str, bool]] = {
-    "queue_timeout": (429, "rate_limit_error", False),
-    "shutdown": (503, "server_error", True),
-    "engine_dead": (503, "server_error", True),
-    "step_failed": (500, "server_error", False),
-    "detokenize_failed": (500, "server_error", False),
-    "slow_reader": (408, "timeout_error", False),
-}
+def _trace_headers(request: web.Request, aengine: AsyncEngine) -> dict[str, str] | None:
+    """The client's W3C trace context when tracing is on (an empty dict: traced, as a root span)."""
+    if aengine.tracer is None:
+        return None
+    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k)) is not None}
 
 
 def _error_of(out) -> RequestError:
     """The client-facing error for a request that ended badly (details are in the server log)."""
-    status, type_, retry = ABORT_STATUS.get(out.error_code, (500, "server_error", False))
-    headers = {"x-should-retry": "true" if retry else "false"}
-    if out.error_code in ("queue_timeout", "shutdown", "engine_dead", "slow_reader"):
+    code = out.error_code or ErrorCode.INTERNAL_ERROR  # status, type and retry hint: see ErrorCode
+    if code.public:
         message = out.error or "the request was aborted"
     else:  # internals stay in the log
         logger.error("generation failed: %s", out.error)
         message = f"generation failed (request id {request_id_var.get()})"
-    return RequestError(message, status=status, type=type_, code=out.error_code or "internal_error",
-                        headers=headers)
+    return RequestError(message, status=code.status, type=code.type, code=code.value,
+                        headers={"x-should-retry": "true" if code.retry else "false"})
 
 
 async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.Response:
+    timelines = []
     async for out in stream:
         choice = choices[out.request_id]
         if out.error:
             raise _error_of(out)
+        if out.timeline is not None:
+            timelines.append(out.timeline)
         choice.text.append(out.text)
         choice.logprobs.extend(out.logprobs)
         record(choice, out)
     for choice in choices.values():
         finish_collected(choice)  # tools: content and tool calls
     ordered = sorted(choices.values(), key=lambda c: c.index)
-    return _json(fmt.response(ordered, usage(choices)))
+    resp = _json(fmt.response(ordered, usage(choices)))
+    if timelines:  # where the time went, for a client without a tracing stack (the slowest choice's phases)
+        resp.headers["Server-Timing"] = server_timing(timelines)
+    return resp
 
 
 async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.StreamResponse:

@@ -85,7 +85,7 @@ def _count_rejection(request: web.Request, e: RequestError) -> None:
     """Count a refused API call in sluice_requests_rejected_total (probes and unknown paths are not API calls)."""
     engine = request.app[STATE].engine
     if engine is not None and request.path.startswith("/v1/"):
-        record_rejection(engine.engine.served_model_name, e.status, e.code)
+        record_rejection(engine.model.served_model_name, e.status, e.code)
 
 
 def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestError:

@@ -6,6 +6,7 @@ from sluice.service.api.protocol import (
     CHAT_ROLES,
     INT32,
     INT64,
+    MAX_CACHE_SALT,
     MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_N,
@@ -90,6 +91,9 @@ _SAMPLING = {
                   "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
                   "description": "Words never generated (their last token is banned after the rest of them)."},
     "skip_special_tokens": {"type": "boolean", "nullable": True, "default": True},
+    "cache_salt": {"type": "string", "nullable": True, "minLength": 1, "maxLength": MAX_CACHE_SALT,
+                   "description": "Prefix-cache isolation: cached blocks are shared only among requests with the "
+                                  "same salt (e.g. one per tenant)."},
     **_STRUCTURED,
 }
 

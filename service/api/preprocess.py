@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -26,23 +25,20 @@ from sluice.service.api.formatting import Choice
 from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_completion, resolve_params
 from sluice.service.api.tool_parsers import ToolOutput
 from sluice.service.api.tools import ToolPlan, plan_tools, template_args
+from sluice.service.engine.async_engine import ModelInfo
+from sluice.service.engine.cpu import BACKGROUND_NICENESS, lower_priority
 
 MAX_BODY_DEPTH = 256  # JSON nesting of a whole body, far below Python's recursion limit; schemas have a lower one
 _PARAM_DEPTH = 4  # path components an error's `param` names: `tools[0].function.parameters`
-# The pool's threads run at this nice level. On a machine with as many busy cores as the step has threads, a
-# megabyte through the tokenizer at equal priority takes a core from the step's threads, and the step waits for
-# its slowest thread: every stream slows by more than the request's share. At +5 the kernel gives the step's
-# threads about three quarters of a shared core (CFS weights 1024 : 335) and the preparation still finishes.
-PREP_NICENESS = 5
 T = TypeVar("T")
 
 
 class Preprocessor:
     """A bounded pool for request preparation: `max_pending` calls queued or running, more get a 429."""
 
-    def __init__(self, max_workers: int = 2, max_pending: int = 64, niceness: int = PREP_NICENESS):
+    def __init__(self, max_workers: int = 2, max_pending: int = 64, niceness: int = BACKGROUND_NICENESS):
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sluice-prep",
-                                            initializer=_lower_priority, initargs=(niceness,))
+                                            initializer=lower_priority, initargs=(niceness,))
         self.max_pending = max_pending
         self._pending = 0
 
@@ -61,14 +57,6 @@ class Preprocessor:
     def shutdown(self) -> None:
         """Stop the pool's threads once their current work is done."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _lower_priority(niceness: int) -> None:
-    """Lower the calling thread's scheduling priority (Linux: nice is per thread); elsewhere a no-op."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
 
 
 # ---- the body ---------------------------------------------------------------------------------------
@@ -148,13 +136,18 @@ class Prepared:
     choices: dict[str, Choice]
 
 
-def prepare_generate(raw: bytes, chat: bool, engine, tool_call_parser: str) -> Prepared:
+def check_model(name, model: ModelInfo) -> None:
+    """404 unless the request names no model or the one served."""
+    if name is not None and name != model.served_model_name:
+        raise RequestError(f"the model '{name}' does not exist", "model", status=404, code="model_not_found")
+
+
+def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str) -> Prepared:
     """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
     body = load_body(raw)
     req = parse_chat(body) if chat else parse_completion(body)
-    if req.model is not None and req.model != engine.served_model_name:
-        raise RequestError(f"the model '{req.model}' does not exist", "model", status=404, code="model_not_found")
-    tokenizer, max_len = engine.tokenizer, engine.max_model_len
+    check_model(req.model, model)
+    tokenizer, max_len = model.tokenizer, model.max_model_len
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
     if chat:
         refuse_if_longer_than_context(_chat_bytes(req, plan), tokenizer, max_len, "messages")
@@ -164,11 +157,10 @@ def prepare_generate(raw: bytes, chat: bool, engine, tool_call_parser: str) -> P
             if isinstance(p, str):
                 refuse_if_longer_than_context(len(p.encode("utf-8", "replace")), tokenizer, max_len, "prompt")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-    vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
     prefix = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     batch, choices = [], {}
     for p, ids in enumerate(prompts):
-        params = resolve_params(req, ids, max_len, vocab)
+        params = resolve_params(req, ids, max_len, model.vocab_size)
         for i in range(req.n):
             index = p * req.n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)

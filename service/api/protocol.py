@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
 MAX_TOKEN_LIST = 65536  # allowed_token_ids
 MAX_MESSAGES = 4096
+MAX_CACHE_SALT = 256
 INT32 = 2**31
 INT64 = 2**63
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -143,7 +144,7 @@ def _token_list(body: dict, name: str) -> list[int] | None:
         return None
     if not isinstance(v, list) or not v or len(v) > MAX_TOKEN_LIST or not all(_is_token_id(t) for t in v):
         raise RequestError(f"'{name}' must be a non-empty list of at most {MAX_TOKEN_LIST} token ids", name)
-    return v
+    return list(dict.fromkeys(v))  # deduplicated: its length is then bounded by the vocabulary as well
 
 
 def _strings(body: dict, name: str) -> list[str]:
@@ -153,6 +154,15 @@ def _strings(body: dict, name: str) -> list[str]:
     if (not isinstance(v, list) or len(v) > MAX_STOP
             or not all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_LEN for w in v)):
         raise RequestError(f"'{name}' must be a list of at most {MAX_STOP} non-empty strings", name)
+    return v
+
+
+def _cache_salt(body: dict) -> str | None:
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_CACHE_SALT:
+        raise RequestError(f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters", "cache_salt")
     return v
 
 
@@ -192,6 +202,7 @@ def _common(body: dict, chat: bool) -> GenerateRequest:
         allowed_token_ids=_token_list(body, "allowed_token_ids"),
         bad_words=_strings(body, "bad_words"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        cache_salt=_cache_salt(body),
     )
     if params.repetition_penalty == 0.0:
         raise RequestError("'repetition_penalty' must be greater than 0", "repetition_penalty")
@@ -317,6 +328,8 @@ def resolve_params(req: GenerateRequest, prompt_ids: list[int], max_model_len: i
             raise RequestError(f"token id {bad} in '{name}' is outside the vocabulary (0..{vocab_size - 1})", name)
     n = len(prompt_ids)
     max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - n
+    # The scheduler owns this rule (RequestRejected); checked here too because max_tokens is settled here anyway,
+    # and an early refusal never queues n requests behind a step on the engine thread to roll them back.
     if n + max(max_tokens, 1) > max_model_len:
         where = "in the messages" if req.chat else "in your prompt"
         raise RequestError(

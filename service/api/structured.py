@@ -11,8 +11,12 @@ import orjson
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.api.errors import RequestError
 
-MAX_SPEC_BYTES = 64 * 1024  # a schema or grammar larger than this is almost surely a mistake
+MAX_SPEC_BYTES = 64 * 1024  # a schema, grammar or choice list larger than this is almost surely a mistake
 MAX_CHOICES = 256
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays; real schemas stay under 20, serializers recurse past ~250
+# Keywords xgrammar (0.2.9) compiles as if absent: a schema using them would not constrain what it says.
+UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
+                        "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -82,7 +86,9 @@ def _constraint(kind: str, value, param: str) -> StructuredOutput:
         if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
                 or not all(isinstance(c, str) and c for c in value)):
             raise RequestError(f"'{param}' must be a list of 1 to {MAX_CHOICES} non-empty strings", param)
-        return StructuredOutput("choice", orjson.dumps(value).decode(), param)
+        text = orjson.dumps(value).decode()
+        _check_size(text, param)
+        return StructuredOutput("choice", text, param)
     if not isinstance(value, str) or not value:
         raise RequestError(f"'{param}' must be a non-empty string", param)
     _check_size(value, param)
@@ -101,6 +107,7 @@ def _json(schema, param: str) -> StructuredOutput:
             raise RequestError(f"'{param}' is not valid JSON", param) from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"'{param}' must be a JSON schema object", param)
+    check_schema_shape(schema, param, keywords=True)
     text = orjson.dumps(schema).decode()
     _check_size(text, param)
     return StructuredOutput("json", text, param)
@@ -109,3 +116,47 @@ def _json(schema, param: str) -> StructuredOutput:
 def _check_size(text: str, param: str) -> None:
     if len(text.encode()) > MAX_SPEC_BYTES:
         raise RequestError(f"'{param}' is larger than {MAX_SPEC_BYTES} bytes", param)
+
+
+def check_schema_shape(schema, param: str, keywords: bool) -> None:
+    """Refuse a schema nested deeper than MAX_SCHEMA_DEPTH, and (`keywords`) one using a keyword the grammar
+    would ignore or a `$ref` that is not a local `#...` pointer; iterative, so any depth is safe to walk."""
+    pending = [(schema, 1, keywords)]  # (node, depth, whether a dict here is a schema whose keys are keywords)
+    while pending:
+        node, depth, is_schema = pending.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise RequestError(f"'{param}' is nested deeper than {MAX_SCHEMA_DEPTH} levels", param)
+        if isinstance(node, list):
+            pending.extend((v, depth + 1, is_schema) for v in node if isinstance(v, (dict, list)))
+        elif isinstance(node, dict):
+            if is_schema:
+                _check_keywords(node, param)
+            for key, value in node.items():
+                if not isinstance(value, (dict, list)):
+                    continue
+                if is_schema and key in _NAMED_SCHEMAS and isinstance(value, dict):  # keys are names
+                    pending.extend((v, depth + 2, True) for v in value.values() if isinstance(v, (dict, list)))
+                else:
+                    pending.append((value, depth + 1, is_schema and key not in _DATA))
+
+
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+_DATA = ("enum", "const", "default", "examples")
+
+
+def _check_keywords(node: dict, param: str) -> None:
+    for key in UNSUPPORTED_KEYWORDS:
+        if key in node:
+            raise RequestError(f"'{param}' uses '{key}', which structured outputs do not support (the output "
+                               "would not be constrained by it)", param, code="unsupported_schema_keyword")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise RequestError(f"'{param}' has $ref {ref[:80]!r}: only local references ('#/...') are supported",
+                           param, code="unsupported_schema_keyword")
+    if node.get("uniqueItems") is True:
+        raise RequestError(f"'{param}' uses 'uniqueItems', which structured outputs do not support", param,
+                           code="unsupported_schema_keyword")
+    for key in ("unevaluatedProperties", "unevaluatedItems"):
+        if key in node and node[key] is not False:
+            raise RequestError(f"'{param}' uses '{key}' with a schema; only false is supported", param,
+                               code="unsupported_schema_keyword")

@@ -11,8 +11,9 @@ from aiohttp import web
 
 from sluice.service.api.errors import RequestError
 from sluice.service.api.middlewares import STATE
-from sluice.service.api.preprocess import chat_prompt_ids, load_body
+from sluice.service.api.preprocess import chat_prompt_ids, check_model, load_body
 from sluice.service.api.protocol import parse_chat
+from sluice.service.engine.async_engine import ModelInfo
 
 MAX_TOKENS = 1 << 20
 
@@ -20,18 +21,18 @@ MAX_TOKENS = 1 << 20
 async def tokenize(request: web.Request) -> web.Response:
     """{"prompt"} or {"messages", "add_generation_prompt"} -> {"count", "max_model_len", "tokens"[, "token_strs"]}."""
     state, raw = await _state_and_body(request)
-    return _json(await state.preprocessor.run(_tokenize, raw, state.engine.engine))
+    return _json(await state.preprocessor.run(_tokenize, raw, state.engine.model))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"prompt": text}."""
     state, raw = await _state_and_body(request)
-    return _json(await state.preprocessor.run(_detokenize, raw, state.engine.engine))
+    return _json(await state.preprocessor.run(_detokenize, raw, state.engine.model))
 
 
-def _tokenize(raw: bytes, engine) -> dict:
-    body = _checked(raw, engine)
-    tokenizer = engine.tokenizer
+def _tokenize(raw: bytes, model: ModelInfo) -> dict:
+    body = _checked(raw, model)
+    tokenizer = model.tokenizer
     if body.get("messages") is not None:
         messages = parse_chat({"messages": body["messages"]}).messages
         ids = chat_prompt_ids(tokenizer, messages, None, _flag(body, "add_generation_prompt", True),
@@ -41,20 +42,20 @@ def _tokenize(raw: bytes, engine) -> dict:
         if not isinstance(prompt, str):
             raise RequestError("give 'prompt' (a string) or 'messages'", "prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
-    out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
+    out = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": list(ids)}
     if _flag(body, "return_token_strs", False):
         out["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
     return out
 
 
-def _detokenize(raw: bytes, engine) -> dict:
-    body = _checked(raw, engine)
+def _detokenize(raw: bytes, model: ModelInfo) -> dict:
+    body = _checked(raw, model)
     tokens = body.get("tokens")
-    vocab = getattr(engine, "vocab_size", None) or len(engine.tokenizer)
+    vocab = model.vocab_size
     if (not isinstance(tokens, list) or len(tokens) > MAX_TOKENS
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
         raise RequestError(f"'tokens' must be a list of token ids below {vocab}", "tokens")
-    return {"prompt": engine.tokenizer.decode(tokens)}
+    return {"prompt": model.tokenizer.decode(tokens)}
 
 
 async def _state_and_body(request: web.Request):
@@ -65,11 +66,9 @@ async def _state_and_body(request: web.Request):
     return state, raw
 
 
-def _checked(raw: bytes, engine) -> dict:
+def _checked(raw: bytes, model: ModelInfo) -> dict:
     body = load_body(raw)
-    model = body.get("model")
-    if model is not None and model != engine.served_model_name:
-        raise RequestError(f"the model '{model}' does not exist", "model", status=404, code="model_not_found")
+    check_model(body.get("model"), model)
     return body
 
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+from sluice.metrics.tracing import RequestTracer
+from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
-from sluice.service.engine.engine import EngineOutput, LLMEngine
+from sluice.service.engine.engine import LLMEngine
+from sluice.service.engine.grammar import GrammarBusyError
+from sluice.service.engine.outputs import EngineOutput
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -24,6 +30,41 @@ class EngineDrainingError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are already waiting for their first token."""
+
+
+class SyncEngine(Protocol):
+    """What AsyncEngine drives in its worker thread: LLMEngine, or tests/fake_engine.py's stand-in."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None) -> int: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineOutput]: ...
+    def kv_stats(self) -> dict: ...
+    # Optional: compile_grammar_async (structured outputs) and last_stats (preemption counts).
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the API reads about the served model: the engine client's whole static surface."""
+
+    served_model_name: str
+    max_model_len: int  # prompt plus completion tokens, capped at what the KV cache holds
+    vocab_size: int  # token ids run 0 .. vocab_size - 1 (the model's, which may exceed the tokenizer's)
+    tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
+
+    @classmethod
+    def of(cls, engine: SyncEngine) -> ModelInfo:
+        """Read from an LLMEngine (or a stand-in with the same attributes)."""
+        return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets
@@ -68,9 +109,11 @@ class RequestStream:
 class AsyncEngine:
     """Runs LLMEngine.step() in one dedicated thread; every engine call goes through that thread, in order."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
-                 executor: ThreadPoolExecutor | None = None):
-        self.engine = engine
+    def __init__(self, engine: SyncEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
+                 executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None):
+        self.engine = engine  # the engine thread's own: the API reads `model`, `stats` and the streams instead
+        self.model = ModelInfo.of(engine)
+        self.tracer = tracer  # None: tracing off, requests carry no trace headers
         self.max_queued_requests = max_queued_requests
         self.max_stream_buffer = max_stream_buffer
         # One worker: add, abort and step never overlap, and FIFO order means an abort queued after an
@@ -94,8 +137,12 @@ class AsyncEngine:
     async def load(cls, config: SluiceConfig) -> AsyncEngine:
         """Build the LLMEngine (loading the model) in the worker thread that will run its steps."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
+        endpoint = config.server.otlp_traces_endpoint
+        tracer = RequestTracer(config.model.served_model_name, endpoint) if endpoint else None  # fails fast
         engine = await asyncio.get_running_loop().run_in_executor(executor, LLMEngine, config)
-        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor)
+        if tracer is not None:
+            tracer.model_name = engine.served_model_name
+        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor, tracer)
 
     def start(self) -> None:
         """Start the background loop; call from the event loop."""
@@ -115,7 +162,7 @@ class AsyncEngine:
         except asyncio.TimeoutError:
             logger.warning("shutdown timeout: aborting %d in-flight requests", len(self._owner))
             for group in set(self._owner.values()):
-                self._fail(group, "abort", "the server is shutting down", "shutdown")
+                self._fail(group, FinishReason.ABORT, ErrorCode.SHUTDOWN, "the server is shutting down")
             try:  # the handlers write their error events and return
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:
@@ -127,6 +174,8 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -152,9 +201,13 @@ class AsyncEngine:
         return await self.add_requests([(request_id, prompt, params)], priority)
 
     async def add_requests(
-        self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0
+        self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
-        """Admit several requests atomically (all or none) with one stream of their outputs."""
+        """Admit several requests atomically (all or none) with one stream of their outputs.
+
+        `trace_headers` (with a tracer): each engine request's span is a child of the context they carry.
+        """
         if self.dead is not None or self._task is None:
             raise EngineDeadError("the engine is not running")
         if self.draining:
@@ -162,12 +215,18 @@ class AsyncEngine:
         if self.num_waiting + len(requests) > self.max_queued_requests:
             raise QueueFullError(f"more than {self.max_queued_requests} requests are waiting")
         ids = [rid for rid, _, _ in requests]
+        # Checked here, not only by the scheduler: the groups are registered below before the add job runs, and
+        # a duplicate would take over the routing of a live request's outputs.
         if len(set(ids)) != len(ids) or any(rid in self._owner for rid in ids):
-            raise ValueError("duplicate request id")
+            raise RequestRejected("duplicate request id", ErrorCode.DUPLICATE_REQUEST_ID)
         loop = asyncio.get_running_loop()
         for constraint in {p.structured_output for _, _, p in requests} - {None}:
-            # Compiled off the engine thread (and cached): the add in the worker then finds it ready.
-            await loop.run_in_executor(None, self.engine.compile_grammar, constraint)
+            # Compiled in the grammar pool (and cached): the add in the worker then finds it ready. A handler
+            # cancelled here (client gone) gives up its share of the compile.
+            try:
+                await self.engine.compile_grammar_async(constraint)
+            except GrammarBusyError as e:
+                raise QueueFullError(f"{e} (--grammar-compile-queue)") from None
         group = _Group(unfinished=set(ids), size=len(ids))
         # Registered before the add job runs, so the step that follows cannot emit unclaimed outputs.
         for rid in ids:
@@ -176,18 +235,19 @@ class AsyncEngine:
         self._groups.add(group)
         self._idle.clear()
         try:
-            await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority)
+            await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority,
+                                       trace_headers if self.tracer is not None else None)
         except BaseException:  # ValueError, or the handler cancelled: the add may still run, abort after it
             self._release(group)
             raise
         self._wakeup.set()
         return RequestStream(self, group, len(ids))
 
-    def _add_in_worker(self, requests, priority: int) -> None:
+    def _add_in_worker(self, requests, priority: int, trace_headers: Mapping[str, str] | None) -> None:
         added = []
         try:
             for rid, prompt, params in requests:
-                self.engine.add_request(rid, prompt, params, priority)
+                self.engine.add_request(rid, prompt, params, priority, trace_headers=trace_headers)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -227,12 +287,11 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", rid)
 
-    def _fail(self, group: _Group, reason: str, message: str, code: str) -> None:
+    def _fail(self, group: _Group, reason: FinishReason, code: ErrorCode, message: str) -> None:
         """End every unfinished request of a group with a terminal error output (stream stays open)."""
         left = self._detach(group)  # a second failure finds nothing left
         for rid in left:
-            group.queue.put_nowait(EngineOutput(rid, "", [], [], True, reason, 0, 0, 0, error=message,
-                                                error_code=code))
+            group.queue.put_nowait(EngineOutput.ended(rid, reason, code, message))
         self._abort(left)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -253,7 +312,7 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead = exc
             for group in set(self._owner.values()):
-                self._fail(group, "error", "the engine failed", "engine_dead")
+                self._fail(group, FinishReason.ERROR, ErrorCode.ENGINE_DEAD, "the engine failed")
 
     def _step(self) -> tuple[list[EngineOutput], bool, dict]:
         """Worker thread: one step if there is work, then the state the loop needs."""
@@ -274,6 +333,11 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         """Hand outputs to their streams; a stream whose reader fell too far behind is cut off."""
         for out in outputs:
+            if out.timeline is not None and out.timeline.events is not None and self.tracer is not None:
+                try:  # a request whose client left still gets its span: this is its abort notice
+                    self.tracer.emit(out.timeline)
+                except Exception:
+                    logger.exception("building the span of %s failed", out.request_id)
             group = self._owner.get(out.request_id)
             if group is None:  # its stream was closed: this is the abort notice, or a late straggler
                 continue
@@ -282,7 +346,8 @@ class AsyncEngine:
             if group.queue.qsize() >= self.max_stream_buffer * group.size:
                 logger.warning("request %s: client not reading, %d outputs buffered; aborting",
                                out.request_id, group.queue.qsize())
-                self._fail(group, "error", "the client did not read the stream fast enough", "slow_reader")
+                self._fail(group, FinishReason.ERROR, ErrorCode.SLOW_READER,
+                           "the client did not read the stream fast enough")
                 continue
             if out.finished:
                 group.unfinished.discard(out.request_id)

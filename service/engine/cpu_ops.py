@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ CFLAGS = ("-O3", "-march=native")
 # at::parallel_for is a header template around `#pragma omp parallel`: compiled without -fopenmp it runs on one
 # thread. Linked with -fopenmp the extension needs libgomp.so.1, which resolves to the copy torch already loaded.
 OPENMP_FLAGS = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
+# torch's build lock is a bare file that a killed build leaves behind, and every later start then waits on it
+# forever. A build takes a minute or two: a lock older than this has no builder left.
+BUILD_LOCK_STALE_S = 600.0
 
 
 @functools.cache
@@ -42,13 +46,29 @@ def load():
         digest = hashlib.sha256()
         for name in (*SOURCES, "cpu_ops.h", "simd.h", "row_blocks.h"):
             digest.update((CSRC / name).read_bytes())
-        digest.update((repr(CFLAGS + OPENMP_FLAGS) + torch.__version__ + cpu_flags()).encode())
+        # The source folder too: ninja records absolute paths, so two checkouts sharing one cache would rebuild in turn.
+        digest.update((repr(CFLAGS + OPENMP_FLAGS) + torch.__version__ + cpu_flags() + str(CSRC)).encode())
         key = digest.hexdigest()[:16]
         directory = cache_dir() / f"cpu_ops-{key}"
         directory.mkdir(parents=True, exist_ok=True)
+        wait_for_build_lock(directory / "lock")
         return build(name=f"sluice_cpu_ops_{key}", sources=[str(CSRC / name) for name in SOURCES],
                      extra_cflags=[*CFLAGS, *OPENMP_FLAGS], extra_ldflags=list(OPENMP_FLAGS),
                      build_directory=str(directory), verbose=False)
     except Exception as e:  # a failed build must not stop the server: it only costs speed
         logger.warning("CPU ops unavailable (%s): quantized linears dequantize per call", str(e)[-500:])
         return None
+
+
+def wait_for_build_lock(lock: Path, stale_after: float = BUILD_LOCK_STALE_S, poll: float = 0.5) -> None:
+    """Wait while another process builds; remove the lock once it is older than any build takes."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            logger.warning("removing a build lock %.0f s old, left by a build that never finished: %s", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll)

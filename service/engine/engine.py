@@ -8,45 +8,29 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
+from sluice.metrics.tracing import Timelines
+from sluice.metrics.vllm_names import CacheConfigInfo
+from sluice.scheduling.outcomes import ErrorCode, FinishReason
 from sluice.scheduling.output import SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
-from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
+from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
 from sluice.service.config import SluiceConfig
+from sluice.service.engine.constrained import ConstrainedDecoding
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
-from sluice.service.engine.grammar import GrammarCompiler, GrammarState
-from sluice.service.engine.logits_controls import apply_logit_controls
+from sluice.service.engine.grammar import GrammarState
+from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
+from sluice.service.engine.outputs import EngineOutput
 
 logger = logging.getLogger("sluice.engine")
 
-
-@dataclass(slots=True)
-class EngineOutput:
-    """One step's news for one request."""
-
-    request_id: str
-    text: str  # new text since the previous output (stop strings cut, no broken UTF-8)
-    token_ids: list[int]  # new token ids
-    logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
-    stop_reason: int | str | None = None
-    # Why the engine ended it, when it was not the request's own stop: one of ERROR_CODES.
-    error_code: str | None = None
-
-
-# What the API maps to an HTTP status and a retry hint (service/api/api_server.py: ABORT_STATUS).
-ERROR_CODES = ("queue_timeout", "step_failed", "detokenize_failed", "shutdown", "engine_dead", "slow_reader")
+__all__ = ["Completion", "EngineOutput", "LLMEngine", "freeze_startup_objects"]
 
 
 @dataclass(slots=True)
@@ -57,17 +41,17 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-class LLMEngine:
+class LLMEngine(ConstrainedDecoding):
     """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
 
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
         import torch
 
-        from sluice.service.engine.kv_sizing import format_bytes
+        from sluice.service.engine.kv_sizing import format_bytes, model_context_length
         from sluice.service.engine.model_loader import (
             auto_dtype,
             eos_token_ids,
@@ -111,7 +95,8 @@ class LLMEngine:
         self.vocab_size = int(model.config.vocab_size)
 
         self.runner = ModelRunner(
-            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs
+            model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs,
+            sched.max_model_len, sched.preemption_mode,
         )
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
@@ -122,8 +107,10 @@ class LLMEngine:
                     format_bytes(self.kv_cache_bytes), str(self.dtype).removeprefix("torch."), self.device,
                     self.runner.kv_cache_source)
         if sched.preemption_mode == "swap" and not self.runner.num_host_blocks:
-            logger.warning("preemption mode 'swap' but no host swap space (--swap-space %s on %s): swap preemption "
-                           "falls back to recompute", config.cache.swap_space, self.device.type)
+            block = format_bytes(self.kv_cache_bytes / self.num_kv_blocks)
+            raise ValueError(f"--preemption-mode swap needs a host swap pool, but --swap-space "
+                             f"{config.cache.swap_space} holds no KV block of {block}: pass --swap-space auto or a "
+                             "size in GiB, or use --preemption-mode recompute")
         # A request longer than the whole cache could never run: the context is capped at what the cache holds.
         capacity = self.num_kv_blocks * block_size
         if sched.max_model_len > capacity:
@@ -132,7 +119,7 @@ class LLMEngine:
                 f"({self.num_kv_blocks} blocks of {block_size}); raise --kv-cache-memory or --num-kv-blocks, "
                 "or lower --max-model-len"
             )
-        model_len = sched.max_model_len or _model_context_length(model)
+        model_len = sched.max_model_len or model_context_length(model)
         if model_len > capacity:
             logger.info("context capped at the KV cache's %d tokens (the model allows %d)", capacity, model_len)
         self.max_model_len = min(model_len, capacity)
@@ -146,31 +133,20 @@ class LLMEngine:
         self._extra_eos_ids = list(eos_ids[1:])
         self._eos_ids = list(eos_ids)
         self.runner.logits_processors.append(apply_logit_controls)  # first: grammar masks come after biases
+        self._allowed_masks = AllowedMasks(self.vocab_size, self.device)
         self._grammar: GrammarState | None = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[EngineOutput] = []  # abort notices delivered by the next step()
+        self.timelines = Timelines()
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
         self.last_stats = self.scheduler.make_stats()
-        self.metrics = SluiceMetrics(self.served_model_name)
+        vllm_names = CacheConfigInfo(block_size, config.cache.enable_prefix_caching)
+        self.metrics = SluiceMetrics(self.served_model_name, vllm_names=vllm_names if config.server.vllm_metric_names else None)
         self.stat_loggers.append(self.metrics.observe_step)
         self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
 
     # --- requests ------------------------------------------------------------------------------
-
-    @property
-    def grammar(self) -> GrammarState:
-        """Grammar compiler and matchers; xgrammar is loaded by the first constrained request, not at start."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self._eos_ids)
-                self._grammar = GrammarState(compiler, self.config.scheduler.max_num_seqs)
-                self.runner.logits_processors.append(self._grammar.mask_logits)
-            return self._grammar
-
-    def compile_grammar(self, constraint: StructuredOutput) -> None:
-        """Compile and cache a constraint (thread-safe: the API calls it off the engine thread); GrammarError."""
-        self.grammar.compiler.compile(constraint)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt; ids are checked against the vocabulary."""
@@ -189,20 +165,19 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> int:
-        """Queue a request; returns its prompt length. ValueError for prompts that can never run."""
+        """Queue a request; returns its prompt length. ValueError for prompts that can never run.
+
+        `trace_headers` (W3C traceparent/tracestate, may be empty) marks it traced: its span events are recorded.
+        """
         params.validate()
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if request_id in self.scheduler.requests or request_id in self._detokenizers:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
-            )
+        if params.allowed_token_ids is not None:  # its mask, once: steps then cost one masked_fill_ (ValueError)
+            mask = self._allowed_masks.get(params.allowed_token_ids)
+            params = dataclasses.replace(params, disallowed_token_mask=mask)
         if params.bad_words and not params.bad_words_token_ids:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         if self._extra_eos_ids and not params.ignore_eos:
@@ -212,7 +187,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time)
         if params.structured_output is not None:
             self.compile_grammar(params.structured_output)  # before anything is queued: it may refuse it
-        self.scheduler.add_request(request)  # first: it may still refuse the request
+        # First: it owns the duplicate-id and context-length checks (RequestRejected, a ValueError).
+        self.scheduler.add_request(request)
         if params.structured_output is not None:
             self.grammar.add(request_id, params.structured_output)
         # An id aborted and added again: the old request's abort notice must not end the new one.
@@ -225,6 +201,7 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.metrics.track(request)
+        self.timelines.start(request, trace_headers)
         return len(token_ids)
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
@@ -244,19 +221,7 @@ class LLMEngine:
             return
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
-        self._pending_outputs.append(
-            EngineOutput(
-                request_id,
-                "",
-                [],
-                [],
-                True,
-                "abort",
-                request.num_prompt_tokens,
-                request.num_output_tokens,
-                max(request.num_cached_tokens, 0),
-            )
-        )
+        self._pending_outputs.append(EngineOutput.ended_from(request, FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits, runs, is swapped, or has an undelivered output."""
@@ -296,11 +261,12 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         for request in self.scheduler.expire_waiting(time.monotonic()):
             outputs.append(self._ended_output(
-                request, "abort", "queue_timeout",
+                request, FinishReason.ABORT, ErrorCode.QUEUE_TIMEOUT,
                 f"the request waited more than {self.config.scheduler.max_queue_wait:g} s in the queue "
                 "(--max-queue-wait); the server is at capacity",
             ))
         sched_out = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
         if not sched_out.is_empty or sched_out.finished_ids:
             try:
                 runner_out = self.runner.execute(sched_out)
@@ -308,11 +274,15 @@ class LLMEngine:
                 logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))
                 for request in self.scheduler.fail_step(sched_out):
                     outputs.append(self._ended_output(
-                        request, "error", "step_failed", f"engine step failed: {type(exc).__name__}"))
+                        request, FinishReason.ERROR, ErrorCode.STEP_FAILED, f"engine step failed: {type(exc).__name__}"))
             else:
+                outputs += self._end_rows_without_token(runner_out)
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
                     if self._grammar is not None and ro.new_token_ids:
-                        self._advance_grammar(ro)
+                        error = self._advance_grammar(ro)
+                        if error is not None:
+                            outputs.append(error)
+                            continue
                     outputs.append(self._detokenize_or_fail(ro))
         stats = self.last_stats = self.scheduler.make_stats()
         stats.num_batched_tokens = sched_out.num_batched_tokens
@@ -321,15 +291,11 @@ class LLMEngine:
         for stat_logger in self.stat_loggers:
             stat_logger(stats)
         now = time.monotonic()
+        self.timelines.on_step(sched_out, scheduled_at, now)
         for out in outputs:
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
+            self.timelines.on_output(out, now)
         return outputs
-
-    def _advance_grammar(self, ro) -> None:
-        """Feed the sampled token to the request's matcher; a completed grammar ends the request."""
-        if self._grammar.accept(ro.request_id, ro.new_token_ids[-1]) and not ro.finished:
-            self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
-            ro.finished, ro.finish_reason = True, "stop"
 
     def _forget(self, request_id: str) -> None:
         """Drop the per-request state of a request that ended."""
@@ -337,13 +303,10 @@ class LLMEngine:
         if self._grammar is not None:
             self._grammar.remove(request_id)
 
-    def _ended_output(self, ro, reason: str, code: str, message: str) -> EngineOutput:
+    def _ended_output(self, ro, reason: FinishReason, code: ErrorCode, message: str) -> EngineOutput:
         """The final output of a request the engine ended (ro: a Request or RequestOutput)."""
         self._forget(ro.request_id)
-        return EngineOutput(
-            ro.request_id, "", [], [], True, reason, ro.num_prompt_tokens, ro.num_output_tokens,
-            max(ro.num_cached_tokens, 0), error=message, error_code=code,
-        )
+        return EngineOutput.ended_from(ro, reason, code, message)
 
     def _detokenize_or_fail(self, ro) -> EngineOutput:
         """Detokenize; a tokenizer failure ends that one request with an error instead of the engine loop."""
@@ -353,7 +316,8 @@ class LLMEngine:
             logger.exception("detokenizing request %s failed", ro.request_id)
             if not ro.finished:
                 self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_ABORTED)
-            return self._ended_output(ro, "error", "detokenize_failed", f"detokenizing failed: {type(exc).__name__}")
+            return self._ended_output(ro, FinishReason.ERROR, ErrorCode.DETOKENIZE_FAILED,
+                                      f"detokenizing failed: {type(exc).__name__}")
 
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]
@@ -361,21 +325,11 @@ class LLMEngine:
         finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
         if detok.stop_hit is not None and not finished:
             self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
-            finished, reason, stop_reason = True, "stop", detok.stop_hit
+            finished, reason, stop_reason = True, FinishReason.STOP, detok.stop_hit
         if finished:
             self._forget(ro.request_id)
-        return EngineOutput(
-            ro.request_id,
-            text,
-            ro.new_token_ids,
-            ro.logprobs,
-            finished,
-            reason,
-            ro.num_prompt_tokens,
-            ro.num_output_tokens,
-            ro.num_cached_tokens,
-            stop_reason=stop_reason,
-        )
+        return EngineOutput.tokens(ro.request_id, text, ro.new_token_ids, ro.logprobs, reason if finished else None,
+                                   ro.num_prompt_tokens, ro.num_output_tokens, ro.num_cached_tokens, stop_reason)
 
     # --- offline entry point -------------------------------------------------------------------
 
@@ -407,15 +361,6 @@ class LLMEngine:
 
 
 _gen_ids = itertools.count()
-
-
-def _model_context_length(model) -> int:
-    cfg = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def _default_served_name(model: str) -> str:

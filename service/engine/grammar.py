@@ -3,109 +3,142 @@
 A request's matcher is its grammar state. It advances only when a token is sampled for the request, so it
 follows the request through chunked prefill (no token until the prompt is done), recompute preemption (the
 generated tokens are kept, only their KV is recomputed) and swap, and each of `n` samples has its own.
+
+Every bound is in GrammarConfig: compiles run in child processes under a time limit (grammar_compile.py),
+compiled grammars are cached by bytes, and a row whose grammar work per token passes its budget is ended.
+When a row's grammar can only end, its end wins over `min_tokens`: the stop token is let through.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import enum
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import torch
 
 from sluice.scheduling.output import ScheduledRequest
 from sluice.scheduling.sampling_params import StructuredOutput
+from sluice.service.config import GrammarConfig
+from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
+from sluice.service.engine.grammar_compile import CompileJob, CompileService, GrammarBusyError
 
+__all__ = ["GrammarBusyError", "GrammarCompiler", "GrammarError", "GrammarState", "GrammarStep"]
 logger = logging.getLogger("sluice.grammar")
-CACHE_SIZE = 512  # compiled grammars kept, least recently used dropped: agents resend the same schemas
-
-
-class GrammarError(ValueError):
-    """A constraint that does not compile; `param` names the API parameter it came from."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
+ERRORS_KEPT = 256  # refusals remembered by constraint text: a client resending one never recompiles it
+STRIKES = 3  # tokens in a row over the budget before a row is ended: one slow step (a busy host) is not enough
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutput constraints for one tokenizer, thread-safe, cached by the constraint text."""
+    """Compiles StructuredOutput constraints for one tokenizer in child processes; cached by text and bytes."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], config: GrammarConfig | None = None):
         import xgrammar as xgr  # imported on first use: engines without constrained requests never pay for it
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.config = config = config or GrammarConfig()
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.cache_bytes = 0
+        self._errors: OrderedDict[tuple[str, str], GrammarError] = OrderedDict()
         self._lock = threading.Lock()
+        self._service = CompileService(self.info.serialize_json(), config.grammar_compile_workers,
+                                       config.grammar_compile_timeout, config.grammar_compile_queue, self._finish)
 
     def compile(self, constraint: StructuredOutput):
-        """The compiled grammar; GrammarError when the schema, regex, choice list or grammar is invalid."""
-        with self._lock:
-            compiled = self._cache.get(constraint.key)
-            if compiled is not None:
-                self._cache.move_to_end(constraint.key)
-                return compiled
+        """The compiled grammar, waiting for it; GrammarError when it is invalid or too complex."""
+        found = self._lookup(constraint)
+        if found is not None:
+            return found
+        job = self._service.submit(constraint)
+        return self._result(constraint, job, lambda: job.future.result())
+
+    async def compile_async(self, constraint: StructuredOutput):
+        """compile() for the event loop: a waiter that is cancelled releases its share of the job."""
+        found = self._lookup(constraint)
+        if found is not None:
+            return found
+        job = self._service.submit(constraint)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def done(future):  # in the compile thread
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+
+        job.future.add_done_callback(done)
         try:
-            compiled = self._compile(constraint)
-        except GrammarError:
+            await waiter
+        except asyncio.CancelledError:
+            self._service.release(job)
             raise
-        except Exception as e:  # xgrammar reports bad input as RuntimeError with its parser's message
-            reason = str(e).split("\n")[0]
-            reason = reason.split("] ", 1)[-1].split(": ", 1)[-1] if "] " in reason else reason
-            raise GrammarError(f"invalid {constraint.param}: {reason}", constraint.param) from None
+        return self._result(constraint, job, lambda: job.future.result(timeout=0))
+
+    def _lookup(self, c: StructuredOutput):
+        """A cached grammar, a cached refusal raised, or a refusal on size; None: it must be compiled."""
         with self._lock:
-            self._cache[constraint.key] = compiled
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            compiled = self._cache.get(c.key)
+            if compiled is not None:
+                self._cache.move_to_end(c.key)
+                return compiled
+            error = self._errors.get(c.key)
+        if error is not None:
+            raise _for_param(error, c.param)
+        if len(c.spec.encode()) > self.config.grammar_max_bytes:
+            raise GrammarError(f"{c.param} is larger than {self.config.grammar_max_bytes} bytes "
+                               "(--grammar-max-bytes)", c.param, TOO_COMPLEX)
+        return None
+
+    def _result(self, c: StructuredOutput, job: CompileJob, get):
+        try:
+            return get()
+        except GrammarError as e:
+            if job.abandoned:
+                raise
+            with self._lock:  # a refusal is as deterministic as a compile (a timeout nearly so)
+                self._errors[c.key] = e
+                if len(self._errors) > ERRORS_KEPT:
+                    self._errors.popitem(last=False)
+            raise _for_param(e, c.param) from None
+
+    def _finish(self, c: StructuredOutput, serialized: str):
+        """Compile thread: the child's JSON as a CompiledGrammar, cached within the byte bound."""
+        compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.info)
+        size = compiled.memory_size_bytes
+        limit = self.config.grammar_cache_bytes
+        if size > limit:
+            raise GrammarError(f"{c.param} compiles to {size} bytes, more than the grammar cache holds "
+                               f"({limit}, --grammar-cache-bytes); simplify it", c.param, TOO_COMPLEX)
+        with self._lock:
+            if c.key not in self._cache:
+                self._cache[c.key], self._sizes[c.key] = compiled, size
+                self.cache_bytes += size
+            while self.cache_bytes > limit:
+                key, _ = self._cache.popitem(last=False)
+                self.cache_bytes -= self._sizes.pop(key)
         return compiled
 
-    def _compile(self, c: StructuredOutput):
-        compiler = self._compiler
-        if c.kind == "json_object":  # any JSON object, with the same compact whitespace as schemas get
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if c.kind == "json":
-            try:
-                json.loads(c.spec)
-            except ValueError:
-                raise GrammarError(f"invalid {c.param}: the schema is not valid JSON", c.param) from None
-            schema = _bounded_strings_without_controls(json.loads(c.spec))
-            # Compact separators: a small model free to emit "any whitespace" can pad a reply until max_tokens.
-            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
-        if c.kind == "regex":
-            return compiler.compile_regex(c.spec)
-        if c.kind == "choice":
-            choices = json.loads(c.spec)
-            # Raw UTF-8 in the literals: JSON's \ud83d-style escapes would be read as lone surrogate code points.
-            literals = (json.dumps(x, ensure_ascii=False) for x in choices)
-            return compiler.compile_grammar("root ::= " + " | ".join(literals))
-        if c.kind == "grammar":
-            return compiler.compile_grammar(c.spec)
-        raise GrammarError(f"unknown structured output kind {c.kind!r}", c.param)
+
+def _for_param(e: GrammarError, param: str) -> GrammarError:
+    """The same refusal, naming the parameter of the request at hand (identical texts share one compile)."""
+    if e.param == param:
+        return e
+    return GrammarError(str(e).replace(e.param, param), param, e.code)
 
 
-def _bounded_strings_without_controls(node):
-    """Length-bounded strings as a pattern that keeps control characters out.
+class GrammarStep(enum.Enum):
+    """What advancing a row's matcher by its sampled token came to."""
 
-    xgrammar (0.2.9) lets a string with minLength/maxLength hold raw control characters, which no JSON parser
-    accepts. The pattern form is exact about length and refuses them; it also refuses escapes (quotes,
-    backslashes, \\n) inside such strings, a smaller loss than a reply that does not parse.
-    """
-    if isinstance(node, list):
-        return [_bounded_strings_without_controls(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _bounded_strings_without_controls(v) for k, v in node.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
-    if out.get("type") == "string" and bounded and plain:
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        upper = "" if high is None else str(int(high))
-        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{" + f"{low},{upper}" + "}$"
-    return out
+    CONTINUE = "continue"
+    COMPLETE = "complete"  # the grammar is satisfied: the request stops
+    REJECTED = "rejected"  # the token broke the grammar (the mask was not applied): an error
+    OVER_BUDGET = "over_budget"  # the row's grammar work per token passed the budget: an error
 
 
 class GrammarState:
@@ -115,15 +148,22 @@ class GrammarState:
         self.compiler = compiler
         self._xgr = compiler._xgr
         self.matchers: dict[str, object] = {}
+        self.constraints: dict[str, StructuredOutput] = {}
         self._bitmask = self._xgr.allocate_token_bitmask(max_num_seqs, compiler.vocab_size)
+        self._budget = compiler.config.grammar_token_budget_ms / 1000
+        self._mask_seconds: dict[str, float] = {}  # this step's mask fill per row, until its token is accepted
+        self._strikes: dict[str, int] = {}
+        self.last_cost_ms: dict[str, float] = {}  # the latest token's grammar work per row, for error messages
 
     def add(self, request_id: str, constraint: StructuredOutput) -> None:
         """Start a request's matcher (the compile is a cache hit when the API compiled it first)."""
         self.matchers[request_id] = self._xgr.GrammarMatcher(self.compiler.compile(constraint))
+        self.constraints[request_id] = constraint
 
     def remove(self, request_id: str) -> None:
         """Forget a request that ended."""
-        self.matchers.pop(request_id, None)
+        for d in (self.matchers, self.constraints, self._mask_seconds, self._strikes, self.last_cost_ms):
+            d.pop(request_id, None)
 
     def mask_logits(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> None:
         """Set the logits of every token the grammar forbids to -inf, for the constrained rows only."""
@@ -136,7 +176,12 @@ class GrammarState:
         if bitmask.shape[0] < len(to_sample):
             bitmask = self._bitmask = self._xgr.allocate_token_bitmask(len(to_sample), self.compiler.vocab_size)
         for i in rows:
-            self.matchers[to_sample[i].request_id].fill_next_token_bitmask(bitmask, i)
+            rid = to_sample[i].request_id
+            started = time.perf_counter()
+            self.matchers[rid].fill_next_token_bitmask(bitmask, i)
+            self._mask_seconds[rid] = time.perf_counter() - started
+            if to_sample[i].min_tokens_pending and self._only_stops(bitmask[i], rid):
+                to_sample[i].min_tokens_pending = False  # the grammar's end wins over min_tokens
         mask = bitmask[: len(to_sample)]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
@@ -145,12 +190,29 @@ class GrammarState:
         if logits.shape[-1] > width:  # padded vocabulary rows past the tokenizer's: never grammatical
             logits[rows, width:] = float("-inf")
 
-    def accept(self, request_id: str, token_id: int) -> bool:
-        """Advance a request's matcher by its sampled token; True once the grammar is complete."""
+    def _only_stops(self, row: torch.Tensor, request_id: str) -> bool:
+        """Whether a filled bitmask row allows stop tokens and nothing else (read only for completed grammars)."""
+        if not self.matchers[request_id].is_completed():
+            return False
+        words = row.clone()
+        for t in self.compiler.stop_token_ids:
+            bit = int(words[t >> 5]) & ~(1 << (t & 31))
+            words[t >> 5] = (bit + (1 << 31)) % (1 << 32) - (1 << 31)  # back to a signed 32-bit word
+        return not bool(words.any())
+
+    def accept(self, request_id: str, token_id: int) -> GrammarStep:
+        """Advance a request's matcher by its sampled token, timing its grammar work for this token."""
         matcher = self.matchers.get(request_id)
         if matcher is None:
-            return False
-        if not matcher.accept_token(token_id):
+            return GrammarStep.CONTINUE
+        started = time.perf_counter()
+        accepted = matcher.accept_token(token_id)
+        cost = time.perf_counter() - started + self._mask_seconds.pop(request_id, 0.0)
+        self.last_cost_ms[request_id] = cost * 1000
+        if not accepted:
             logger.error("request %s: sampled token %d rejected by its grammar", request_id, token_id)
-            return True
-        return matcher.is_terminated()
+            return GrammarStep.REJECTED
+        if matcher.is_terminated():
+            return GrammarStep.COMPLETE
+        strikes = self._strikes[request_id] = self._strikes.get(request_id, 0) + 1 if cost > self._budget else 0
+        return GrammarStep.OVER_BUDGET if strikes >= STRIKES else GrammarStep.CONTINUE

@@ -2,9 +2,11 @@
 
 In order of precedence: `--num-kv-blocks`; an explicit `--kv-cache-memory` in GiB; else `auto`:
 
-- CPU: a fraction (CPU_KV_FRACTION) of the memory the process may still use once the model is loaded: the
-  smaller of the cgroup memory limit less the weights, and MemAvailable (read after the load, so the weights are
-  already out of it).
+- CPU: the smallest of CPU_KV_CACHE_GIB (a default that leaves the machine usable, as vLLM's 4 GiB), what the
+  configured limits can use (max_num_seqs sequences of the context length: --max-model-len, else the model's own;
+  not the engine's capped max_model_len, which is derived from this cache), and a fraction (CPU_KV_FRACTION) of
+  the memory the process may still use once the model is loaded: the smaller of the cgroup memory limit less the
+  weights, and MemAvailable (read after the load, so the weights are already out of it).
 - CUDA (vLLM's `--gpu-memory-utilization`): one forward at the largest step (max_num_batched_tokens tokens in one
   sequence, the worst case for attention) measures peak activation memory; the cache gets
   `utilization * total - (weights + peak activations)`, and never more than is free beside the activations.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sluice.kvcache.config import AUTO, CacheConfig, gib_or_auto
+from sluice.kvcache.config import AUTO, CPU_KV_CACHE_GIB, CacheConfig, gib_or_auto
 from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
 from sluice.kvcache.paged_attention import AttentionMetadata
 from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
@@ -29,6 +31,7 @@ from sluice.service.engine.cpu import CGROUP_ROOT, MEMINFO, PROC_CGROUP, cgroup_
 GiB = 1 << 30
 # Half of what is left: the rest covers activations, the tokenizer, Python, other tenants and page cache.
 CPU_KV_FRACTION = 0.5
+RAISE_HINT = "raise it with --kv-cache-memory GiB or --num-kv-blocks N"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,31 @@ def cpu_kv_budget(
     return KVBudget(int(usable * fraction), f"auto: {fraction:g} x {format_bytes(usable)} left, from {source}")
 
 
+def model_context_length(model) -> int:
+    """The model's own context length, from its config (2048 when it names none)."""
+    cfg = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def cpu_auto_budget(left: KVBudget, shape: KVShape, max_num_seqs: int, context_len: int) -> KVBudget:
+    """The CPU 'auto' cache: the smallest of CPU_KV_CACHE_GIB, max_num_seqs full contexts, and `left`
+    (cpu_kv_budget's share of the memory left)."""
+    per_seq = -(-context_len // shape.block_size) * shape.block_bytes
+    limits = max_num_seqs * per_seq
+    bounds = [
+        (int(CPU_KV_CACHE_GIB * GiB), f"the CPU default {CPU_KV_CACHE_GIB:g} GiB"),
+        (limits, f"{format_bytes(limits)} for {max_num_seqs} sequences x {context_len} tokens"),
+        (left.num_bytes, left.source.removeprefix("auto: ")),
+    ]
+    num_bytes, why = min(bounds)
+    others = "; ".join(text for n, text in bounds if text != why)
+    return KVBudget(num_bytes, f"auto: {why}, the smallest beside {others}; {RAISE_HINT}")
+
+
 @dataclass(frozen=True, slots=True)
 class CudaMemory:
     """Device memory figures in bytes: free and total (driver), allocated and peak allocated (torch)."""
@@ -177,16 +205,19 @@ def gpu_kv_budget(
 
 
 def kv_cache_blocks(
-    model, cache: CacheConfig, device: torch.device, shape: KVShape, max_num_batched_tokens: int, max_num_seqs: int
+    model, cache: CacheConfig, device: torch.device, shape: KVShape, max_num_batched_tokens: int, max_num_seqs: int,
+    max_model_len: int = 0,
 ) -> tuple[int, str]:
-    """(number of KV blocks, where the figure came from); ValueError when not even one block fits."""
+    """(number of KV blocks, where the figure came from); ValueError when not even one block fits.
+    `max_model_len`: the configured one (0: the model's own context length), for the CPU 'auto' size."""
     if cache.num_kv_blocks:
         return cache.num_kv_blocks, "--num-kv-blocks"
     memory = gib_or_auto(cache.kv_cache_memory)
     if memory != AUTO:
         budget = KVBudget(int(memory * GiB), f"--kv-cache-memory {memory:g} GiB")
     elif device.type == "cpu":
-        budget = cpu_kv_budget(model_weight_bytes(model))
+        context_len = max_model_len or model_context_length(model)
+        budget = cpu_auto_budget(cpu_kv_budget(model_weight_bytes(model)), shape, max_num_seqs, context_len)
     elif device.type == "cuda":
         budget = gpu_kv_budget(model, shape, device, cache.gpu_memory_utilization, max_num_batched_tokens,
                                max_num_seqs, cache.attention_backend)

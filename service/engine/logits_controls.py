@@ -4,13 +4,23 @@ Applied in place to the float32 logits of the rows being sampled, before the sam
 so a bias can never re-allow a token a grammar forbids). Rows whose controls are all neutral are not touched,
 so a batch without controls costs one scan of its requests. The maths is tensor ops over the batch; Python
 loops only build index lists from the requests' tokens and bad-word lists, never over the vocabulary.
+
+No host syncs: index lists reach the device through `to_device` (pinned, non-blocking) and values are written
+with masked_fill_ / index_put_ of device tensors, never a Python scalar put through indexing (a blocking copy
+on CUDA). An allowed_token_ids list becomes a [vocab] mask once, at admission (`AllowedMasks`); a step then
+costs one masked_fill_ over the constrained rows, whatever the lists' lengths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ScheduledRequest
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.sampler import fill_at
 
 
 def apply_logit_controls(logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
@@ -25,6 +35,41 @@ def apply_logit_controls(logits: torch.Tensor, requests: list[ScheduledRequest])
     _penalties(logits, requests, rows, vocab)
 
 
+def disallowed_mask(allowed: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool on `device`, True for every token outside `allowed`; ValueError for an id outside the vocab."""
+    index = torch.tensor(allowed, dtype=torch.long)
+    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < vocab):
+        bad = next(t for t in allowed if not 0 <= t < vocab)
+        raise ValueError(f"token id {bad} in allowed_token_ids is outside the vocabulary (0..{vocab - 1})")
+    mask = torch.ones(vocab, dtype=torch.bool).index_fill_(0, index, False)
+    if device.type == "cuda":
+        mask = mask.pin_memory()
+    return mask.to(device, non_blocking=True)
+
+
+class AllowedMasks:
+    """Builds the disallowed-token mask of an allowed_token_ids list at admission, once per list: the n samples and
+    prompts of one API call share one list object, so they share one mask (one byte per vocabulary entry)."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self._last: tuple[Sequence[int], torch.Tensor] | None = None
+
+    def get(self, allowed: Sequence[int]) -> torch.Tensor:
+        """The mask for `allowed` (the previous call's mask when it is the same list object)."""
+        if self._last is None or self._last[0] is not allowed:
+            self._last = (allowed, disallowed_mask(allowed, self.vocab, self.device))
+        return self._last[1]
+
+
+def _mask_of(params: SamplingParams, vocab: int, device: torch.device) -> torch.Tensor:
+    mask = params.disallowed_token_mask
+    if isinstance(mask, torch.Tensor) and mask.shape == (vocab,) and mask.device == device:
+        return mask
+    # A request that did not come through LLMEngine.add_request: built per step (correct, just slower).
+    return disallowed_mask(params.allowed_token_ids, vocab, device)
+
+
 def _bias(logits, requests, rows, vocab) -> None:
     r_idx, t_idx, values = [], [], []
     for i in rows:
@@ -34,18 +79,23 @@ def _bias(logits, requests, rows, vocab) -> None:
                 t_idx.append(token)
                 values.append(bias)
     if r_idx:
-        index = (torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device))
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+        index = to_device([r_idx, t_idx], torch.long, logits.device)
+        logits.index_put_((index[0], index[1]), to_device(values, logits.dtype, logits.device), accumulate=True)
 
 
 def _allowed(logits, requests, rows) -> None:
-    for i in rows:
-        allowed = requests[i].sampling_params.allowed_token_ids
-        if allowed is not None:
-            keep = torch.tensor(allowed, device=logits.device)
-            kept = logits[i, keep].clone()
-            logits[i] = float("-inf")
-            logits[i, keep] = kept
+    """-inf outside each constrained row's allowed ids: one masked_fill_ over those rows."""
+    rows = [i for i in rows if requests[i].sampling_params.allowed_token_ids is not None]
+    if not rows:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    masks = [_mask_of(requests[i].sampling_params, vocab, device) for i in rows]
+    banned = masks[0][None] if all(m is masks[0] for m in masks) else torch.stack(masks)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    index = to_device(rows, torch.long, device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
 
 
 def _bad_words(logits, requests, rows, vocab) -> None:
@@ -64,7 +114,7 @@ def _bad_words(logits, requests, rows, vocab) -> None:
                     r_idx.append(i)
                     t_idx.append(word[-1])
     if r_idx:
-        logits[torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device)] = float("-inf")
+        fill_at(logits, r_idx, t_idx, float("-inf"))
 
 
 def _penalties(logits, requests, rows, vocab) -> None:
@@ -80,14 +130,15 @@ def _penalties(logits, requests, rows, vocab) -> None:
     counts = _scatter_counts(outputs, n, vocab, device)
     seen = _scatter_counts(histories, n, vocab, device) > 0
     params = [requests[i].sampling_params for i in rows]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    index = torch.tensor(rows, device=device)
-    sub = logits[index]
+    # One copy for the three penalties: [n, 3] presence, frequency, repetition.
+    packed = to_device([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                       logits.dtype, device)
+    presence, frequency, repetition = packed[:, 0:1], packed[:, 1:2], packed[:, 2:3]
+    index = to_device(rows, torch.long, device)
+    sub = logits.index_select(0, index)
     sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
     sub = sub - frequency * counts - presence * (counts > 0)
-    logits[index] = sub
+    logits.index_copy_(0, index, sub)
 
 
 def _has_penalty(r: ScheduledRequest) -> bool:
@@ -100,10 +151,7 @@ def _scatter_counts(id_lists: list[list[int]], n: int, vocab: int, device) -> to
     width = max((len(ids) for ids in id_lists), default=0)
     counts = torch.zeros(n, vocab + 1, device=device)
     if width:
-        padded = torch.full((n, width), vocab, dtype=torch.long)
-        for row, ids in enumerate(id_lists):
-            if ids:
-                padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.long).clamp_(0, vocab)
-        padded = padded.to(device)
+        padded = to_device([list(ids) + [vocab] * (width - len(ids)) for ids in id_lists], torch.long, device)
+        padded.clamp_(0, vocab)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]

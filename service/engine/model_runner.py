@@ -36,6 +36,8 @@ class ModelRunner:
         dtype: torch.dtype,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        max_model_len: int = 0,
+        preemption_mode: str = "recompute",
     ):
         self.model = model
         # Sluice's own model calls the paged attention itself; a transformers one does through its
@@ -59,9 +61,12 @@ class ModelRunner:
         shape = (num_layers, num_kv_heads, head_dim, self.block_size, dtype)
         # --num-kv-blocks, else --kv-cache-memory in GiB, else auto (on CUDA after a profile forward): kv_sizing.
         self.num_kv_blocks, self.kv_cache_source = kv_cache_blocks(
-            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs
+            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs, max_model_len
         )
-        self.num_host_blocks = num_blocks_for_budget(cache_config.swap_space_gib(self.device.type) * GiB, *shape)
+        # Swap 'auto' on CPU with preemption mode swap: a host pool as large as the cache (up to a cap).
+        cache_gib = self.num_kv_blocks * KVShape(*shape).block_bytes / GiB
+        swap_gib = cache_config.swap_space_gib(self.device.type, preemption_mode, cache_gib)
+        self.num_host_blocks = num_blocks_for_budget(swap_gib * GiB, *shape)
         self.kv = KVTensors(
             self.num_kv_blocks, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
             num_host_blocks=self.num_host_blocks,
@@ -74,6 +79,7 @@ class ModelRunner:
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
+        self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -94,7 +100,9 @@ class ModelRunner:
         logits = logits.float()
         for process in self.logits_processors:  # penalties, biases, grammar masks: in place, batched
             process(logits, to_sample)
-        result = sample(logits, to_sample)
+        rows, dead = _rows_without_token(logits, to_sample)
+        result = sample(logits, to_sample)  # its read-back syncs: `dead` is on the host after it
+        self.no_allowed_token = [to_sample[i].request_id for i, d in zip(rows, dead.tolist(), strict=True) if d]
         return ModelRunnerOutput(
             sampled={r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)},
             logprobs={r.request_id: lp for r, lp in zip(to_sample, result.logprobs, strict=True) if lp is not None},
@@ -139,3 +147,27 @@ class ModelRunner:
             return output.logits[0]
         output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return output.logits[0, sample_rows]
+
+
+def _rows_without_token(logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor]:
+    """The constrained rows, and for each whether no finite logit is left (counting the stop tokens the sampler
+    masks for min_tokens); on CUDA the flags reach the host by a copy the sampler's read-back waits for."""
+    rows = [i for i, r in enumerate(to_sample) if _may_forbid_all(r.sampling_params)]
+    if not rows:
+        return rows, torch.zeros(0, dtype=torch.bool)
+    forbidden = torch.isneginf(logits[torch.tensor(rows).to(logits.device, non_blocking=True)])
+    for j, i in enumerate(rows):
+        r = to_sample[i]
+        if r.min_tokens_pending:
+            stops = [t for t in [*r.sampling_params.stop_token_ids, r.eos_token_id]
+                     if t is not None and 0 <= t < logits.shape[-1]]
+            forbidden[j, stops] = True
+    dead = forbidden.all(-1)
+    if dead.device.type != "cpu":
+        dead = torch.empty(dead.shape, dtype=torch.bool, pin_memory=True).copy_(dead, non_blocking=True)
+    return rows, dead
+
+
+def _may_forbid_all(p) -> bool:
+    """Only a grammar, allowed_token_ids or bad words can leave a row without any token."""
+    return p.structured_output is not None or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)

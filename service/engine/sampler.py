@@ -125,9 +125,15 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]
     if not rows:
         return logits
     logits = logits.clone()
-    index = to_device([rows, cols], torch.long, logits.device)
-    logits[index[0], index[1]] = float("-inf")  # a Python scalar: filled on the device, no copy
+    fill_at(logits, rows, cols, float("-inf"))
     return logits
+
+
+def fill_at(x: torch.Tensor, rows: list[int], cols: list[int], value: float) -> None:
+    """x[rows[k], cols[k]] = value for every k, with no host sync: the indices go over in one non-blocking copy and
+    the values are filled on the device (`x[i, j] = value` would copy a host scalar over with a blocking copy)."""
+    index = to_device([rows, cols], torch.long, x.device)
+    x.index_put_((index[0], index[1]), x.new_full((len(rows),), value))
 
 
 def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""CompileService: grammar compiles in child processes, bounded in time, queue length and waiting clients.
+
+Each worker thread owns one child process (grammar_worker.serve) and sends it one constraint at a time. A
+compile past its time limit, or one whose every waiting client left, is ended by killing that child (a C++
+compile cannot be interrupted from a thread); the next job starts a fresh one. Identical constraints waiting
+or compiling at once share one job. Threads (and their children) start only when the queue needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from sluice.scheduling.sampling_params import StructuredOutput
+from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
+from sluice.service.engine.grammar_worker import serve
+
+logger = logging.getLogger("sluice.grammar")
+STARTUP_TIMEOUT = 120.0  # a child imports xgrammar and torch: seconds on a busy machine
+_POLL = 0.05  # how often a running compile looks for the end of its time or of its clients
+
+
+class GrammarBusyError(RuntimeError):
+    """Too many distinct grammar compiles are already waiting."""
+
+
+@dataclass(slots=True, eq=False)
+class CompileJob:
+    """One constraint being compiled, the future its waiters share, and how many still wait."""
+
+    constraint: StructuredOutput
+    future: Future = field(default_factory=Future)
+    waiters: int = 1
+    abandoned: bool = False
+
+
+class _Worker:
+    """One compile child process and its pipe; started on first use, killed when a compile must end."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self._info = tokenizer_info_json
+        self._process = None
+        self._conn = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(target=serve, args=(child, self._info), daemon=True, name="sluice-grammar")
+        self._process.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(STARTUP_TIMEOUT) or parent.recv() != ("ready",):
+            self.kill()
+            raise RuntimeError("the grammar compile process did not start")
+
+    def kill(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(5)
+            self._conn.close()
+        self._process = self._conn = None
+
+    def run(self, job: CompileJob, timeout: float) -> tuple:
+        """The child's reply; ("timeout",) or ("abandoned",) after killing it."""
+        if self._process is None or not self._process.is_alive():
+            self.kill()
+            self.start()
+        c = job.constraint
+        self._conn.send((c.kind, c.spec, c.param))
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(_POLL):
+            if job.abandoned or time.monotonic() > deadline:
+                self.kill()
+                return ("abandoned",) if job.abandoned else ("timeout",)
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):  # the child died: out of memory, or killed from outside
+            self.kill()
+            return ("died",)
+
+
+class CompileService:
+    """Runs compiles in up to `workers` child processes; `finish` turns a reply's JSON into the result."""
+
+    def __init__(self, tokenizer_info_json: str, workers: int, timeout: float, queue_size: int,
+                 finish: Callable[[StructuredOutput, str], object]):
+        self._info, self._timeout, self._queue_size, self._finish = tokenizer_info_json, timeout, queue_size, finish
+        self._max_threads = workers
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._queue: deque[CompileJob] = deque()
+        self._jobs: dict[tuple[str, str], CompileJob] = {}  # queued or compiling, by constraint key
+        self._cond = threading.Condition()
+
+    def submit(self, constraint: StructuredOutput) -> CompileJob:
+        """The job compiling this constraint, joined if one is already queued or running; GrammarBusyError."""
+        with self._cond:
+            job = self._jobs.get(constraint.key)
+            if job is not None:
+                job.waiters += 1
+                return job
+            if len(self._queue) >= self._queue_size:
+                raise GrammarBusyError(f"more than {self._queue_size} grammar compiles are waiting")
+            job = self._jobs[constraint.key] = CompileJob(constraint)
+            self._queue.append(job)
+            if self._idle == 0 and len(self._threads) < self._max_threads:
+                thread = threading.Thread(target=self._serve, daemon=True, name="sluice-grammar-compile")
+                self._threads.append(thread)
+                thread.start()
+            self._cond.notify()
+            return job
+
+    def release(self, job: CompileJob) -> None:
+        """A waiter left; the last one to leave abandons the compile (dropped from the queue, or killed)."""
+        with self._cond:
+            job.waiters -= 1
+            if job.waiters > 0 or job.future.done():
+                return
+            job.abandoned = True
+            if self._jobs.get(job.constraint.key) is job:
+                del self._jobs[job.constraint.key]
+            try:
+                self._queue.remove(job)
+            except ValueError:  # already running: its worker sees `abandoned` and kills the compile
+                return
+        job.future.cancel()
+
+    def _serve(self) -> None:
+        worker = _Worker(self._info)
+        while True:
+            with self._cond:
+                self._idle += 1
+                while not self._queue:
+                    self._cond.wait()
+                self._idle -= 1
+                job = self._queue.popleft()
+                job.future.set_running_or_notify_cancel()
+            try:
+                job.future.set_result(self._compile(worker, job))
+            except BaseException as e:  # GrammarError, or a worker that cannot start
+                job.future.set_exception(e)
+            with self._cond:
+                if self._jobs.get(job.constraint.key) is job:
+                    del self._jobs[job.constraint.key]
+
+    def _compile(self, worker: _Worker, job: CompileJob):
+        c = job.constraint
+        started = time.perf_counter()
+        reply = worker.run(job, self._timeout)
+        elapsed = time.perf_counter() - started
+        if reply[0] == "ok":
+            logger.debug("compiled %s (%d bytes) in %.3f s", c.param, len(c.spec), elapsed)
+            return self._finish(c, reply[1])
+        if reply[0] == "error":
+            raise GrammarError(reply[1], c.param, reply[2])
+        if reply[0] == "timeout":
+            logger.warning("grammar compile for %s passed %.1f s: killed", c.param, self._timeout)
+            raise GrammarError(f"{c.param} took longer than {self._timeout:g} s to compile "
+                               "(--grammar-compile-timeout); simplify it", c.param, TOO_COMPLEX)
+        if reply[0] == "died":
+            raise GrammarError(f"compiling {c.param} ended its compile process (out of memory?); simplify it",
+                               c.param, TOO_COMPLEX)
+        raise GrammarError(f"the compile of {c.param} was abandoned by its clients", c.param)
