@@ -285,3 +285,37 @@ def test_peers_report_ratios_and_table():
     assert "| llama.cpp F32 | 2.00 | 1.50 | 0.25 | 1.50 |" in text
     assert "| Sluice int8 / llama.cpp F32 | 1.00 | 0.50 | 0.25 | 1.00 |" in text
     assert set(ratios(servers)) == {"llama.cpp F32", "Sluice int8 / llama.cpp F32"}
+
+
+def test_peers_report_pairs_each_line_with_its_baseline_and_shapes_with_no_peer():
+    from sluice.service.bench.peers import _pair_key, ratios, table
+
+    def server(a, tpot, ttft=None, rss=1000):
+        s = {"A": {"output_tok_s": a}, "B": {"tpot_p50_ms": tpot}, "rss_mib": rss}
+        if ttft is not None:
+            s["C"] = {"output_tok_s": 1.0, "ttft_p50_ms": ttft}
+        return s
+
+    servers = {"Sluice@0123abcd fp32": server(100, 20, 1000), "Sluice fp32": server(150, 10, 500),
+               "Sluice@0123abcd bf16 qwen2-135m": server(100, 40), "Sluice bf16 qwen2-135m": server(200, 20, rss=500),
+               "llama.cpp F32": server(100, 20, 4000)}
+    r = ratios(servers)
+    assert set(r) == {"llama.cpp F32", "Sluice fp32 / Sluice@0123abcd fp32",
+                      "Sluice bf16 qwen2-135m / Sluice@0123abcd bf16 qwen2-135m"}
+    shape = r["Sluice bf16 qwen2-135m / Sluice@0123abcd bf16 qwen2-135m"]
+    assert shape == {"A_throughput_sluice_over_peer": 2.0, "B_tpot_sluice_over_peer": 0.5, "rss_sluice_over_peer": 0.5}
+    text = table({"meta": {"cpu_flags": ["avx2"], "baseline": "0123abcd" * 5}, "servers": servers, "ratios": r})
+    assert "| Sluice bf16 qwen2-135m / Sluice@0123abcd bf16 qwen2-135m | 2.00 | 0.50 | - | 0.50 |" in text
+    assert "| Sluice bf16 qwen2-135m | 200.0 | 20.0 | - | - | 500 | 0/0 |" in text
+    order = sorted(["Sluice fp32", "Sluice@x bf16", "Sluice bf16", "Sluice@x fp32"], key=_pair_key)
+    assert order == ["Sluice@x bf16", "Sluice bf16", "Sluice@x fp32", "Sluice fp32"]
+
+
+def test_shape_configs_keep_the_size_and_change_only_the_layer_layout():
+    from sluice.service.bench.shapes import ARCHS, config_of
+
+    configs = {arch: config_of(arch, "360m") for arch in ARCHS}
+    assert {c.hidden_size for c in configs.values()} == {960} and {c.num_hidden_layers for c in configs.values()} == {32}
+    assert type(configs["qwen3"]).__name__ == "Qwen3Config" and configs["qwen3"].head_dim == 64
+    with pytest.raises(ValueError, match="unknown architecture"):
+        config_of("gpt2", "135m")

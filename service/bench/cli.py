@@ -65,6 +65,9 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
 
     peers = commands.add_parser("peers", help="Sluice beside llama.cpp's server (built from PyPI's sdist): A, B, C.")
     peers.add_argument("--output", default="bench/peers.json", help="JSON result; a .md table beside it.")
+    peers.add_argument("--baseline", default="", help="A git ref whose Sluice runs beside this one, alternating.")
+    peers.add_argument("--shapes", default="", help="Random models served on A and B too, e.g. qwen2-135m,qwen3-135m "
+                       "(architectures llama, qwen2, qwen3; sizes 135m, 360m, 1.7b).")
     peers.set_defaults(func=_peers_command)
 
     grammar = commands.add_parser("grammar", help="Grammar-constrained rows' share of a batch-64 decode step.")
@@ -180,7 +183,8 @@ def _peers_command(args) -> int:
 
     from sluice.service.bench.peers import run_peers
 
-    run_peers(Path(args.output))
+    shapes = tuple(s for s in args.shapes.split(",") if s)
+    run_peers(Path(args.output), baseline=args.baseline, shapes=shapes)
     return 0
 
 

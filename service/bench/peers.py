@@ -101,26 +101,45 @@ def q4_1_gguf(cache: Path) -> Path:
     return found[0] if found else fetch_default_gguf(cache)
 
 
-def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print) -> dict:
-    """Build what is missing, run A/B/C on each server in turn, write JSON and a Markdown table."""
+def run_peers(output: Path, context: int = 16384, parallel: int = 16, baseline: str = "",
+              shapes: tuple[str, ...] = (), log=print) -> dict:
+    """Build what is missing, run A/B/C on each server in turn, write JSON and a Markdown table.
+
+    `baseline`: a git ref whose Sluice runs right before this one on every Sluice line ("Sluice@<ref> ...").
+    `shapes`: random models ("qwen2-135m", see shapes.py) served by Sluice fp32 and bf16 on workloads A and B.
+    """
     cache = default_cache_dir() / "peers"
     server = build_llama_server(cache, log)
     models = {"llama.cpp F32": f32_gguf(cache, log), "llama.cpp Q4_1": q4_1_gguf(cache)}
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "context": context,
                         "parallel": parallel, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, "servers": {}}
     threads = str(len(os.sched_getaffinity(0)))
-    # The same context capacity for everyone: llama.cpp's -c tokens of KV cache, Sluice's blocks of 16.
-    sluice = [sys.executable, "-m", "sluice.service.cli", "serve", "--dtype", "float32", "--max-model-len", "2048",
-              "--block-size", "16", "--num-kv-blocks", str(context // 16)]
-    commands = {"Sluice fp32": sluice, "Sluice int8": [*sluice, "--quantization", "int8"],
-                "Sluice int4": [*sluice, "--quantization", "int4"]}
-    if {"avx512_bf16", "amx_bf16"} & cpu_flags():  # where --dtype auto picks bf16
-        commands["Sluice bf16"] = ["bfloat16" if a == "float32" else a for a in sluice]
+    pythons = {"": sys.executable}
+    if baseline:
+        from sluice.service.bench.baseline import baseline_python, resolve
+
+        pythons = {f"@{resolve(baseline)[:8]}": str(baseline_python(baseline, cache, log)), "": sys.executable}
+        results["meta"]["baseline"] = resolve(baseline)
+    commands: dict[str, tuple[list[str], tuple]] = {}
+    for tag, python in pythons.items():  # the baseline's line right before this commit's, format by format
+        for name, cmd in sluice_commands(python, context).items():
+            commands[f"Sluice{tag} {name}"] = (cmd, (A, B, C))
+    for spec in shapes:
+        from sluice.service.bench.shapes import random_checkpoint
+
+        arch, _, size = spec.partition("-")
+        model = str(random_checkpoint(arch, size))
+        for tag, python in pythons.items():
+            for name, cmd in sluice_commands(python, context, model).items():
+                if name in ("fp32", "bf16"):
+                    commands[f"Sluice{tag} {name} {spec}"] = (cmd, (A, B))
+    commands = dict(sorted(commands.items(), key=lambda kv: _pair_key(kv[0])))
     for name, gguf in models.items():
-        commands[name] = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
-    for name, cmd in commands.items():
+        cmd = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
+        commands[name] = (cmd, (A, B, C))
+    for name, (cmd, workloads) in commands.items():
         log(f"--- {name}")
-        results["servers"][name] = _measure(cmd, name.startswith("Sluice"), log)
+        results["servers"][name] = _measure(cmd, name.startswith("Sluice"), log, workloads)
     results["ratios"] = ratios(results["servers"])
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2))
@@ -129,7 +148,23 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, log=print)
     return results
 
 
-def _measure(cmd: list[str], sluice: bool, log) -> dict:
+def sluice_commands(python: str, context: int, model: str = "") -> dict[str, list[str]]:
+    """`sluice serve` per weight format, with the same KV capacity as llama.cpp's -c tokens (blocks of 16)."""
+    base = [python, "-m", "sluice.service.cli", "serve", "--dtype", "float32", "--max-model-len", "2048",
+            "--block-size", "16", "--num-kv-blocks", str(context // 16), *(["--model", model] if model else [])]
+    commands = {"fp32": base, "int8": [*base, "--quantization", "int8"], "int4": [*base, "--quantization", "int4"]}
+    if {"avx512_bf16", "amx_bf16"} & cpu_flags():  # where --dtype auto picks bf16
+        commands["bf16"] = ["bfloat16" if a == "float32" else a for a in base]
+    return commands
+
+
+def _pair_key(name: str) -> tuple[str, int]:
+    """Sort "Sluice@abc fp32" right before "Sluice fp32"."""
+    variant = name.split(" ", 1)[1]
+    return (variant, 0 if name.startswith("Sluice@") else 1)
+
+
+def _measure(cmd: list[str], sluice: bool, log, workloads=(A, B, C)) -> dict:
     port = free_port()
     cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -137,7 +172,7 @@ def _measure(cmd: list[str], sluice: bool, log) -> dict:
     try:
         _wait_ready(base + ("/ready" if sluice else "/health"), proc)
         out = {}
-        for w in (A, B, C):
+        for w in workloads:
             cfg = ServeConfig(workload=dataclasses.replace(w), base_url=base, tokenizer="default", progress=False,
                               num_warmups=1)
             r = asyncio.run(run_serve(cfg))
@@ -157,41 +192,56 @@ def _measure(cmd: list[str], sluice: bool, log) -> dict:
 
 
 def ratios(servers: dict) -> dict:
-    """Each Sluice variant over each peer: A throughput, B TPOT (lower is better), C TTFT, memory.
+    """Each Sluice variant over each peer, and over the baseline's same line: A throughput, B TPOT (lower is
+    better), C TTFT, memory.
 
-    Keyed by the peer's name for Sluice fp32 and by "<variant> / <peer>" for the other Sluice variants.
+    Keyed by the peer's name for Sluice fp32, "<variant> / <peer>" for the other Sluice variants, and
+    "<line> / <baseline line>" against the baseline.
     """
     out = {}
-    for ours_name, ours in servers.items():
-        if not ours_name.startswith("Sluice"):
+    ours = {n: s for n, s in servers.items() if n.startswith("Sluice ")}
+    peers = {n: s for n, s in servers.items() if not n.startswith("Sluice")}
+    for ours_name, line in ours.items():
+        base_name = next((n for n in servers if n.startswith("Sluice@") and n.split(" ", 1)[1] ==
+                          ours_name.split(" ", 1)[1]), None)
+        if base_name:
+            out[f"{ours_name} / {base_name}"] = _ratio(line, servers[base_name])
+        if "C" not in line:  # a model-shape line: no peer serves that model
             continue
-        for name, peer in servers.items():
-            if name.startswith("Sluice"):
-                continue
-            key = name if ours_name == "Sluice fp32" else f"{ours_name} / {name}"
-            out[key] = {
-                "A_throughput_sluice_over_peer": ours["A"]["output_tok_s"] / peer["A"]["output_tok_s"],
-                "B_tpot_sluice_over_peer": ours["B"]["tpot_p50_ms"] / peer["B"]["tpot_p50_ms"],
-                "C_ttft_sluice_over_peer": ours["C"]["ttft_p50_ms"] / peer["C"]["ttft_p50_ms"],
-                "rss_sluice_over_peer": ours["rss_mib"] / peer["rss_mib"],
-            }
+        for name, peer in peers.items():
+            out[name if ours_name == "Sluice fp32" else f"{ours_name} / {name}"] = _ratio(line, peer)
+    return out
+
+
+def _ratio(ours: dict, other: dict) -> dict:
+    keys = {"A": ("A_throughput_sluice_over_peer", "output_tok_s"), "B": ("B_tpot_sluice_over_peer", "tpot_p50_ms"),
+            "C": ("C_ttft_sluice_over_peer", "ttft_p50_ms")}
+    out = {key: ours[w][field] / other[w][field] for w, (key, field) in keys.items() if w in ours and w in other}
+    out["rss_sluice_over_peer"] = ours["rss_mib"] / other["rss_mib"]
     return out
 
 
 def table(results: dict) -> str:
     """The Markdown report."""
+    def cell(s: dict, w: str, field: str, fmt: str) -> str:
+        return format(s[w][field], fmt) if w in s else "-"
+
     lines = ["# Sluice beside llama.cpp (same machine, one server at a time, same KV capacity)", "",
-             f"CPU features used by the llama.cpp build: {', '.join(results['meta']['cpu_flags'])}.", "",
-             "| server | A output tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | RSS MiB | failed A/B/C |",
-             "|---|---|---|---|---|---|---|"]
+             f"CPU features used by the llama.cpp build: {', '.join(results['meta']['cpu_flags'])}."]
+    if results["meta"].get("baseline"):
+        lines.append(f"Baseline: Sluice@{results['meta']['baseline'][:8]}, run right before each of this commit's lines.")
+    lines += ["", "| server | A output tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | RSS MiB | failed |",
+              "|---|---|---|---|---|---|---|"]
     for name, s in results["servers"].items():
-        failed = "/".join(str(s[w].get("failed", 0)) for w in ("A", "B", "C"))
-        lines.append(f"| {name} | {s['A']['output_tok_s']:.1f} | {s['B']['tpot_p50_ms']:.1f} | "
-                     f"{s['C']['output_tok_s']:.1f} | {s['C']['ttft_p50_ms']:.0f} | {s['rss_mib']:.0f} | {failed} |")
-    lines += ["", "| Sluice fp32 (or variant) / peer | A tok/s | B TPOT | C TTFT | RSS |", "|---|---|---|---|---|"]
+        failed = "/".join(str(s[w].get("failed", 0)) for w in ("A", "B", "C") if w in s)
+        lines.append(f"| {name} | {cell(s, 'A', 'output_tok_s', '.1f')} | {cell(s, 'B', 'tpot_p50_ms', '.1f')} | "
+                     f"{cell(s, 'C', 'output_tok_s', '.1f')} | {cell(s, 'C', 'ttft_p50_ms', '.0f')} | "
+                     f"{s['rss_mib']:.0f} | {failed} |")
+    lines += ["", "| Sluice line / other | A tok/s | B TPOT | C TTFT | RSS |", "|---|---|---|---|---|"]
     for name, r in results["ratios"].items():
-        lines.append(f"| {name} | {r['A_throughput_sluice_over_peer']:.2f} | {r['B_tpot_sluice_over_peer']:.2f} | "
-                     f"{r['C_ttft_sluice_over_peer']:.2f} | {r['rss_sluice_over_peer']:.2f} |")
+        cells = [format(r[k], ".2f") if k in r else "-" for k in
+                 ("A_throughput_sluice_over_peer", "B_tpot_sluice_over_peer", "C_ttft_sluice_over_peer")]
+        lines.append(f"| {name} | {' | '.join(cells)} | {r['rss_sluice_over_peer']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
