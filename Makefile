@@ -44,8 +44,8 @@ lint: install
 bench: model
 	$(BIN)/sluice bench offline --standard --dtype float32 --output bench/results.json
 
-bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/peers.{json,md}
-	$(BIN)/sluice bench peers --output bench/peers.json
+bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/peers.{json,md}; PEERS_ARGS="--baseline REF --shapes qwen2-135m"
+	$(BIN)/sluice bench peers --output bench/peers.json $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
