@@ -106,6 +106,22 @@ def make_targets(makefile: Path = REPO / "Makefile") -> set[str]:
     return {t for m in rule.finditer(makefile.read_text()) for t in m.group(1).split()}
 
 
+@cache
+def routes() -> frozenset[str]:
+    """Every path the app serves."""
+    from sluice.service.api.api_server import create_app
+    from sluice.service.config import SluiceConfig
+
+    return frozenset(r.resource.canonical for r in create_app(SluiceConfig()).router.routes())
+
+
+def check_curl(args: list[str]) -> list[str]:
+    """Problems with one `curl` of the local server: a path the app does not serve."""
+    local = re.compile(r"(?:https?://)?(?:localhost|127\.0\.0\.1):\d+(/[^\s?]*)")
+    paths = [m[1] for a in args if (m := local.fullmatch(a))]
+    return [f"the server has no route {path}" for path in paths if path not in routes()]
+
+
 def check_sluice(args: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
     """Problems with one `sluice ...` command line (args after `sluice`): unknown subcommands or flags."""
     parser = parser or sluice_parser()
@@ -124,13 +140,16 @@ def check_sluice(args: list[str], parser: argparse.ArgumentParser | None = None)
 
 
 def check_command(tokens: list[str], targets: set[str] | None = None) -> list[str]:
-    """Problems with one command: `sluice` flags and subcommands, `make` targets (and `make serve ARGS=...`)."""
+    """Problems with one command: `sluice` flags and subcommands, `make` targets (and `make serve ARGS=...`),
+    the paths a `curl` of the local server asks for."""
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):  # FOO=bar sluice ...
         tokens = tokens[1:]
     if not tokens:
         return []
     if Path(tokens[0]).name == "sluice":
         return check_sluice(tokens[1:])
+    if tokens[0] == "curl":
+        return check_curl(tokens[1:])
     if tokens[0] != "make":
         return []
     targets = make_targets() if targets is None else targets
@@ -164,7 +183,8 @@ def check_text(text: str, name: str = "<text>") -> list[str]:
             problems += [f"{block.where}: {p}" for c in commands(block) for p in check_command(c)]
     prose = _FENCE.sub("", text)
     for line_no, line in enumerate(prose.splitlines(), 1):
-        problems += [f"{name} (prose line {line_no}): {p}" for m in _INLINE.finditer(line) for p in check_inline(m[1])]
+        spans = _INLINE.finditer(line)
+        problems += [f"{name} (prose line {line_no}): {p}" for m in spans for p in check_inline(m[1])]
     return problems
 
 
@@ -208,25 +228,28 @@ def test_runnable_blocks_run(block: Block, tmp_path: Path):
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "-eo", "pipefail", "-c", block.text], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 0, f"{block.where} failed ({done.returncode}):\n{block.text}\n{done.stderr[-2000:]}"
+    assert done.returncode == 0, f"{block.where} exited {done.returncode}:\n{block.text}\n{done.stderr[-2000:]}"
 
 
 # ---- the checks can fail
 
 def test_a_made_up_flag_subcommand_or_target_is_caught():
     text = ("```sh\nsluice serve --max-num-seqs 8 --made-up-flag 1\nsluice bench nonsense\nmake serv\n"
-            "make serve ARGS=\"--port 9000 --not-a-flag\"\n```\n"
+            "make serve ARGS=\"--port 9000 --not-a-flag\"\n"
+            "curl -N localhost:8000/v1/chat/completion -d '{}'\n```\n"
             "Prose: `--max-num-seqz` and `sluice serve --also-made-up`.\n")
     problems = "\n".join(check_text(text))
-    for wrong in ("--made-up-flag", "'nonsense'", "'serv'", "--not-a-flag", "--max-num-seqz", "--also-made-up"):
+    for wrong in ("--made-up-flag", "'nonsense'", "'serv'", "--not-a-flag", "--max-num-seqz", "--also-made-up",
+                  "route /v1/chat/completion\n"):
         assert wrong in problems, f"{wrong} not caught in:\n{problems}"
     assert "--max-num-seqs" not in problems and "--port" not in problems
 
 
 def test_real_commands_pass():
     text = ("```sh\nSLUICE_PORT=9000 sluice serve --port 9000 --no-prefix-caching | grep x  # comment\n"
-            "sluice bench offline --profile && make test-fast\nmake serve ARGS=\"--quantization int4\"\n```\n"
-            "<!-- runnable -->\n```console\n$ sluice serve --help\nusage: sluice serve [-h] --nothing-checked\n```\n"
+            "sluice bench offline --profile && make test-fast\ncurl -s http://127.0.0.1:8000/v1/models\n"
+            "make serve ARGS=\"--quantization int4\"\n```\n"
+            "<!-- runnable -->\n```console\n$ sluice serve --help\nusage: sluice serve --nothing-checked\n```\n"
             "Prose: `--vllm-metric-names`, `--dtype auto`, `make gpu-check GPU_CHECK_ARGS=--tiny`.\n")
     assert check_text(text) == []
     assert [b.runnable for b in blocks(text)] == [False, True]

@@ -1,12 +1,12 @@
 """Generate the reference parts of docs/ from the code, so the docs cannot drift from it.
 
-    python -m sluice.service.api.gen_docs           # rewrite the generated sections of docs/api.md, docs/operations.md
-    python -m sluice.service.api.gen_docs --check   # exit 1 when a committed section differs from the generated one
+    python -m sluice.service.api.gen_docs           # rewrite the generated sections of docs/*.md
+    python -m sluice.service.api.gen_docs --check   # exit 1 when a committed section is stale
 
-A generated section sits between `<!-- generated: NAME ... -->` and `<!-- end generated: NAME -->`; the text around
-it is written by hand. The endpoints come from the app's router, the request fields from the OpenAPI document the
-server answers at /openapi.json, the flags from the config dataclasses' `knob` metadata (the same fields
-`sluice serve` turns into flags and environment variables).
+A generated section sits between `<!-- generated: NAME ... -->` and `<!-- end generated: NAME -->`; the text
+around it is written by hand. The endpoints come from the app's router, the request fields from the OpenAPI
+document the server answers at /openapi.json, the flags from the config dataclasses' `knob` metadata (the same
+fields `sluice serve` turns into flags and environment variables).
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def _type(schema: dict, spec: dict) -> str:
     return " or ".join(dict.fromkeys(names)) or "any"
 
 
-_LIMITS = (("minimum", ">= {}"), ("maximum", "<= {}"), ("minLength", "length >= {}"), ("maxLength", "length <= {}"),
-           ("minItems", ">= {} items"), ("maxItems", "<= {} items"), ("maxProperties", "<= {} keys"),
-           ("pattern", "matches `{}`"))
+_LIMITS = (("minimum", ">= {}"), ("maximum", "<= {}"), ("minLength", "length >= {}"),
+           ("maxLength", "length <= {}"), ("minItems", ">= {} items"), ("maxItems", "<= {} items"),
+           ("maxProperties", "<= {} keys"), ("pattern", "matches `{}`"))
 
 
 def _limits(schema: dict, spec: dict) -> str:
@@ -131,7 +131,7 @@ def request_fields(path: str, spec: dict | None = None) -> str:
 
 
 def endpoints() -> str:
-    """Every route the app serves: method, path and what it does (the OpenAPI summary, else the handler's doc)."""
+    """Every route the app serves: method, path and what it does (OpenAPI's summary, else the handler's doc)."""
     from sluice.service.api.api_server import create_app
 
     spec = _openapi()
@@ -185,12 +185,12 @@ SECTIONS: dict[tuple[str, str], Callable[[], str]] = {
 
 
 def _marker(name: str) -> re.Pattern:
-    return re.compile(rf"(<!-- generated: {re.escape(name)} [^\n]*-->\n)(.*?)(<!-- end generated: {re.escape(name)} -->)",
-                      re.S)
+    name = re.escape(name)
+    return re.compile(rf"(<!-- generated: {name} [^\n]*-->\n)(.*?)(<!-- end generated: {name} -->)", re.S)
 
 
 def render(docs: Path = DOCS) -> dict[Path, str]:
-    """Each docs file with its generated sections filled in from the code (KeyError: a section's markers lack)."""
+    """Each docs file with its generated sections filled in from the code (KeyError: markers missing)."""
     texts: dict[Path, str] = {}
     for (name, section), make in SECTIONS.items():
         path = docs / name
