@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
+import sluice
+
 logger = logging.getLogger("sluice.kernel")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCE = Path(sluice.__file__).with_name("csrc") / "paged_decode.c"
 # Reassociation lets the compiler vectorise the dot products. Not -ffast-math: linking a shared object with it
 # adds crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads (subnormal
 # floats everywhere, torch included, would read as 0).

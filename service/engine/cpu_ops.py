@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+import sluice
 from sluice.kvcache.cpu_kernel import cache_dir, cpu_flags
 
 logger = logging.getLogger("sluice.cpu_ops")
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(sluice.__file__).with_name("csrc")
 SOURCES = ("int8_linear.cpp", "int4_linear.cpp", "f32_linear.cpp", "bf16_linear.cpp", "packed_linear.cpp",
            "rms_norm.cpp", "rotary.cpp", "llama_layer.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native")
