@@ -24,7 +24,7 @@ from sluice.kvcache import flex_attention as flex
 from sluice.kvcache.transfer import to_device
 
 if TYPE_CHECKING:
-    from sluice.kvcache.cpu_kernel import DecodeKernel
+    from sluice.kvcache.decode_kernel import DecodeKernel
 
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256

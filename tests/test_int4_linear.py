@@ -12,7 +12,7 @@ from torch import nn
 
 import sluice
 import sluice.service.engine.int4_linear as int4
-from sluice.kvcache.cpu_kernel import cpu_flags
+from sluice.native import cpu_flags
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from sluice.kvcache.config import CacheConfig
-from sluice.kvcache.cpu_kernel import load as load_decode_kernel
+from sluice.kvcache.decode_kernel import load as load_decode_kernel
 from sluice.kvcache.kv_tensors import KVTensors, num_blocks_for_budget
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
