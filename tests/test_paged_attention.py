@@ -22,7 +22,8 @@ def decode_kernel():
 
 @pytest.fixture(scope="module")
 def avx2_kernel(tmp_path_factory):
-    """The decode kernel alone, built for x86-64-v3 (what a Zen 3 runs) on any CPU that has AVX2 and FMA."""
+    """The decode kernel alone, built for x86-64-v3 (what a Zen 3 runs) on any CPU that has AVX2 and FMA; its class
+    module-local, as the process's own extension has registered PagedDecodePlan already."""
     if "avx2" not in native.cpu_flags().split() or "fma" not in native.cpu_flags().split():
         pytest.skip("no AVX2 and FMA on this CPU")
     if native.load() is None:
@@ -33,7 +34,7 @@ def avx2_kernel(tmp_path_factory):
     binding = folder / "decode_only.cpp"
     binding.write_text('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
                        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_isa", &paged_decode_isa);\n'
-                       'pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan").def(pybind11::init<torch::Tensor, '
+                       'pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan", pybind11::module_local()).def(pybind11::init<torch::Tensor, '
                        'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
                        'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
     ops = load(name="paged_decode_avx2", sources=[str(native.CSRC / "paged_decode.cpp"), str(binding)],
