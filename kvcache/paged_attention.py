@@ -24,7 +24,7 @@ from sluice.kvcache import flex_attention as flex
 from sluice.kvcache.transfer import to_device
 
 if TYPE_CHECKING:
-    from sluice.kvcache.cpu_kernel import DecodeKernel
+    from sluice.kvcache.decode_kernel import DecodeKernel
 
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256
@@ -58,6 +58,7 @@ class DecodeBatch:
     num_seqs: int
     padded_len: int  # num_blocks * block_size
     seq_lens: torch.Tensor  # [n] long, device
+    tables: torch.Tensor  # [n, >= num_blocks] long, rows contiguous: the block tables the C kernel reads
     kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32 or bf16), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
     plans: dict = field(default_factory=dict)  # (stores K/V, dtype, heads, kv heads, dim, scale) -> DecodePlan
@@ -101,8 +102,11 @@ class AttentionMetadata:
         block_size: int,
         decode_kernel: DecodeKernel | None = None,
         backend: str = "auto",
+        seq_lens_tensor: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Metadata for sequences packed in order; lengths are host lists so planning needs no device sync."""
+        """Metadata for sequences packed in order; lengths are host lists so planning needs no device sync.
+        A step of decodes only may pass int64 block tables and seq_lens_tensor (its lengths, long, on the device):
+        the decode kernel then reads those tensors in place (a decode step's persistent buffers)."""
         device = block_tables.device
         backend = resolve_backend(backend, device, block_size)
         cu_q = [0]
@@ -121,7 +125,8 @@ class AttentionMetadata:
                 flex_groups=flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size),
             )
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
-        decode = (_plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size, decode_kernel)
+        decode = (_plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size, decode_kernel,
+                               seq_lens_tensor if len(decode_idx) == len(query_lens) else None)
                   if decode_idx else None)
         prefills = [
             PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
@@ -144,7 +149,7 @@ class AttentionMetadata:
 
 
 def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tables, block_size,
-                 kernel: DecodeKernel | None) -> DecodeBatch:
+                 kernel: DecodeKernel | None, seq_lens_tensor: torch.Tensor | None) -> DecodeBatch:
     """Gather indices for all decodes at once; rows stay a slice when the decodes are packed contiguously."""
     device = block_tables.device
     first, last = cu_q[idx[0]], cu_q[idx[-1]]
@@ -155,12 +160,15 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
     seq_index = slice(idx[0], idx[-1] + 1) if isinstance(rows, slice) else to_device(idx, torch.long, device)
     tables = block_tables[seq_index, :num_blocks]
     lens = [seq_lens[i] for i in idx]
+    block_ids = tables.reshape(-1).long()
+    in_place = seq_lens_tensor is not None and block_tables.dtype == torch.long  # every row decodes
     return DecodeBatch(
         rows=rows,
-        block_ids=tables.reshape(-1).long(),
+        block_ids=block_ids,
         num_seqs=len(idx),
         padded_len=num_blocks * block_size,
-        seq_lens=to_device(lens, torch.long, device),
+        seq_lens=to_device(lens, torch.long, device) if seq_lens_tensor is None else seq_lens_tensor,
+        tables=block_tables if in_place else block_ids.view(len(idx), num_blocks),
         kernel=kernel,
     )
 
@@ -222,8 +230,8 @@ def _kernel_decode(query, key, value, key_cache, value_cache, decode: DecodeBatc
     shape = (slot_mapping is not None, query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], scale)
     plan = decode.plans.get(shape)
     if plan is None:  # the first layer of the step (or of a new head shape)
-        tables = decode.block_ids.view(decode.num_seqs, -1)
-        plan = decode.plans[shape] = decode.kernel.plan(query, key_cache, tables, decode.seq_lens, slot_mapping, scale)
+        plan = decode.plans[shape] = decode.kernel.plan(query, key_cache, decode.tables, decode.seq_lens, slot_mapping,
+                                                        scale)
     return decode.kernel.decode_step(plan, query, key, value, key_cache, value_cache)
 
 

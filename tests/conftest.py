@@ -27,10 +27,10 @@ def smollm2(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def kernel():
-    """The built C++ CPU ops (service/engine/cpu_ops.py); the test is skipped where no compiler can build them."""
-    from sluice.service.engine import cpu_ops
+    """The built native extension (sluice/native.py); the test is skipped where no compiler can build them."""
+    from sluice import native
 
-    ops = cpu_ops.load()
+    ops = native.load()
     if ops is None:
         pytest.skip("no C++ compiler to build the CPU ops")
     return ops

@@ -31,7 +31,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     import os
     import time
 
-    from sluice.service.engine.cpu_ops import wait_for_build_lock
+    from sluice.native import wait_for_build_lock
 
     lock = tmp_path / "lock"
     wait_for_build_lock(lock)  # no lock: nothing to wait for

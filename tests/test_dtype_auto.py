@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from sluice.kvcache import cpu_kernel
+from sluice import native
 from sluice.service.config import SluiceConfig
-from sluice.service.engine import cpu_ops, model_loader
+from sluice.service.engine import model_loader
 from sluice.service.engine.cpu import native_bf16_flags
 from sluice.service.engine.layers.linear import PlainLinear
 from sluice.service.engine.layers.packed_linear import PackedLinear
@@ -89,14 +89,14 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
         eng = engine(tiny_dir(tmp_path_factory), "auto")
     assert eng.dtype == torch.bfloat16 and eng.model.dtype == torch.bfloat16
     assert eng.runner.kv.kv.dtype == torch.bfloat16
-    assert eng.runner.decode_kernel is cpu_kernel.load()  # it reads bf16 caches too
+    assert eng.runner.decode_kernel.ops is native.load()  # it reads bf16 caches too
     assert "dtype auto: bfloat16 on cpu, as the CPU multiplies bf16 natively (avx512_bf16)" in caplog.text
     # the GEMVs are built for the real CPU: they exist only with real AVX512_BF16, and only then is bf16 packed
-    native = packed_gemv.bf16_native()
-    assert (packed(eng) > 0) == native
+    bf16_native = packed_gemv.bf16_native()
+    assert (packed(eng) > 0) == bf16_native
     plain = [m for m in eng.model.modules() if isinstance(m, PlainLinear)]
-    assert plain and all(m.pad and m.decode_kernel == native for m in plain)  # the tied head, or every linear
-    if native:
+    assert plain and all(m.pad and m.decode_kernel == bf16_native for m in plain)  # the tied head, or every linear
+    if bf16_native:
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
         assert "read by the packed-layout GEMV: {32:" in caplog.text
     else:
@@ -113,7 +113,7 @@ def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path
         eng = engine(tiny_dir(tmp_path_factory), "auto")
     assert eng.dtype == torch.float32 and "dtype auto: float32 on cpu" in caplog.text
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
-    if cpu_ops.load() is not None and packed(eng):
+    if native.load() is not None and packed(eng):
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
         assert "read by the packed-layout GEMV: {16:" in caplog.text
 

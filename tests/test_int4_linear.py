@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+import sluice
 import sluice.service.engine.int4_linear as int4
-from sluice.kvcache.cpu_kernel import cpu_flags
+from sluice.native import cpu_flags
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
@@ -129,7 +130,7 @@ def test_every_instruction_set_computes_the_same_values(kernel, tmp_path):
     binding.write_text('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
                        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_linear", &int4_linear); '
                        'm.def("isa", &int4_linear_isa); }\n')
-    csrc = Path(int4.__file__).with_name("csrc")
+    csrc = Path(sluice.__file__).with_name("csrc")
     torch.manual_seed(5)
     weights = int4.pack(*int4.quantize_weight(torch.randn(48, 576)))
     x = torch.randn(7, 576)

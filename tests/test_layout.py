@@ -171,7 +171,7 @@ def test_pyproject_maps_and_lists_every_package():
     expected = sorted({m for m, p in modules().items() if p.name == "__init__.py"})
     assert sorted(setuptools["packages"]) == expected
     data = setuptools["package-data"]
-    assert "csrc/*.c" in data["sluice.kvcache"] and "*.json" in data["sluice.metrics"]
+    assert "csrc/*.cpp" in data["sluice"] and "*.json" in data["sluice.metrics"]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["sluice"] == "sluice.service.cli:main"
 

@@ -14,11 +14,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, app
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from sluice import native
 from sluice.kvcache.kv_tensors import KVTensors
 from sluice.kvcache.paged_attention import AttentionMetadata
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import ModelConfig, SluiceConfig
-from sluice.service.engine import cpu_ops
 from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
 from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.layers.linear import PlainMethod
@@ -62,7 +62,7 @@ def test_rotary_op_is_transformers_bit_for_bit(kernel, dtype, tokens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_without_the_op_is_transformers_too(monkeypatch, dtype):
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    monkeypatch.setattr(native, "load", lambda: None)
     q, k, cos, sin = rotary_case(dtype, 5)
     want_q, want_k = transformers_rotary(q, k, cos, sin)
     apply_rotary(q, k, cos, sin)
@@ -141,7 +141,7 @@ def forward_both(arch: str, prompt: list[int]):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_owned_fp32_forward_is_transformers_forward_bit_for_bit_in_pure_torch(arch, monkeypatch):
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)  # the path CUDA and machines without a compiler take
+    monkeypatch.setattr(native, "load", lambda: None)  # the path CUDA and machines without a compiler take
     got, want = forward_both(arch, mixed_prompts(1)[0][:40])
     assert torch.equal(got, want)
 

@@ -67,7 +67,7 @@ def test_a_layout_that_does_not_match_the_weight_is_refused(kernel, dtype):
 
 
 def test_no_gemv_without_the_cpu_ops(monkeypatch):
-    monkeypatch.setattr(packed_gemv.cpu_ops, "load", lambda: None)
+    monkeypatch.setattr(packed_gemv.native, "load", lambda: None)
     plain = nn.Linear(64, 128)
     linear = packed_of(plain)
     assert linear.gemv_layout is None and linear.gemv_max_rows == 0

@@ -8,15 +8,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.kvcache import cpu_kernel
+from sluice import native
+from sluice.kvcache import decode_kernel as cpu_kernel
 from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
 
 
 def decode_kernel():
     kernel = cpu_kernel.load()
     if kernel is None:
-        pytest.skip("the C decode kernel cannot be built here (no C compiler?)")
+        pytest.skip("the native extension cannot be built here (no C++ compiler?)")
     return kernel
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory):
+    """The decode kernel alone, built for x86-64-v3 (what a Zen 3 runs) on any CPU that has AVX2 and FMA; its class
+    module-local, as the process's own extension has registered PagedDecodePlan already."""
+    if "avx2" not in native.cpu_flags().split() or "fma" not in native.cpu_flags().split():
+        pytest.skip("no AVX2 and FMA on this CPU")
+    if native.load() is None:
+        pytest.skip("the native extension cannot be built here (no C++ compiler?)")
+    from torch.utils.cpp_extension import load
+
+    folder = tmp_path_factory.mktemp("avx2")
+    binding = folder / "decode_only.cpp"
+    binding.write_text('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
+                       'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_isa", &paged_decode_isa);\n'
+                       'pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan", pybind11::module_local()).def(pybind11::init<torch::Tensor, '
+                       'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
+                       'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
+    ops = load(name="paged_decode_avx2", sources=[str(native.CSRC / "paged_decode.cpp"), str(binding)],
+               extra_cflags=["-O3", "-march=x86-64-v3", *native.OPENMP_FLAGS], extra_ldflags=list(native.OPENMP_FLAGS),
+               extra_include_paths=[str(native.CSRC)], build_directory=str(folder), verbose=False)
+    return cpu_kernel.DecodeKernel(ops)
 
 
 def reference_attention(q, k, v, scale, window=None, softcap=None):
@@ -127,12 +151,10 @@ def test_c_kernel_matches_torch_across_head_shapes(shape, dtype):
 
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (16, 2, 32), (2, 1, 16), (4, 4, 80), (4, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_avx2_build_matches_torch(shape, dtype):
+def test_avx2_build_matches_torch(shape, dtype, avx2_kernel):
     """The AVX2 path (what a Zen 3 runs), built for x86-64-v3 on any CPU that has AVX2; D 80 takes the portable loop."""
-    if "avx2" not in cpu_kernel.cpu_flags().split() or "fma" not in cpu_kernel.cpu_flags().split():
-        pytest.skip("no AVX2 and FMA on this CPU")
-    kernel = cpu_kernel.build(tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernel.CFLAGS))
-    assert kernel is not None and kernel.isa == "avx2"
+    kernel = avx2_kernel
+    assert kernel.isa == "avx2"
     heads, kv_heads, head_dim = shape
     rng = random.Random(sum(shape))
     seqs = [(rng.randrange(0, 90), 1) for _ in range(6)] + [(0, 1), (7, 1), (8, 1), (16, 1)]
@@ -235,13 +257,23 @@ def test_bfloat16_close_to_reference():
     assert out.dtype == torch.bfloat16 and err < 5e-2
 
 
-def test_kernel_builds_into_the_cache_dir_and_falls_back_without_a_compiler(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    if cpu_kernel.load.__wrapped__() is None:
-        pytest.skip("no C compiler here")
-    assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]
+def test_kernel_lives_in_the_cache_dir_and_is_none_without_a_compiler(tmp_path, monkeypatch):
+    kernel = decode_kernel()
+    assert Path(kernel.path).is_relative_to(native.cache_dir())
     # Loading it must leave the process's floating-point state alone (no flush-to-zero from -ffast-math).
     assert (torch.tensor([1e-39]) * 2).item() != 0.0
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "other"))
-    assert cpu_kernel.load.__wrapped__() is None  # the torch path then runs
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert native.load.__wrapped__() is None  # the torch path then runs
+
+
+def test_a_plan_refuses_lengths_past_its_block_table():
+    kernel = decode_kernel()
+    q, cache = torch.randn(1, 4, 16), torch.randn(4, 4, 2, 16)
+    tables, slots = torch.tensor([[0, 1]]), torch.tensor([5])
+    with pytest.raises(RuntimeError, match="outside 1..8"):
+        kernel.plan(q, cache, tables, torch.tensor([9]), slots, 0.25)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel.plan(q, cache, tables.int(), torch.tensor([3]), slots, 0.25)
+    plan = kernel.plan(q, cache, tables, torch.tensor([3]), slots, 0.25)
+    with pytest.raises(RuntimeError, match="slots"):  # a plan with slots stores new K/V: it needs them
+        kernel.decode_step(plan, q, None, None, cache, cache.clone())

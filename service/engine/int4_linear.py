@@ -6,7 +6,7 @@ d = its range / 15) and 32 nibbles q in 0..15, and stands for q * d + m. Byte j 
 unchanged. For weights that were themselves dequantized from Q4_1 (the default model's GGUF), quantizing again
 gives back the same values.
 
-For up to KERNEL_MAX_ROWS rows, csrc/int4_linear.cpp (built by `cpu_ops`) quantizes the activations to int8 per
+For up to KERNEL_MAX_ROWS rows, csrc/int4_linear.cpp (built by `sluice.native`) quantizes the activations to int8 per
 group of 32 (scale max|x| / 127), as llama.cpp does for Q4_1, and sums exact u8 x s8 products with vpdpbusd
 (AVX512-VNNI) or pmaddubsw (AVX2). Float activations made the kernel compute-bound (widening each nibble to a
 float): 2.2x slower over SmolLM2's linears at one row. The cost is a small error per linear (`bench quant` reports

@@ -2,7 +2,7 @@
 
 Each row is cut into groups of 32 inputs; a group keeps a float16 scale d = max|w| / 127 and 32 int8 values q,
 and stands for q * d, exactly as llama.cpp stores Q8_0 (so weights that were dequantized from Q8_0 come back
-bit for bit). Up to KERNEL_MAX_ROWS input rows run through csrc/int8_linear.cpp (built by `cpu_ops`), which reads
+bit for bit). Up to KERNEL_MAX_ROWS input rows run through csrc/int8_linear.cpp (built by `sluice.native`), which reads
 each group once and widens it in registers: at batch 1 that is what bounds a decode step on CPU. More rows (long
 prefill chunks) or no compiler: dequantize per call and run fp32 GEMM. A linear whose input size is not a
 multiple of 32 stays float32.

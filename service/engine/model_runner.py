@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 
 from sluice.kvcache.config import CacheConfig
-from sluice.kvcache.cpu_kernel import load as load_decode_kernel
+from sluice.kvcache.decode_kernel import load as load_decode_kernel
 from sluice.kvcache.kv_tensors import KVTensors, num_blocks_for_budget
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
+from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from sluice.service.engine.attention_backend import (
     ATTN_IMPLEMENTATION,
@@ -18,6 +19,7 @@ from sluice.service.engine.attention_backend import (
     register,
     set_forward_context,
 )
+from sluice.service.engine.decode_buffers import DecodeBuffers, DecodeStep
 from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.sampler import sample
@@ -67,11 +69,16 @@ class ModelRunner:
         cache_gib = self.num_kv_blocks * KVShape(*shape).block_bytes / GiB
         swap_gib = cache_config.swap_space_gib(self.device.type, preemption_mode, cache_gib)
         self.num_host_blocks = num_blocks_for_budget(swap_gib * GiB, *shape)
+        # One block past the pool's: the scratch block padding rows of a decode step write to and read from.
         self.kv = KVTensors(
-            self.num_kv_blocks, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
+            self.num_kv_blocks + 1, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
             num_host_blocks=self.num_host_blocks,
         )
-        self.kv_cache_bytes = self.kv.num_bytes
+        self.kv_cache_bytes = self.num_kv_blocks * KVShape(*shape).block_bytes
+        # A sequence holds at most max_model_len tokens, and never more blocks than the cache has.
+        max_blocks = -(-max_model_len // self.block_size) if max_model_len else self.num_kv_blocks
+        self.decode_buffers = DecodeBuffers(max_num_seqs, min(max_blocks, self.num_kv_blocks), self.block_size,
+                                            self.num_kv_blocks, self.device, pad=self.device.type == "cuda")
         self.decode_kernel = None
         if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.decode_kernel = load_decode_kernel()
@@ -91,7 +98,8 @@ class ModelRunner:
         self.kv.swap_out(out.swap_out)
         if not out.scheduled:
             return ModelRunnerOutput()
-        input_ids, positions, meta, sample_rows = self._prepare(out.scheduled)
+        decode = all(r.num_tokens == 1 for r in out.scheduled) and self.decode_buffers.size_for(len(out.scheduled))
+        input_ids, positions, meta, sample_rows = (self._prepare_decode if decode else self._prepare)(out.scheduled)
         with set_forward_context(ForwardContext(meta, self.kv.layers)):
             logits = self._forward(input_ids, positions, sample_rows)
         to_sample = [r for r in out.scheduled if r.sample]
@@ -135,6 +143,36 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size,
                                        self.decode_kernel, self.attention_backend)
         return input_ids, positions, meta, sample_rows
+
+    def _prepare_decode(self, scheduled: list[ScheduledRequest]):
+        """_prepare for a step of decodes only, on the persistent buffers (padded rows never reach sampling)."""
+        step = self.decode_buffers.fill([r.token_ids[0] for r in scheduled], [r.start_pos for r in scheduled],
+                                        [r.block_ids for r in scheduled])
+        sample_rows = [i for i, r in enumerate(scheduled) if r.sample]
+        return (step.input_ids, step.positions, self._decode_metadata(step, [r.start_pos + 1 for r in scheduled]),
+                to_device(sample_rows, torch.long, self.device))
+
+    def _decode_metadata(self, step: DecodeStep, seq_lens: list[int]) -> AttentionMetadata:
+        """The attention metadata of a decode step, reading the step's buffers (padding rows: length 1)."""
+        lens = seq_lens + [1] * (step.size - step.num_seqs)
+        return AttentionMetadata.build([1] * step.size, lens, step.block_tables, step.slot_mapping, self.block_size,
+                                       self.decode_kernel, self.attention_backend, seq_lens_tensor=step.seq_lens)
+
+    def capture_decode(self, capture: Callable[[int, Callable[[], torch.Tensor]], None]) -> None:
+        """The hook CUDA graphs plug into: for each capture size, largest first, capture(size, run) where run() is
+        the decode forward of that many padding rows on the persistent buffers, logits [size, V] (a graph
+        recorded around run() replays on whatever a later step copies into the same buffers). The metadata here
+        is built on the host per step: a graph needs the attention backend's metadata in buffers of its own too."""
+        for size in reversed(self.decode_buffers.sizes):
+            step = self.decode_buffers.padding_step(size)
+            meta = self._decode_metadata(step, [])
+            rows = torch.arange(size, device=self.device)
+
+            def run(step=step, meta=meta, rows=rows) -> torch.Tensor:
+                with torch.inference_mode(), set_forward_context(ForwardContext(meta, self.kv.layers)):
+                    return self._forward(step.input_ids, step.positions, rows)
+
+            capture(size, run)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """One forward over the packed batch (as a single sequence of batch 1); logits [len(sample_rows), V]."""

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from sluice.service.engine import cpu_ops
+from sluice import native
 
 # Over SmolLM2's linears on 2 Zen 4 cores, GEMV against oneDNN on the same packed weights:
 # fp32 18.1 vs 25.9 ms at 1 row, 16.7 vs 23.3 at 4, 32.5 vs 33.6 at 16, 56.4 vs 53.6 at 32;
@@ -26,7 +26,7 @@ SAMPLES = 2048  # weight elements compared with the packed bytes per candidate l
 
 def bf16_native() -> bool:
     """Whether the bf16 GEMV runs here (AVX512_BF16): only then are bf16 weights worth packing."""
-    ops = cpu_ops.load()
+    ops = native.load()
     return ops is not None and ops.packed_linear_bf16_is_native()
 
 
@@ -38,7 +38,7 @@ def packed_bytes(packed: torch.Tensor) -> torch.Tensor:
 
 def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] | None:
     """(column block, padded K) of `packed` when its layout is one the GEMV reads (and this CPU runs it), else None."""
-    ops = cpu_ops.load()
+    ops = native.load()
     dtype = weight.dtype
     if ops is None or dtype not in MAX_ROWS or not hasattr(torch.ops.mkldnn, "data_ptr"):
         return None
@@ -67,6 +67,6 @@ def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] |
 
 def gemv(x: torch.Tensor, packed_ptr: int, out_features: int, layout: tuple[int, int]) -> torch.Tensor:
     """x [M, K] @ W.T for W packed at packed_ptr in `layout` (gemv_layout's answer)."""
-    ops = cpu_ops.load()
+    ops = native.load()
     run = ops.packed_linear_f32 if x.dtype == torch.float32 else ops.packed_linear_bf16
     return run(x, packed_ptr, out_features, *layout)

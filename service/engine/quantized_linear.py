@@ -21,7 +21,7 @@ class QuantizedLinear(nn.Module, metaclass=ABCMeta):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.kernel = kernel  # the built CPU ops (cpu_ops.load()), or None: every call dequantizes
+        self.kernel = kernel  # the built CPU ops (native.load()), or None: every call dequantizes
 
     @abstractmethod
     def kernel_forward(self, rows: torch.Tensor) -> torch.Tensor:

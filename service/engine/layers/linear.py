@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.service.engine import cpu_ops
+from sluice import native
 from sluice.service.engine.int4_linear import Int4Linear
 from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.layers.packed_linear import PackedLinear, pad_rows
@@ -41,7 +41,7 @@ def onednn_linear_available() -> bool:
 
 def decode_kernel_wins(dtype: torch.dtype) -> bool:
     """Whether plain weights with the C++ decode GEMV beat the alternatives for this dtype on this CPU."""
-    ops = cpu_ops.load()
+    ops = native.load()
     if ops is None:
         return False
     if dtype == torch.bfloat16:
@@ -69,7 +69,7 @@ class PlainLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
         if self.decode_kernel and rows.shape[0] <= DECODE_KERNEL_MAX_ROWS and x.dtype == self.weight.dtype:
-            ops = cpu_ops.load()
+            ops = native.load()
             out = ops.f32_linear(rows, self.weight) if x.dtype == torch.float32 else ops.bf16_linear(rows, self.weight)
             if self.bias is not None:
                 out += self.bias
@@ -157,7 +157,7 @@ class QuantizedMethod(LinearMethod):
     stays plain float32."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.kernel, self.made = name, cpu_ops.load(), Counter()
+        self.name, self.kernel, self.made = name, native.load(), Counter()
 
     def format_of(self, part: str) -> str:
         """The format one checkpoint linear is served in."""

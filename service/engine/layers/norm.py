@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sluice.service.engine import cpu_ops
+from sluice import native
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The C++ op where it applies (CPU, float32 or bf16), else the eager formula."""
-        ops = cpu_ops.load()  # looked up, not held: a module attribute would make the layer impossible to deepcopy
+        ops = native.load()  # looked up, not held: a module attribute would make the layer impossible to deepcopy
         if ops is not None and hidden_states.dtype == self.weight.dtype in FUSED_DTYPES \
                 and hidden_states.device.type == "cpu":
             return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)

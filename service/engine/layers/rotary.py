@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sluice.service.engine import cpu_ops
+from sluice import native
 
 ROTARY_DTYPES = (torch.float32, torch.bfloat16)
 # Rope types whose frequencies do not change with the sequence length (transformers' "dynamic" and "longrope"
@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos, sin [T, D], as transformers' Llama does."""
-    ops = cpu_ops.load() if q.device.type == "cpu" else None
+    ops = native.load() if q.device.type == "cpu" else None
     if ops is not None and q.dtype in ROTARY_DTYPES and q.dtype == k.dtype == cos.dtype == sin.dtype:
         ops.rotary_embedding_(q, k, cos, sin)
         return

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from sluice.service.engine import cpu_ops
+from sluice import native
 from sluice.service.engine.layers.attention import PagedAttention
 from sluice.service.engine.layers.mlp import GatedMLP
 from sluice.service.engine.layers.norm import RMSNorm
@@ -50,7 +50,7 @@ def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    ops = cpu_ops.load()
+    ops = native.load()
     if ops is None or attn.q_norm is not None or not all(isinstance(linear, QuantizedLinear) for linear in linears) \
             or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
         return None, 0

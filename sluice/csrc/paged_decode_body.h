@@ -1,4 +1,4 @@
-/* The decode kernel's body, included by paged_decode.c once per element type: KV_T is the type of q, the caches
+/* The decode kernel's body, included by paged_decode.cpp once per element type: KV_T is the type of q, the caches
  * and out; LOAD(x) reads one as float32, STORE(x) writes a float32 back; NAME(f) names this type's functions.
  * Arithmetic is float32 for every type. */
 static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
@@ -31,7 +31,7 @@ static int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const
 
 /* One layer's decodes: store each sequence's new K and V rows [n, Hkv, D] in their cache slots (key NULL: the
  * caller already stored them, as in a step that mixes decodes and prefills), then attend. */
-int NAME(sluice_paged_decode_step)(const sluice_decode_plan *p, const KV_T *q, const KV_T *key, const KV_T *value,
+int NAME(sluice_paged_decode_step)(const DecodePlan *p, const KV_T *q, const KV_T *key, const KV_T *value,
                                    KV_T *key_cache, KV_T *value_cache, KV_T *out) {
     const int64_t row = p->num_kv_heads * p->head_dim;
     for (int64_t i = 0; key != NULL && i < p->num_seqs; i++) {
@@ -137,10 +137,10 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
     const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
     /* scores [H][max_len]; acc [H][D] */
-    float *scores = malloc(sizeof(float) * (size_t)(H * max_len));
-    float *acc = malloc(sizeof(float) * (size_t)(H * D));
-    float *sums = malloc(sizeof(float) * (size_t)H);
-    float *qi = malloc(sizeof(float) * (size_t)(H * D)); /* this sequence's query, as float32 */
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(H * D));
+    float *sums = (float *)malloc(sizeof(float) * (size_t)H);
+    float *qi = (float *)malloc(sizeof(float) * (size_t)(H * D)); /* this sequence's query, as float32 */
     /* No early return on failure: every thread of the team must reach the `omp for` below. */
     const int ok = scores && acc && sums && qi;
     /* One work item per sequence and KV head, so that even one sequence's heads can share the threads.
@@ -171,6 +171,8 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
                 const KV_T *k2 = KV_ROW(key_cache, t + 2);
                 const KV_T *k3 = KV_ROW(key_cache, t + 3);
                 float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+                /* simd: these sums may be reordered (the vector lanes), the one loop that is allowed to. */
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
                 for (int64_t d = 0; d < D; d++) {
                     s0 += qh[d] * LOAD(k0[d]);
                     s1 += qh[d] * LOAD(k1[d]);
@@ -182,6 +184,7 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
             for (; t < len; t++) {
                 const KV_T *kt = KV_ROW(key_cache, t);
                 float s = 0.f;
+#pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
                 sc[t] = s * scale;
             }

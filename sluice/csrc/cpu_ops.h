@@ -1,4 +1,4 @@
-// The CPU ops of the one extension built from csrc/*.cpp (see service/engine/cpu_ops.py); bindings.cpp exports them.
+// The CPU ops of the one extension built from csrc/*.cpp (see sluice/native.py); bindings.cpp exports them.
 #pragma once
 // torch/types.h, not torch/extension.h: the latter pulls in the whole C++ frontend and pybind11, tripling each
 // kernel file's compile time (~7 s against ~22 s here). Only bindings.cpp needs it.
@@ -72,6 +72,30 @@ class LlamaLayerOps {
   double post_eps_;
   Linear gate_up_, down_;
 };
+
+// Decode attention over the paged KV cache, one query token per sequence (paged_decode.cpp). A plan holds what
+// every layer of one decode step shares: block_tables [n, blocks], seq_lens [n] (this step's token included) and
+// slot_mapping [n] (where each new K/V row goes; none: the caller stored them), all contiguous int64 on the CPU.
+// step(query [n, H, D], key, value [n, Hkv, D] or none, key_cache, value_cache [blocks, block_size, Hkv, D]) stores
+// the new rows, then attends: -> out [n, H, D]; float32 or bfloat16, float32 arithmetic.
+class PagedDecodePlan {
+ public:
+  PagedDecodePlan(torch::Tensor block_tables, torch::Tensor seq_lens, c10::optional<torch::Tensor> slot_mapping,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double scale,
+                  int64_t num_threads);
+  torch::Tensor step(const torch::Tensor& query, const c10::optional<torch::Tensor>& key,
+                     const c10::optional<torch::Tensor>& value, torch::Tensor key_cache,
+                     torch::Tensor value_cache) const;
+
+ private:
+  torch::Tensor block_tables_, seq_lens_;
+  c10::optional<torch::Tensor> slot_mapping_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, block_size_;
+  double scale_;
+  int64_t num_threads_;
+};
+// The decode kernel's vector path: "avx512", "avx2" or "portable".
+std::string paged_decode_isa();
 
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

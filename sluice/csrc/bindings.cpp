@@ -41,4 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           LlamaLayerOps::Linear>())
       .def("before_attention", &LlamaLayerOps::before_attention, "input norm, q/k/v projection, rotary")
       .def("after_attention", &LlamaLayerOps::after_attention, "o projection, residual, norm, MLP, residual");
+  m.def("paged_decode_isa", &paged_decode_isa, "the decode attention kernel's instruction set");
+  pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t,
+                          int64_t, double, int64_t>())
+      // The GIL is let go for the kernel, as torch's own ops do: the server's other threads keep running.
+      .def("step", &PagedDecodePlan::step, "store the new K/V (if given), then attend: out [n, H, D]",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,237 @@
+// Decode attention that reads K/V where they lie in the paged cache: no gathered copy of each history.
+//
+// One query token per sequence. For each of the num_seqs sequences, every query head scores every cached token of
+// its KV head (GQA: H / Hkv query heads share one), takes a softmax and sums the values. Tokens are visited in
+// cache order with all heads of a token together, so each block is read front to back, once per pass.
+// Layouts (float32 or bfloat16, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+// block_tables [n, table_stride] int64; seq_lens [n] int64.
+// Each sequence's KV heads are work items shared out among `num_threads` OpenMP threads (built with -fopenmp, the
+// runtime torch already loaded): Python threads beside torch's spinning OpenMP workers would fight them for the
+// same cores. The kernel itself is plain C-style code over raw pointers; PagedDecodePlan (cpu_ops.h) is its
+// torch-facing side.
+#include "cpu_ops.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <string>
+
+namespace {
+
+constexpr int64_t PARALLEL_MIN_WORK = 1 << 15;  // query-key products of a call below which one thread does it all
+
+// What stays the same for every layer of one decode step (PagedDecodePlan holds the tensors behind it).
+struct DecodePlan {
+    const int64_t *block_tables; /* [num_seqs, table_stride] */
+    int64_t table_stride;
+    const int64_t *seq_lens;     /* [num_seqs], this step's token included */
+    const int64_t *slot_mapping; /* [num_seqs]: the cache row each sequence's new K/V goes to (NULL: stored already) */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int64_t num_threads;
+};
+
+static inline float bf16_to_float(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* The vector path (AVX-512, else AVX2 + FMA): per sequence and KV head, the group's query heads stay in registers
+ * while each cached K and V row is read once for all of them; scores, softmax and the value sum run VW lanes at a
+ * time. The macros below are all that differs between the two widths. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SLUICE_DECODE_SIMD "avx512"
+#define VW 16
+typedef __m512 vf;
+#define V_SET1 _mm512_set1_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_LOADU _mm512_loadu_ps
+#define V_STOREU _mm512_storeu_ps
+#define V_MUL _mm512_mul_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MAX _mm512_max_ps
+#define V_FMADD _mm512_fmadd_ps
+#define V_FNMADD _mm512_fnmadd_ps
+#define V_HSUM _mm512_reduce_add_ps
+#define V_HMAX _mm512_reduce_max_ps
+#define V_ROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
+                                                                          _mm512_set1_epi32(127)), 23))
+#define V_ZERO_BELOW(x, low, y) _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), y)
+static inline vf vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SLUICE_DECODE_SIMD "avx2"
+#define VW 8
+typedef __m256 vf;
+#define V_SET1 _mm256_set1_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_LOADU _mm256_loadu_ps
+#define V_STOREU _mm256_storeu_ps
+#define V_MUL _mm256_mul_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MAX _mm256_max_ps
+#define V_FMADD _mm256_fmadd_ps
+#define V_FNMADD _mm256_fnmadd_ps
+#define V_ROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
+                                                                          _mm256_set1_epi32(127)), 23))
+#define V_ZERO_BELOW(x, low, y) _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), y)
+static inline float V_HSUM(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+static inline float V_HMAX(__m256 a) {
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+static inline vf vload_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#ifdef SLUICE_DECODE_SIMD
+#define MAX_D 256 /* head dims the vector path covers (up to MAX_D / VW vectors a row) */
+
+/* exp(x) for x <= 0 (scores less their max): x = n ln2 + r, exp(r) = 1 + r + r^2 P(r) (Cephes' expf polynomial,
+ * ~1 ulp), times 2^n built in the exponent bits; below -87 it is 0, as expf's result would be subnormal or zero. */
+static inline vf vexp(vf x) {
+    const vf n = V_ROUND(V_MUL(x, V_SET1(1.44269504088896341f)));
+    vf r = V_FNMADD(n, V_SET1(0.693359375f), x);
+    r = V_FNMADD(n, V_SET1(-2.12194440e-4f), r);
+    vf p = V_SET1(1.9875691500e-4f);
+    p = V_FMADD(p, r, V_SET1(1.3981999507e-3f));
+    p = V_FMADD(p, r, V_SET1(8.3334519073e-3f));
+    p = V_FMADD(p, r, V_SET1(4.1665795894e-2f));
+    p = V_FMADD(p, r, V_SET1(1.6666665459e-1f));
+    p = V_FMADD(p, r, V_SET1(5.0000001201e-1f));
+    p = V_FMADD(p, V_MUL(r, r), V_ADD(r, V_SET1(1.0f)));
+    return V_ZERO_BELOW(x, V_SET1(-87.0f), V_MUL(p, V_POW2(n)));
+}
+#endif
+
+/* float32: sluice_paged_decode */
+#define KV_T float
+#define LOADV vload_f32
+#define LOAD(x) (x)
+#define STORE(x) (x)
+#define NAME(f) f
+#include "paged_decode_body.h"
+#undef KV_T
+#undef LOADV
+#undef LOAD
+#undef STORE
+#undef NAME
+
+/* bfloat16 (as uint16_t bits): sluice_paged_decode_bf16 */
+#define KV_T uint16_t
+#define LOADV vload_bf16
+#define LOAD(x) bf16_to_float(x)
+#define STORE(x) float_to_bf16(x)
+#define NAME(f) f##_bf16
+#include "paged_decode_body.h"
+
+}  // namespace
+
+std::string paged_decode_isa() {
+#ifdef SLUICE_DECODE_SIMD
+    return SLUICE_DECODE_SIMD;
+#else
+    return "portable";
+#endif
+}
+
+namespace {
+
+void check_index(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kLong && t.is_contiguous(),
+                "paged decode: ", name, " must be a contiguous int64 CPU tensor");
+}
+
+}  // namespace
+
+PagedDecodePlan::PagedDecodePlan(torch::Tensor block_tables, torch::Tensor seq_lens,
+                                 c10::optional<torch::Tensor> slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, double scale, int64_t num_threads)
+    : block_tables_(std::move(block_tables)), seq_lens_(std::move(seq_lens)), slot_mapping_(std::move(slot_mapping)),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
+      scale_(scale), num_threads_(num_threads) {
+    check_index(block_tables_, "block tables");
+    check_index(seq_lens_, "sequence lengths");
+    TORCH_CHECK(block_tables_.dim() == 2 && seq_lens_.dim() == 1 && seq_lens_.size(0) == block_tables_.size(0),
+                "paged decode: block tables [n, blocks] and sequence lengths [n]");
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0 && block_size > 0,
+                "paged decode: query heads must be a multiple of KV heads");
+    if (slot_mapping_) {
+        check_index(*slot_mapping_, "slot mapping");
+        TORCH_CHECK(slot_mapping_->numel() == seq_lens_.size(0), "paged decode: one slot per sequence");
+    }
+    // The kernel walks each table row up to its sequence's length: a length past the row would read beyond it.
+    const int64_t capacity = block_tables_.size(1) * block_size;
+    const int64_t* lens = seq_lens_.data_ptr<int64_t>();
+    for (int64_t i = 0; i < seq_lens_.size(0); ++i) {
+        TORCH_CHECK(lens[i] >= 1 && lens[i] <= capacity, "paged decode: sequence length ", lens[i],
+                    " outside 1..", capacity, " (its block table)");
+    }
+}
+
+torch::Tensor PagedDecodePlan::step(const torch::Tensor& query, const c10::optional<torch::Tensor>& key,
+                                    const c10::optional<torch::Tensor>& value, torch::Tensor key_cache,
+                                    torch::Tensor value_cache) const {
+    const int64_t n = seq_lens_.size(0);
+    TORCH_CHECK(key.has_value() == slot_mapping_.has_value() && key.has_value() == value.has_value(),
+                "paged decode: new keys and values go with a plan that has their slots");
+    const auto dtype = query.scalar_type();
+    TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "paged decode: float32 or bfloat16, not ", dtype);
+    TORCH_CHECK(query.device().is_cpu() && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype &&
+                    key_cache.is_contiguous() && value_cache.is_contiguous(),
+                "paged decode: query and contiguous caches of one dtype on the CPU");
+    TORCH_CHECK(query.dim() == 3 && query.size(0) == n && query.size(1) == num_heads_ && query.size(2) == head_dim_,
+                "paged decode: query must be [", n, ", ", num_heads_, ", ", head_dim_, "]");
+    TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(1) == block_size_ && key_cache.size(2) == num_kv_heads_ &&
+                    key_cache.size(3) == head_dim_ && value_cache.sizes() == key_cache.sizes(),
+                "paged decode: caches must be [blocks, ", block_size_, ", ", num_kv_heads_, ", ", head_dim_, "]");
+    const torch::Tensor q = query.contiguous();
+    torch::Tensor k, v;
+    if (key) {
+        k = key->contiguous(), v = value->contiguous();
+        TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k.numel() == n * num_kv_heads_ * head_dim_ &&
+                        v.numel() == k.numel(), "paged decode: new keys and values [n, Hkv, D] of the query's dtype");
+    }
+    torch::Tensor out = torch::empty_like(q);
+    const DecodePlan plan{block_tables_.data_ptr<int64_t>(), block_tables_.size(1), seq_lens_.data_ptr<int64_t>(),
+                          slot_mapping_ ? slot_mapping_->data_ptr<int64_t>() : nullptr, n, num_heads_, num_kv_heads_,
+                          head_dim_, block_size_, static_cast<float>(scale_), num_threads_};
+    int failed;
+    if (dtype == torch::kFloat) {
+        failed = sluice_paged_decode_step(&plan, q.data_ptr<float>(), key ? k.data_ptr<float>() : nullptr,
+                                          key ? v.data_ptr<float>() : nullptr, key_cache.data_ptr<float>(),
+                                          value_cache.data_ptr<float>(), out.data_ptr<float>());
+    } else {
+        auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+        failed = sluice_paged_decode_step_bf16(&plan, bits(q), key ? bits(k) : nullptr, key ? bits(v) : nullptr,
+                                               bits(key_cache), bits(value_cache), bits(out));
+    }
+    TORCH_CHECK(!failed, "paged decode: out of memory for its score buffer");
+    return out;
+}
