@@ -66,11 +66,23 @@ def save_thinking_model(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    path = save_thinking_model(str(tmp_path_factory.mktemp("thinking-model")))
-    server = Server(path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64", "--reasoning-parser", "auto")
+def model_path(tmp_path_factory) -> str:
+    return save_thinking_model(str(tmp_path_factory.mktemp("thinking-model")))
+
+
+@pytest.fixture(scope="module")
+def srv(model_path, tmp_path_factory):
+    server = Server(model_path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64", "--reasoning-parser", "auto")
     yield server.wait_ready()
     server.stop()
+
+
+def post(srv, path: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(srv.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
 
 
 def client(srv) -> openai.AsyncOpenAI:
@@ -134,6 +146,8 @@ async def test_chat_template_kwargs_reach_the_template(srv):
         noted = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=1,
                                                 extra_body={"chat_template_kwargs": {"note": "you are terse"}})
         assert noted.usage.prompt_tokens > base.usage.prompt_tokens  # the template printed the kwarg
+        tokens = post(srv, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
+        assert tokens["count"] == off.usage.prompt_tokens  # /tokenize renders them too
         for bad, param in [({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
                            ([1], "chat_template_kwargs")]:
             with pytest.raises(openai.BadRequestError) as info:
@@ -172,3 +186,40 @@ async def test_a_forced_tool_call_follows_the_thinking(srv):
     calls = msg.tool_calls if isinstance(msg.tool_calls, list) else []
     assert [call.function.name for call in calls] == ["lookup"], msg
     assert isinstance(json.loads(calls[0].function.arguments)["ok"], bool)
+
+
+async def test_a_reply_that_does_not_open_the_thinking_is_constrained_from_its_first_token(srv):
+    """qwen3: `<think>` is offered beside the grammar's first tokens; a reply that starts otherwise is the
+    grammar's from there (here `<think>` is banned by logit_bias), and all of it is content."""
+    think = post(srv, "/tokenize", {"prompt": "<think>", "add_special_tokens": False})["tokens"]
+    assert len(think) == 1
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}
+    async with client(srv) as c:
+        reply = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30,
+                                                response_format=fmt, logit_bias={str(think[0]): -100})
+    msg = reply.choices[0].message
+    assert extra(msg, "reasoning_content") is None and json.loads(msg.content)["answer"] in ("yes", "no")
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+async def test_deepseek_r1_starts_inside_the_thinking(model_path, tmp_path_factory):
+    """deepseek_r1: the reply is thinking until `</think>` whether or not it opens with `<think>` (dropped);
+    its constraint waits for `</think>` alone."""
+    server = Server(model_path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64",
+                    "--reasoning-parser", "deepseek_r1").wait_ready()
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}
+        async with client(server) as c:
+            plain = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20)
+            held = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30,
+                                                   response_format=fmt)
+            cut = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30,
+                                                  stop=["world"])
+    finally:
+        server.stop()
+    assert (extra(plain.choices[0].message, "reasoning_content"), plain.choices[0].message.content) == (
+        REASONING, ANSWER)
+    assert extra(held.choices[0].message, "reasoning_content") == REASONING
+    assert json.loads(held.choices[0].message.content)["answer"] in ("yes", "no")
+    # a stop string inside the thinking ends the reply there: all of it is thinking
+    assert (extra(cut.choices[0].message, "reasoning_content"), cut.choices[0].message.content) == ("Hello ", "")

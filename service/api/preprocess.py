@@ -194,9 +194,9 @@ def _echo_text(req: GenerateRequest, p: int, ids: list[int], tokenizer) -> str:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], plan: ToolPlan | None, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
     """Render the model's chat template; its special tokens are in the text, so by default none are added again."""
-    text = chat_prompt_text(tokenizer, messages, plan, add_generation_prompt)
+    text = chat_prompt_text(tokenizer, messages, plan, add_generation_prompt, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
