@@ -8,6 +8,16 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True, frozen=True)
+class ReasoningSpan:
+    """A reasoning model's thinking at the start of its output: a constraint applies only once it has ended."""
+
+    end: tuple[int, ...]  # the token ids that end the thinking (`</think>`)
+    # Set: the thinking is optional, and happens only when the first output token is this one (`<think>`); any
+    # other first token starts the constraint at once. None: the output starts inside the thinking.
+    start: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class StructuredOutput:
     """A constraint every output token must keep: the text so far stays a prefix of something it accepts.
 
@@ -18,6 +28,7 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     param: str = "response_format"
+    after_reasoning: ReasoningSpan | None = None  # None: the constraint holds from the first output token
 
     @property
     def key(self) -> tuple[str, str]:

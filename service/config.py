@@ -94,6 +94,14 @@ class ServerConfig:
         "(detected from the template), 'hermes', 'llama3_json', 'mistral', 'json'.",
         choices=["auto", "hermes", "llama3_json", "mistral", "json"],
     )
+    reasoning_parser: str = knob(
+        "none", "How a reasoning model's thinking (`<think>...</think>`) is read from chat replies: 'none' (it "
+        "stays in `content`), 'auto' (detected from the chat template: on when it mentions `</think>`), 'qwen3' "
+        "(a reply may open with `<think>`; one that does not is all content), 'deepseek_r1' (a reply starts "
+        "inside the thinking). The thinking goes to `reasoning_content` and `reasoning`, the rest to `content`; "
+        "structured outputs and tool grammars hold from the end of the thinking.",
+        choices=["none", "auto", "qwen3", "deepseek_r1"],
+    )
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 
@@ -26,6 +27,7 @@ from sluice.service.api.middlewares import (
 from sluice.service.api.openapi import openapi_spec
 from sluice.service.api.preprocess import prepare_generate
 from sluice.service.api.protocol import RequestError
+from sluice.service.api.reasoning import split_output
 from sluice.service.api.tokenize import detokenize, tokenize
 from sluice.service.api.tool_parsers import finish_collected, stream_deltas
 from sluice.service.config import SluiceConfig
@@ -133,7 +135,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     aengine = _engine(state)
     model = aengine.model
     # Parsing, the chat template and the tokenizer run in the preparation pool, never on the event loop.
-    prep = await state.preprocessor.run(prepare_generate, raw, chat, model, state.config.server.tool_call_parser)
+    server = state.config.server
+    prep = await state.preprocessor.run(prepare_generate, raw, chat, model, server.tool_call_parser,
+                                        server.reasoning_parser)
     req, prefix, batch = prep.req, prep.prefix, prep.batch
     prompt_lens = [len(ids) for _, ids, _ in batch[::req.n]]  # the n samples of a prompt are adjacent
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
@@ -190,9 +194,12 @@ async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> w
             raise _error_of(out)
         if out.timeline is not None:
             timelines.append(out.timeline)
-        choice.text.append(out.text)
         choice.logprobs.extend(out.logprobs)
         record(choice, out)
+        reasoning, out = split_output(choice, out)  # reasoning models: the thinking apart, the answer in text
+        if reasoning:
+            choice.reasoning_text.append(reasoning)
+        choice.text.append(out.text)
     for choice in choices.values():
         finish_collected(choice)  # tools: content and tool calls
     ordered = sorted(choices.values(), key=lambda c: c.index)
@@ -236,6 +243,10 @@ async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt:
                 await _send(resp, _error_of(out).to_dict())
                 break
             record(choice, out)
+            reasoning, out = split_output(choice, out)  # reasoning models: the thinking first, in a chunk of its own
+            if reasoning:
+                await _send(resp, fmt.chunk(choice, "", None, logprobs=out.logprobs, reasoning=reasoning))
+                out = dataclasses.replace(out, logprobs=[])
             for text, calls, finish, logprobs in stream_deltas(choice.tools, out):  # tools: calls held, parsed
                 await _send(resp, fmt.chunk(choice, text, finish, logprobs=logprobs, tool_calls=calls))
                 choice.text_offset += len(text)

@@ -27,6 +27,9 @@ class Choice:
     echo: str = ""  # completions with echo: the prompt's text, sent before the output
     tools: object = None  # chat with tools: its tool_parsers.ToolOutput
     tool_calls: list | None = None  # the parsed calls of a non-streamed reply
+    reasoning: object = None  # a reasoning model's reply: its reasoning.ReasoningParser
+    reasoning_text: list[str] = field(default_factory=list)  # a non-streamed reply's thinking
+    num_reasoning_tokens: int = 0
 
 
 def record(choice: Choice, out) -> None:
@@ -44,9 +47,12 @@ def usage(choices: dict[str, Choice]) -> dict:
     prompt = {c.prompt_index: c.num_prompt_tokens for c in choices.values()}  # n samples share one prompt
     cached = {c.prompt_index: c.num_cached_tokens for c in choices.values()}
     completion = sum(c.num_output_tokens for c in choices.values())
-    return {"prompt_tokens": sum(prompt.values()), "completion_tokens": completion,
-            "total_tokens": sum(prompt.values()) + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    out = {"prompt_tokens": sum(prompt.values()), "completion_tokens": completion,
+           "total_tokens": sum(prompt.values()) + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+    if any(c.reasoning is not None for c in choices.values()):
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(c.num_reasoning_tokens for c in choices.values())}
+    return out
 
 
 class ResponseFormat:
@@ -62,14 +68,16 @@ class ResponseFormat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, choice: Choice, text: str, finish_reason: str | None, role: bool = False,
-              logprobs=(), tool_calls: list | None = None) -> dict:
-        """One SSE chunk for one choice."""
+              logprobs=(), tool_calls: list | None = None, reasoning: str = "") -> dict:
+        """One SSE chunk for one choice; `reasoning`: a reasoning model's thinking (reasoning_content)."""
         want = self.req.params.logprobs is not None and not role
         lp = self._logprobs(logprobs, choice.text_offset) if want else None
         if self.req.chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
             if tool_calls:  # [{"index", "id", "type", "function": {"name", "arguments"}}]
                 delta["tool_calls"] = tool_calls
+            if reasoning:  # vLLM's reasoning_content, and reasoning as its newer releases name it
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
             body = {**self._head("chat.completion.chunk"), "choices": [
                 {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
         else:
@@ -94,6 +102,8 @@ class ResponseFormat:
                 message = {"role": "assistant", "content": text}
                 if c.tool_calls:  # OpenAI: content null unless the model wrote text before the calls
                     message = {"role": "assistant", "content": text or None, "tool_calls": c.tool_calls}
+                if c.reasoning is not None:
+                    message["reasoning_content"] = message["reasoning"] = "".join(c.reasoning_text) or None
                 out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})

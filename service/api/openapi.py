@@ -14,6 +14,7 @@ from sluice.service.api.protocol import (
     MAX_STOP,
     MAX_STOP_LEN,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS,
 )
 
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT32 - 1}
@@ -161,6 +162,9 @@ _CHAT_REQUEST = {
         "max_completion_tokens": _int(1, INT32, "Same as max_tokens; takes precedence."),
         "logprobs": {"type": "boolean", "nullable": True, "default": False},
         "top_logprobs": _int(0, MAX_LOGPROBS, "Alternatives per token; needs logprobs: true."),
+        "chat_template_kwargs": {"type": "object", "nullable": True, "maxProperties": MAX_TEMPLATE_KWARGS,
+                                 "description": "Variables for the chat template, e.g. {\"enable_thinking\": false}; "
+                                                "not messages, tools or add_generation_prompt."},
         **_SAMPLING,
         **_TOOLS,
     },
@@ -174,7 +178,9 @@ _ERROR = {
 }
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
-    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+    "completion_tokens_details": {"type": "object", "properties": {"reasoning_tokens": {
+        "type": "integer", "description": "With --reasoning-parser: the tokens of the thinking."}}}}}
 
 
 def _response(obj: str, choice: dict) -> dict:
@@ -183,6 +189,7 @@ def _response(obj: str, choice: dict) -> dict:
         "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": _USAGE}}
 
 
+_REASONING = {"type": "string", "nullable": True, "description": "With --reasoning-parser: the thinking."}
 _FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", None]}
 _COMPLETION_RESPONSE = _response("text_completion", {"type": "object", "properties": {
     "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
@@ -192,7 +199,8 @@ _CHAT_RESPONSE = _response("chat.completion", {"type": "object", "properties": {
     "finish_reason": {**_FINISH, "enum": ["stop", "length", "tool_calls", None]},
     "message": {"type": "object", "properties": {"role": {"type": "string"},
                                                  "content": {"type": "string", "nullable": True},
-                                                 "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}})
+                                                 "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                                                 "reasoning_content": _REASONING, "reasoning": _REASONING}}}})
 
 _ERRORS = {
     "400": "Invalid parameters, or a prompt longer than the context or the KV cache can ever hold.",

@@ -23,6 +23,7 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api.errors import RequestError
 from sluice.service.api.formatting import Choice
 from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_completion, resolve_params
+from sluice.service.api.reasoning import constrain_after, plan_reasoning
 from sluice.service.api.tool_parsers import ToolOutput
 from sluice.service.api.tools import ToolPlan, plan_tools, template_args
 from sluice.service.engine.async_engine import ModelInfo
@@ -142,16 +143,21 @@ def check_model(name, model: ModelInfo) -> None:
         raise RequestError(f"the model '{name}' does not exist", "model", status=404, code="model_not_found")
 
 
-def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str) -> Prepared:
+def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str,
+                     reasoning_parser: str = "none") -> Prepared:
     """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
     body = load_body(raw)
     req = parse_chat(body) if chat else parse_completion(body)
     check_model(req.model, model)
     tokenizer, max_len = model.tokenizer, model.max_model_len
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
+    reasoning = None
     if chat:
         refuse_if_longer_than_context(_chat_bytes(req, plan), tokenizer, max_len, "messages")
-        prompts = [chat_prompt_ids(tokenizer, req.messages, plan)]
+        text = chat_prompt_text(tokenizer, req.messages, plan, template_kwargs=req.template_kwargs)
+        prompts = [tokenizer.encode(text, add_special_tokens=False)]
+        reasoning = plan_reasoning(reasoning_parser, tokenizer, text)
+        constrain_after(req.params, reasoning)  # a response_format or tool grammar holds after the thinking
     else:
         for p in req.prompts:
             if isinstance(p, str):
@@ -166,7 +172,8 @@ def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser:
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             batch.append((f"{prefix}-{index}", ids, seeded))
             choices[f"{prefix}-{index}"] = Choice(index, p, echo=_echo_text(req, p, ids, tokenizer),
-                                                  tools=ToolOutput(plan.parser) if plan and plan.active else None)
+                                                  tools=ToolOutput(plan.parser) if plan and plan.active else None,
+                                                  reasoning=reasoning.parser() if reasoning else None)
     return Prepared(req, prefix, batch, choices)
 
 
@@ -187,14 +194,21 @@ def _echo_text(req: GenerateRequest, p: int, ids: list[int], tokenizer) -> str:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], plan: ToolPlan | None, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
     """Render the model's chat template; its special tokens are in the text, so by default none are added again."""
-    kwargs: dict = {}
+    text = chat_prompt_text(tokenizer, messages, plan, add_generation_prompt, template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_prompt_text(tokenizer, messages: list[dict], plan: ToolPlan | None, add_generation_prompt: bool = True,
+                     template_kwargs: dict | None = None) -> str:
+    """The model's chat template rendered; `template_kwargs` (validated chat_template_kwargs) are its variables."""
+    kwargs: dict = dict(template_kwargs or {})
     if plan is not None:
-        messages, kwargs = template_args(plan, messages)  # tools: native template arguments or prompt text
+        messages, tool_kwargs = template_args(plan, messages)  # tools: native template arguments or prompt text
+        kwargs.update(tool_kwargs)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **kwargs)
     except Exception as e:  # jinja raises for what the template refuses (role order, missing template, ...)
         raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

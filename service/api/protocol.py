@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
+
+import orjson
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api.errors import RequestError
@@ -22,6 +25,14 @@ MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
 MAX_TOKEN_LIST = 65536  # allowed_token_ids
 MAX_MESSAGES = 4096
 MAX_CACHE_SALT = 256
+MAX_TEMPLATE_KWARGS = 32  # keys of chat_template_kwargs
+MAX_TEMPLATE_KWARGS_BYTES = 16384  # their values as JSON
+# apply_chat_template's own parameters and what the server renders itself: a request never sets these
+TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+_KWARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 INT32 = 2**31
 INT64 = 2**63
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -47,6 +58,7 @@ class GenerateRequest:
     user: str | None = None
     echo: bool = False  # completions: the reply starts with the prompt's text
     tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls (service/api/tools.py)
+    template_kwargs: dict = field(default_factory=dict)  # chat: chat_template_kwargs, e.g. enable_thinking
 
 
 # ---- typed getters: bool is not a number, NaN and infinities are not numbers either ----
@@ -266,7 +278,30 @@ def parse_chat(body: dict) -> GenerateRequest:
         raise RequestError("tools with tool_choice other than 'none' cannot be combined with "
                            f"'{req.params.structured_output.param.split('.')[0]}'", "tool_choice")
     req.messages = _messages(body.get("messages"))
+    req.template_kwargs = _template_kwargs(body)
     return req
+
+
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: an object of a few named values the chat template may read."""
+    v = body.get("chat_template_kwargs")
+    if v is None:
+        return {}
+    name = "chat_template_kwargs"
+    if not isinstance(v, dict) or len(v) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(f"'{name}' must be an object of at most {MAX_TEMPLATE_KWARGS} keys", name)
+    for key in v:
+        if not _KWARG_NAME.match(key):
+            raise RequestError(f"'{name}' keys must be identifiers of at most 64 characters, got {key[:64]!r}", name)
+        if key in TEMPLATE_RESERVED:
+            raise RequestError(f"'{name}' may not set '{key}': the server renders it", f"{name}.{key}")
+    try:
+        size = len(orjson.dumps(v))
+    except orjson.JSONEncodeError:
+        size = MAX_TEMPLATE_KWARGS_BYTES + 1
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise RequestError(f"'{name}' must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON", name)
+    return v
 
 
 def _messages(v) -> list[dict]:

@@ -34,9 +34,9 @@ def _tokenize(raw: bytes, model: ModelInfo) -> dict:
     body = _checked(raw, model)
     tokenizer = model.tokenizer
     if body.get("messages") is not None:
-        messages = parse_chat({"messages": body["messages"]}).messages
-        ids = chat_prompt_ids(tokenizer, messages, None, _flag(body, "add_generation_prompt", True),
-                              _flag(body, "add_special_tokens", False))
+        chat = parse_chat({"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")})
+        ids = chat_prompt_ids(tokenizer, chat.messages, None, _flag(body, "add_generation_prompt", True),
+                              _flag(body, "add_special_tokens", False), chat.template_kwargs)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -7,6 +7,9 @@ generated tokens are kept, only their KV is recomputed) and swap, and each of `n
 Every bound is in GrammarConfig: compiles run in child processes under a time limit (grammar_compile.py),
 compiled grammars are cached by bytes, and a row whose grammar work per token passes its budget is ended.
 When a row's grammar can only end, its end wins over `min_tokens`: the stop token is let through.
+
+A reasoning model's constraint (`StructuredOutput.after_reasoning`) waits for the end of the thinking: its
+matcher is neither applied nor advanced until the end tag's tokens have been generated, then starts fresh.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections import OrderedDict
 import torch
 
 from sluice.scheduling.output import ScheduledRequest
-from sluice.scheduling.sampling_params import StructuredOutput
+from sluice.scheduling.sampling_params import ReasoningSpan, StructuredOutput
 from sluice.service.config import GrammarConfig
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
 from sluice.service.engine.grammar_compile import CompileJob, CompileService, GrammarBusyError
@@ -141,6 +144,31 @@ class GrammarStep(enum.Enum):
     OVER_BUDGET = "over_budget"  # the row's grammar work per token passed the budget: an error
 
 
+class Thinking:
+    """A row whose constraint waits for the end of its reasoning: its last tokens, matched against the end tag."""
+
+    __slots__ = ("span", "tail", "first", "done")
+
+    def __init__(self, span: ReasoningSpan):
+        self.span, self.tail, self.first, self.done = span, (), True, False
+
+    @property
+    def offers_start(self) -> bool:
+        """The first token may open the thinking or start the constraint: the mask is the grammar's plus it."""
+        return self.first and self.span.start is not None
+
+    def feed(self, token_id: int) -> bool:
+        """Whether the token belongs to the thinking (`done` once it closed it); False: the constraint starts with
+        this token (an optional thinking the output did not open)."""
+        if self.first:
+            self.first = False
+            if self.span.start is not None and token_id != self.span.start:
+                return False
+        self.tail = (*self.tail, token_id)[-len(self.span.end):]
+        self.done = self.tail == self.span.end
+        return True
+
+
 class GrammarState:
     """The matchers of the constrained requests in flight, and the bitmask the sampler's logits are masked by."""
 
@@ -149,6 +177,7 @@ class GrammarState:
         self._xgr = compiler._xgr
         self.matchers: dict[str, object] = {}
         self.constraints: dict[str, StructuredOutput] = {}
+        self.thinking: dict[str, Thinking] = {}  # rows whose constraint waits for the end of the reasoning
         self._bitmask = self._xgr.allocate_token_bitmask(max_num_seqs, compiler.vocab_size)
         self._budget = compiler.config.grammar_token_budget_ms / 1000
         self._mask_seconds: dict[str, float] = {}  # this step's mask fill per row, until its token is accepted
@@ -159,17 +188,21 @@ class GrammarState:
         """Start a request's matcher (the compile is a cache hit when the API compiled it first)."""
         self.matchers[request_id] = self._xgr.GrammarMatcher(self.compiler.compile(constraint))
         self.constraints[request_id] = constraint
+        if constraint.after_reasoning is not None and constraint.after_reasoning.end:
+            self.thinking[request_id] = Thinking(constraint.after_reasoning)
 
     def remove(self, request_id: str) -> None:
         """Forget a request that ended."""
-        for d in (self.matchers, self.constraints, self._mask_seconds, self._strikes, self.last_cost_ms):
+        for d in (self.matchers, self.constraints, self.thinking, self._mask_seconds, self._strikes, self.last_cost_ms):
             d.pop(request_id, None)
 
     def mask_logits(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> None:
         """Set the logits of every token the grammar forbids to -inf, for the constrained rows only."""
         if not self.matchers:
             return
-        rows = [i for i, r in enumerate(to_sample) if r.request_id in self.matchers]
+        thinking = self.thinking
+        rows = [i for i, r in enumerate(to_sample) if r.request_id in self.matchers
+                and (r.request_id not in thinking or thinking[r.request_id].offers_start)]
         if not rows:
             return
         bitmask = self._bitmask
@@ -180,6 +213,8 @@ class GrammarState:
             started = time.perf_counter()
             self.matchers[rid].fill_next_token_bitmask(bitmask, i)
             self._mask_seconds[rid] = time.perf_counter() - started
+            if rid in thinking:  # the first token may also open the thinking
+                _allow(bitmask[i], thinking[rid].span.start)
             if to_sample[i].min_tokens_pending and self._only_stops(bitmask[i], rid):
                 to_sample[i].min_tokens_pending = False  # the grammar's end wins over min_tokens
         mask = bitmask[: len(to_sample)]
@@ -205,6 +240,14 @@ class GrammarState:
         matcher = self.matchers.get(request_id)
         if matcher is None:
             return GrammarStep.CONTINUE
+        thinking = self.thinking.get(request_id)
+        if thinking is not None:
+            if thinking.feed(token_id):  # still reasoning: the matcher waits, fresh, for the first answer token
+                self._mask_seconds.pop(request_id, None)
+                if thinking.done:
+                    del self.thinking[request_id]
+                return GrammarStep.CONTINUE
+            del self.thinking[request_id]
         started = time.perf_counter()
         accepted = matcher.accept_token(token_id)
         cost = time.perf_counter() - started + self._mask_seconds.pop(request_id, 0.0)
@@ -216,3 +259,9 @@ class GrammarState:
             return GrammarStep.COMPLETE
         strikes = self._strikes[request_id] = self._strikes.get(request_id, 0) + 1 if cost > self._budget else 0
         return GrammarStep.OVER_BUDGET if strikes >= STRIKES else GrammarStep.CONTINUE
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    """Set one token's bit in a bitmask row of signed 32-bit words."""
+    word = (int(row[token_id >> 5]) | (1 << (token_id & 31))) % (1 << 32)
+    row[token_id >> 5] = word - (1 << 32) if word >= 1 << 31 else word
