@@ -94,15 +94,15 @@ def _common(m: SamplingRequest, body: dict, chat: bool, max_tokens: int | None) 
     stop = m.stop if m.stop is None or isinstance(m.stop, list) else [m.stop]
     params = SamplingParams(
         max_tokens=max_tokens or 1,
-        temperature=float(m.get("temperature")), top_p=float(m.get("top_p")),
+        temperature=m.get("temperature"), top_p=m.get("top_p"),
         top_k=max(m.get("top_k"), 0),  # -1 (vLLM's "off") and 0 both disable top-k
-        min_p=float(m.get("min_p")), seed=m.seed,
+        min_p=m.get("min_p"), seed=m.seed,
         stop=list(dict.fromkeys(stop or ())), stop_token_ids=m.stop_token_ids or [],
         ignore_eos=m.get("ignore_eos"), min_tokens=m.get("min_tokens"),
         include_stop_str_in_output=m.get("include_stop_str_in_output"),
         structured_output=parse_structured_output(body),
-        presence_penalty=float(m.get("presence_penalty")), frequency_penalty=float(m.get("frequency_penalty")),
-        repetition_penalty=float(m.get("repetition_penalty")),
+        presence_penalty=m.get("presence_penalty"), frequency_penalty=m.get("frequency_penalty"),
+        repetition_penalty=m.get("repetition_penalty"),
         logit_bias={int(k): v for k, v in m.logit_bias.items()} if m.logit_bias else None,
         # deduplicated: its length is then bounded by the vocabulary as well
         allowed_token_ids=list(dict.fromkeys(m.allowed_token_ids)) if m.allowed_token_ids else None,

@@ -95,7 +95,7 @@ def _prompt_kind(v) -> str | None:
 class Strict(BaseModel):
     """OpenAI's JSON types, strictly; unknown fields are ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     def get(self, name: str):
         """The field's value, or its declared default when the client sent null."""
@@ -146,8 +146,7 @@ class StreamOptions(Strict):
 class JsonSchemaFormat(Strict):
     name: str | None = None
     description: str | None = None
-    schema_: JsonSchema | None = Field(None, alias="schema", description="The reply's JSON schema (default: any "
-                                       "object).")
+    schema_: JsonSchema = Field({"type": "object"}, alias="schema", description="The reply's JSON schema.")
     strict: bool | None = None
 
 
