@@ -78,7 +78,7 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     protocol = commands.add_parser("protocol", help="Request-body validation time per body, beside its JSON decode.")
     protocol.add_argument("--baseline", default="", help="A git ref whose validation is timed too, alternating.")
     protocol.add_argument("--number", type=int, default=200, help="Parses per timed round (default: %(default)s).")
-    protocol.add_argument("--rounds", type=int, default=7, help="Rounds; the median is kept (default: %(default)s).")
+    protocol.add_argument("--rounds", type=int, default=7, help="Rounds; the least is kept (default: %(default)s).")
     protocol.set_defaults(func=_protocol_command)
 
     quant = commands.add_parser("quant", help="int8 and int4 vs fp32 on the default model: perplexity, greedy agreement.")
