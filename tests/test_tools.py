@@ -72,7 +72,7 @@ BAD = [
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"messages": [{"role": "tool", "content": "20C"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "a", "function": "f"}]}]},
-     "messages[0].tool_calls[0]"),
+     "messages[0].tool_calls[0].function"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 5}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
 ]

@@ -15,3 +15,11 @@ class RequestError(Exception):
     def to_dict(self) -> dict:
         """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def param_path(path: tuple) -> str:
+    """('tools', 0, 'function') -> 'tools[0].function'."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

@@ -20,7 +20,7 @@ from typing import TypeVar
 import orjson
 
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import RequestError, param_path
 from sluice.service.api.formatting import Choice
 from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_completion, resolve_params
 from sluice.service.api.reasoning import constrain_after, plan_reasoning
@@ -88,14 +88,6 @@ def check_depth(value, limit: int) -> None:
             stack.extend((v, depth + 1, (*path, k)) for k, v in node.items())
         elif isinstance(node, list):
             stack.extend((v, depth + 1, (*path, i)) for i, v in enumerate(node))
-
-
-def param_path(path: tuple) -> str:
-    """('tools', 0, 'function') -> 'tools[0].function'."""
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 # ---- prompt bounds --------------------------------------------------------------------------------------

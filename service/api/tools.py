@@ -145,30 +145,6 @@ def _check_schema(schema: dict, param: str) -> None:
         raise RequestError(f"{param} is not a usable JSON schema: {str(e).splitlines()[0]}", param) from None
 
 
-def parse_history_calls(v, where: str) -> list[dict]:
-    """An assistant message's `tool_calls`, validated: [{"id", "type": "function", "function": {"name",
-    "arguments": JSON text}}]."""
-    if not isinstance(v, list):
-        raise RequestError(f"{where} must be a list", where)
-    out = []
-    for i, c in enumerate(v):
-        w = f"{where}[{i}]"
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or c.get("type", "function") != "function":
-            raise RequestError(f"{w} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                               "\"arguments\"}}}}", w)
-        if not isinstance(c.get("id", ""), str) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"{w}: 'id' and 'function.name' must be strings", w)
-        args = fn.get("arguments", "{}")
-        if isinstance(args, dict):  # lenient: some clients send the object itself
-            args = json.dumps(args, ensure_ascii=False)
-        if not isinstance(args, str):
-            raise RequestError(f"{w}.function.arguments must be a JSON string", f"{w}.function.arguments")
-        out.append({"id": c.get("id") or f"call_{i}", "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
 # ---- the plan: template path, parser, constraint ------------------------------------------------------
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ def baseline_python(ref: str, cache: Path, log=print) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
     site = next((tree / ".venv" / "lib").glob("python*/site-packages"))
     (site / "zz_parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(tree)],
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)],
                    check=True, capture_output=True)
     (tree / ".venv" / ".ready").touch()
     return python

@@ -75,6 +75,12 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     add_config_flags(grammar)
     grammar.set_defaults(func=_grammar_command)
 
+    protocol = commands.add_parser("protocol", help="Request-body validation time per body, beside its JSON decode.")
+    protocol.add_argument("--baseline", default="", help="A git ref whose validation is timed too, alternating.")
+    protocol.add_argument("--number", type=int, default=200, help="Parses per timed round (default: %(default)s).")
+    protocol.add_argument("--rounds", type=int, default=7, help="Rounds; the least is kept (default: %(default)s).")
+    protocol.set_defaults(func=_protocol_command)
+
     quant = commands.add_parser("quant", help="int8 and int4 vs fp32 on the default model: perplexity, greedy agreement.")
     quant.add_argument("--output", default="", help="Also write the result as JSON here.")
     quant.set_defaults(func=_quant_command)
@@ -230,4 +236,11 @@ def _scheduler_command(args) -> int:
     print(f"{'running':>8} {'schedule us':>12} {'update us':>10} {'step us':>10} {'us/request':>11}")
     for p in points:
         print(f"{p.num_running:>8} {p.schedule_us:>12.0f} {p.update_us:>10.0f} {p.step_us:>10.0f} {p.us_per_request:>11.1f}")
+    return 0
+
+
+def _protocol_command(args) -> int:
+    from sluice.service.bench.protocol_parse import compare, report_lines
+
+    print("\n".join(report_lines(compare(args.baseline, args.number, args.rounds))))
     return 0
