@@ -33,7 +33,9 @@ def baseline_python(ref: str, cache: Path, log=print) -> Path:
         _git("worktree", "add", "--force", "--detach", str(tree), sha)
     subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
     site = next((tree / ".venv" / "lib").glob("python*/site-packages"))
-    (site / "zz_parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # every site directory this interpreter reads (a venv may itself reach its packages through a .pth file)
+    parents = dict.fromkeys([sysconfig.get_paths()["purelib"], *(p for p in sys.path if p.endswith("site-packages"))])
+    (site / "zz_parent_env.pth").write_text("".join(f"{p}\n" for p in parents))
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(tree)],
                    check=True, capture_output=True)
     (tree / ".venv" / ".ready").touch()
