@@ -24,7 +24,7 @@ logger = logging.getLogger("sluice.cpu_ops")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("int8_linear.cpp", "int4_linear.cpp", "f32_linear.cpp", "bf16_linear.cpp", "packed_linear.cpp",
-           "rms_norm.cpp", "rotary.cpp", "llama_layer.cpp", "bindings.cpp")
+           "rms_norm.cpp", "rotary.cpp", "llama_layer.cpp", "gguf_linear.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native")
 # at::parallel_for is a header template around `#pragma omp parallel`: compiled without -fopenmp it runs on one
 # thread. Linked with -fopenmp the extension needs libgomp.so.1, which resolves to the copy torch already loaded.
