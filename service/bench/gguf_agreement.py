@@ -83,6 +83,7 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
                                                             "temperature": 0, "ignore_eos": True})
             sluice_texts.append(reply["choices"][0]["text"])
         out["sluice_rss_mib_after"] = _rss_mib(server.proc.pid)
+        out["sluice_texts"] = sluice_texts
         found = RESIDENT.search(server.log.read_text())
         if found:
             out["resident_weights"], out["file_size"], out["resident_over_file"] = found.groups()
@@ -91,6 +92,9 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
             return _post(server.base + "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
 
         sluice_ids = [encode(t) for t in sluice_texts]
+        if not llama_server.is_file():  # Sluice's figures alone
+            out["llama_server"] = f"not found: {llama_server}"
+            return out
         peer = [str(llama_server), "-m", str(gguf), "-t", str(threads), "-c", "2048", "--parallel", "1"]
         with _Server(peer, "/health", workdir / "llama-server.log") as llama:
             out["llama_server_rss_mib"] = _rss_mib(llama.proc.pid)
@@ -100,7 +104,7 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
                 theirs = encode(reply["content"])
                 out["prompts"].append({"agree": _common_prefix(ours, theirs), "sluice_tokens": len(ours),
                                        "llama_tokens": len(theirs), "sluice": ours_text, "llama.cpp": reply["content"]})
-    agree = [p["agree"] for p in out["prompts"]]
+    agree = [p["agree"] for p in out["prompts"]] or [0]
     out["agreement"] = {"min": min(agree), "mean": sum(agree) / len(agree), "full": sum(a >= max_tokens - 1
                                                                                           for a in agree)}
     return out
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     (workdir / f"{args.gguf.stem}.json").write_text(json.dumps(result, indent=1))
     summary = {k: v for k, v in result.items() if k != "prompts"}
     summary["agree_per_prompt"] = [p["agree"] for p in result["prompts"]]
+    summary["sluice_texts"] = [text[:60] for text in result.get("sluice_texts", [])]
     print(json.dumps(summary, indent=1))
     print(f"details and server logs in {workdir}")
 
