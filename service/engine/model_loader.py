@@ -81,7 +81,8 @@ def load_model(
     settings: ModelConfig | None = None,
 ):
     """(model, tokenizer) ready for ModelRunner. A Llama-family checkpoint directory (the default model's too) loads
-    straight into Sluice's own model; a GGUF file or hub id loads through transformers first; any other
+    straight into Sluice's own model, as does a GGUF file under --quantization gguf (its blocks as stored); another
+    GGUF file or a hub id loads through transformers first; any other
     architecture stays transformers' model on the paged attention (`weight_prep`). `settings`: the weight formats
     (--quantization, --prepack-weights, --owned-model); defaults where None."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -107,6 +108,10 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
         config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
+        if kwargs and settings.quantization == "gguf" and owned_path(config, settings) is None:
+            from sluice.service.engine.models import gguf_weights
+
+            return gguf_weights.load(path, config, device, dtype), tokenizer  # the file's blocks as stored
         types = gguf_linear_types(model, config, cache_dir) if settings.quantization == "gguf" else None
         if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
             return load_owned(Path(source), config, settings, device, dtype, types), tokenizer

@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", &f32_linear, "float32 linear, few rows");
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");
+  m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored (int8 activations), few rows");
+  m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks as stored to float32 rows");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
   pybind11::class_<LlamaLayerOps::Linear>(m, "QuantizedLinearOp")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>());

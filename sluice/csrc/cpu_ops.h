@@ -96,6 +96,11 @@ class PagedDecodePlan {
 };
 // The decode kernel's vector path: "avx512", "avx2" or "portable".
 std::string paged_decode_isa();
+// Linears on GGUF blocks as the file stores them (gguf_linear.cpp): w uint8 [N, row_bytes] of GGML type `type`
+// (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). gguf_linear: y = x @ W.T for few rows of x
+// float32 [M, K], activations quantized to int8 per 32; gguf_dequantize: W as float32 [N, K].
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type);
+torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t K);
 
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

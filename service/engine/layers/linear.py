@@ -8,7 +8,8 @@ the checkpoint names of the parts. The method answers with the module serving th
 - `PackedMethod`: oneDNN-prepacked weights read by the packed-layout GEMV (`packed_linear.PackedLinear`); a head
   tied to the embedding stays plain (the embedding needs the plain weight).
 - `Int8Method`, `Int4Method`: GGUF's Q8_0 and Q4_1 layouts (`int8_linear`, `int4_linear`); int4's head is int8.
-- `GgufMethod`: each linear in its GGUF file's own type (Q4_1, Q8_0; anything else plain float32).
+- `GgufMethod`: each linear of a checkpoint converted from GGUF in its file's own type (Q4_1, Q8_0; else float32).
+- `gguf_linear.GgufBlockMethod`: a .gguf file's blocks as stored (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K), read in place.
 """
 
 from __future__ import annotations
@@ -114,6 +115,23 @@ class LinearMethod:
         """weight [N, K] (the parts' rows stacked, `sizes` of them each, checkpoint names `parts`); `tied`: the
         weight is the embedding's too."""
         raise NotImplementedError
+
+    def make_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], parts: list[str],
+                   device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The module for the checkpoint tensors of `parts` (stacked here: one weight, one call), copied to `device`
+        and `dtype` (the source is left as it is)."""
+        weight = torch.cat(weights).to(device=device, dtype=dtype) if len(weights) > 1 \
+            else weights[0].detach().to(device=device, dtype=dtype, copy=True)
+        bias = None if biases[0] is None else torch.cat(biases).to(device=device, dtype=dtype)
+        return self.make(weight, bias, parts, [w.shape[0] for w in weights])
+
+    def embedding(self, weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The token embedding for the checkpoint's embed_tokens weight."""
+        return nn.Embedding.from_pretrained(weight.detach().to(device=device, dtype=dtype, copy=True), freeze=True)
+
+    def tied_head(self, embed: nn.Module) -> nn.Module:
+        """The output head reading the embedding's own weight."""
+        return self.make(embed.weight.data, None, ["lm_head"], [embed.weight.shape[0]], tied=True)
 
     def describe(self) -> str:
         """What the start-up log says of the model's linears."""

@@ -75,13 +75,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype (the embedding's)."""
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (the final norm's: an embedding may be kept in GGUF blocks)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights live."""
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """input_ids and positions [T] (every scheduled token, packed) → the logits of `rows` [n, V]."""

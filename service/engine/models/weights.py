@@ -68,13 +68,10 @@ def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, 
         t = tensors(name)
         return None if t is None else t.detach().to(device=device, dtype=dtype, copy=True)
 
-    def linear(prefix: str, parts: list[str], tied: bool = False) -> nn.Module:
+    def linear(prefix: str, parts: list[str]) -> nn.Module:
         names = [f"{prefix}{p}" for p in parts]
-        weights = [tensors(f"{n}.weight") for n in names]
-        biases = [tensors(f"{n}.bias") for n in names]
-        weight = torch.cat(weights).to(device=device, dtype=dtype) if len(weights) > 1 else take(f"{names[0]}.weight")
-        bias = None if biases[0] is None else torch.cat(biases).to(device=device, dtype=dtype)
-        return method.make(weight, bias, names, [w.shape[0] for w in weights], tied)
+        return method.make_parts([tensors(f"{n}.weight") for n in names], [tensors(f"{n}.bias") for n in names],
+                                 names, device, dtype)
 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(take(name), config.rms_norm_eps)
@@ -94,12 +91,9 @@ def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, 
         mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
         layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn, norm(f"{p}post_attention_layernorm.weight"),
                                    mlp))
-    embed = nn.Embedding.from_pretrained(take("model.embed_tokens.weight"), freeze=True)
+    embed = method.embedding(tensors("model.embed_tokens.weight"), device, dtype)
     tied = config.tie_word_embeddings or tensors("lm_head.weight") is None
-    if tied:
-        head = method.make(embed.weight.data, None, ["lm_head"], [embed.weight.shape[0]], tied=True)
-    else:
-        head = linear("", ["lm_head"])
+    head = method.tied_head(embed) if tied else linear("", ["lm_head"])
     rotary = RotaryEmbedding(config, head_dim).to(device)
     return LlamaForCausalLM(config, embed, layers, norm("model.norm.weight"), head, rotary, generation_config).eval()
 

@@ -1,0 +1,134 @@
+"""Sluice serving a GGUF file's blocks as stored beside llama.cpp's llama-server on the same file: resident weights
+against the file size, process RSS, and greedy agreement (identical tokens until the first divergence).
+
+    python -m sluice.service.bench.gguf_agreement FILE.gguf [--llama-server PATH] [--max-tokens 64]
+
+Each server runs alone in turn (Sluice first), `--threads` threads each, temperature 0. Prompts are chat messages
+rendered by Sluice's /tokenize (the file's chat template); both servers get the same token ids and both outputs are
+compared as Sluice's tokenizer re-encodes their texts. Small and short: a handful of prompts, 64 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from sluice.service.bench.peers import _rss_mib, _wait_ready
+from sluice.service.bench.soak import free_port
+from sluice.service.engine.model_loader import default_cache_dir
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a CPU cache is.",
+    "List three fruits that are red.",
+    "How do I reverse a list in Python?",
+    "Who wrote Romeo and Juliet?",
+]
+RESIDENT = re.compile(r"GGUF \S+: ([\d.]+ [MG]iB) resident weights for a ([\d.]+ [MG]iB) file \(([\d.]+)x\)")
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        return json.loads(reply.read())
+
+
+class _Server:
+    """One server process on a free loopback port, stopped on exit."""
+
+    def __init__(self, cmd: list[str], ready_path: str, log: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdout=out,
+                                         stderr=subprocess.STDOUT)
+        _wait_ready(self.base + ready_path, self.proc)
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: Path) -> dict:
+    """Both servers on `gguf`; the figures as a dict."""
+    sluice = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", str(gguf), "--quantization", "gguf",
+              "--max-model-len", "2048", "--num-kv-blocks", "256"]
+    out: dict = {"file": str(gguf), "file_mib": gguf.stat().st_size / 2**20, "prompts": []}
+    with _Server(sluice, "/ready", workdir / "sluice.log") as server:
+        out["sluice_rss_mib_loaded"] = _rss_mib(server.proc.pid)
+        prompts, sluice_texts = [], []
+        for text in PROMPTS:
+            ids = _post(server.base + "/tokenize", {"messages": [{"role": "user", "content": text}]})["tokens"]
+            prompts.append(ids)
+            reply = _post(server.base + "/v1/completions", {"prompt": ids, "max_tokens": max_tokens,
+                                                            "temperature": 0, "ignore_eos": True})
+            sluice_texts.append(reply["choices"][0]["text"])
+        out["sluice_rss_mib_after"] = _rss_mib(server.proc.pid)
+        out["sluice_texts"] = sluice_texts
+        found = RESIDENT.search(server.log.read_text())
+        if found:
+            out["resident_weights"], out["file_size"], out["resident_over_file"] = found.groups()
+
+        def encode(text: str) -> list[int]:
+            return _post(server.base + "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+
+        sluice_ids = [encode(t) for t in sluice_texts]
+        if not llama_server.is_file():  # Sluice's figures alone
+            out["llama_server"] = f"not found: {llama_server}"
+            return out
+        peer = [str(llama_server), "-m", str(gguf), "-t", str(threads), "-c", "2048", "--parallel", "1"]
+        with _Server(peer, "/health", workdir / "llama-server.log") as llama:
+            out["llama_server_rss_mib"] = _rss_mib(llama.proc.pid)
+            for ids, ours_text, ours in zip(prompts, sluice_texts, sluice_ids, strict=True):
+                reply = _post(llama.base + "/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0,
+                                                           "top_k": 1, "ignore_eos": True, "cache_prompt": False})
+                theirs = encode(reply["content"])
+                out["prompts"].append({"agree": _common_prefix(ours, theirs), "sluice_tokens": len(ours),
+                                       "llama_tokens": len(theirs), "sluice": ours_text, "llama.cpp": reply["content"]})
+    agree = [p["agree"] for p in out["prompts"]] or [0]
+    out["agreement"] = {"min": min(agree), "mean": sum(agree) / len(agree), "full": sum(a >= max_tokens - 1
+                                                                                          for a in agree)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: print the figures as JSON (and write them beside the logs)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("gguf", type=Path)
+    parser.add_argument("--llama-server", type=Path, default=default_cache_dir() / "peers" / "llama-server")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=None, help="where the server logs and the JSON go")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gguf-agreement-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = run(args.gguf.expanduser(), args.llama_server.expanduser(), args.max_tokens, args.threads, workdir)
+    (workdir / f"{args.gguf.stem}.json").write_text(json.dumps(result, indent=1))
+    summary = {k: v for k, v in result.items() if k != "prompts"}
+    summary["agree_per_prompt"] = [p["agree"] for p in result["prompts"]]
+    summary["sluice_texts"] = [text[:60] for text in result.get("sluice_texts", [])]
+    print(json.dumps(summary, indent=1))
+    print(f"details and server logs in {workdir}")
+
+
+if __name__ == "__main__":
+    main()

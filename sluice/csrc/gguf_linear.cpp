@@ -1,0 +1,339 @@
+// Linears on GGUF's own blocks, read in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants
+// Q4_K, Q5_K, Q6_K (256). A weight is uint8 [N, row_bytes], each row its K / QK blocks exactly as the file stores
+// them. Every block unpacks in registers to integer codes q (int8), a scale per 16 inputs and an offset per 32, so
+// that element i = scale[i / 16] * q[i] + offset[i / 32] for every type (Q4_K: scale = d * sc, offset = -dmin * m).
+//
+// gguf_linear (few rows, decoding): each input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as
+// llama.cpp quantizes activations, so
+//   y[r, n] = sum_g dx[r, g] * (sum_{i in g} scale[i / 16] q[i] qx[r, i]) + offset[g] * dx[r, g] * sum_{i in g} qx[r, i]
+// where the inner sums are exact integer dot products (u8 x s8 -> s32 with the sign trick), one per 16 inputs'
+// scale. A block is unpacked once and used for up to kRowBlock rows.
+// gguf_dequantize (many rows): the float rows [n0, n1) of the weight, for a tile of a prefill GEMM.
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "row_blocks.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef SLUICE_AVX2
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// A 32-element block's 16 bytes of nibbles to q: element j the low nibble of byte j, element j + 16 its high
+// nibble; each ORed with high[j] (Q5's fifth bits, or nullptr) and less `bias`. In one vector where built for AVX2
+// (a scalar loop of 16 here costs as much as the block's whole dot product).
+inline void unpack_nibbles(const uint8_t* qs, const uint8_t* high, int bias, int8_t* q) {
+#ifdef SLUICE_AVX2
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  __m256i all = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  if (high != nullptr) all = _mm256_or_si256(all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)));
+  all = _mm256_sub_epi8(all, _mm256_set1_epi8(static_cast<char>(bias)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), all);
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(((qs[j] & 15) | (high ? high[j] : 0)) - bias);
+    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (high ? high[j + 16] : 0)) - bias);
+  }
+#endif
+}
+
+// One block unpacked: codes, a scale per 16 elements, an offset per 32.
+template <int QK>
+struct Unpacked {
+  alignas(64) int8_t q[QK];
+  float scale[QK / 16];
+  float offset[QK / 32];
+};
+
+struct Q4_0 {
+  static constexpr int kQK = 32, kBytes = 18;
+  static void unpack(const uint8_t* b, Unpacked<32>& u) {
+    unpack_nibbles(b + 2, nullptr, 8, u.q);
+    u.scale[0] = u.scale[1] = f16(b);
+    u.offset[0] = 0.f;
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kQK = 32, kBytes = 20;
+  static void unpack(const uint8_t* b, Unpacked<32>& u) {
+    unpack_nibbles(b + 4, nullptr, 0, u.q);
+    u.scale[0] = u.scale[1] = f16(b);
+    u.offset[0] = f16(b + 2);
+  }
+};
+
+// Each bit of a byte spread to a byte of its own, as 16 (bit 0 to the lowest byte): the fifth bits of eight
+// Q5 elements in one lookup, where a shift per element would keep the loop from vectorizing.
+struct BitSpread {
+  uint64_t of[256];
+  constexpr BitSpread() : of() {
+    for (int v = 0; v < 256; ++v)
+      for (int i = 0; i < 8; ++i) of[v] |= static_cast<uint64_t>(((v >> i) & 1) << 4) << (8 * i);
+  }
+};
+constexpr BitSpread kBitSpread;
+
+// Q5_0 and Q5_1: the fifth bit of element j is bit j of the 32-bit qh.
+template <bool kMin>
+struct Q5 {
+  static constexpr int kQK = 32, kBytes = kMin ? 24 : 22;
+  static void unpack(const uint8_t* b, Unpacked<32>& u) {
+    const int head = kMin ? 4 : 2;
+    uint8_t high[32];
+    for (int i = 0; i < 4; ++i) std::memcpy(high + 8 * i, &kBitSpread.of[b[head + i]], 8);
+    unpack_nibbles(b + head + 4, high, kMin ? 0 : 16, u.q);
+    u.scale[0] = u.scale[1] = f16(b);
+    u.offset[0] = kMin ? f16(b + 2) : 0.f;
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kQK = 32, kBytes = 34;
+  static void unpack(const uint8_t* b, Unpacked<32>& u) {
+    std::memcpy(u.q, b + 2, 32);
+    u.scale[0] = u.scale[1] = f16(b);
+    u.offset[0] = 0.f;
+  }
+};
+
+// Q4_K and Q5_K: eight sub-blocks of 32, each a 6-bit scale and minimum packed into 12 bytes.
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <bool kFive>
+struct QK4 {
+  static constexpr int kQK = 256, kBytes = kFive ? 176 : 144;
+  static void unpack(const uint8_t* b, Unpacked<256>& u) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (kFive ? 48 : 16);
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        int lo = qs[32 * j + l] & 15, hi = qs[32 * j + l] >> 4;
+        if (kFive) {
+          lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+          hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+        }
+        u.q[64 * j + l] = static_cast<int8_t>(lo);
+        u.q[64 * j + 32 + l] = static_cast<int8_t>(hi);
+      }
+    }
+    for (int s = 0; s < 8; ++s) {
+      int sc, m;
+      scale_min_k4(s, scales, sc, m);
+      u.scale[2 * s] = u.scale[2 * s + 1] = d * static_cast<float>(sc);
+      u.offset[s] = -(dmin * static_cast<float>(m));
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int kQK = 256, kBytes = 210;
+  static void unpack(const uint8_t* b, Unpacked<256>& u) {
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int n = 0; n < 2; ++n) {
+      const uint8_t* ql = b + 64 * n;
+      const uint8_t* qh = b + 128 + 32 * n;
+      int8_t* q = u.q + 128 * n;
+      for (int l = 0; l < 32; ++l) {
+        q[l] = static_cast<int8_t>(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+        q[l + 32] = static_cast<int8_t>(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        q[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        q[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+    for (int s = 0; s < 16; ++s) u.scale[s] = d * static_cast<float>(sc[s]);
+    for (int s = 0; s < 8; ++s) u.offset[s] = 0.f;
+  }
+};
+
+// Activations quantized per 32: codes, scale dx and dx * (sum of the codes) per group.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, scaled_sum;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = M * K / kGroup;
+  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<float>(groups)};
+  for (int64_t i = 0; i < groups; ++i) {
+    const float* xg = x + i * kGroup;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      out.q[i * kGroup + j] = v;
+      total += v;
+    }
+    out.scale[i] = d;
+    out.scaled_sum[i] = d * static_cast<float>(total);
+  }
+  return out;
+}
+
+template <class F, int Rows>
+void rows_dot(const QuantizedRows& x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+              int64_t m, float* y, int64_t N) {
+  constexpr int kGroups = F::kQK / kGroup;
+  const int64_t G = K / kGroup, blocks = K / F::kQK;
+  const int8_t* qx = x.q.data() + m * K;
+  const float* dx = x.scale.data() + m * G;
+  const float* sx = x.scaled_sum.data() + m * G;
+  Unpacked<F::kQK> u;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float offsets[Rows] = {};
+#ifdef SLUICE_AVX2
+    __m256 acc[Rows];
+    for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+#else
+    float acc[Rows] = {};
+#endif
+    for (int64_t b = 0; b < blocks; ++b) {
+      F::unpack(row + b * F::kBytes, u);
+      for (int s = 0; s < kGroups; ++s) {
+        const int64_t g = b * kGroups + s;
+#ifdef SLUICE_AVX2
+        // |w| (u8) times x carrying w's sign (s8): the products of w * x, summed four bytes to a 32-bit lane, so
+        // lanes 0-3 hold the first 16 inputs and 4-7 the second (hence one scale per half).
+        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + s * kGroup));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+        const __m256 sv = _mm256_setr_m128(_mm_set1_ps(u.scale[2 * s]), _mm_set1_ps(u.scale[2 * s + 1]));
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + g * kGroup));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, wv));
+#else
+          const __m256i dot =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+#endif
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * G + g])), acc[r]);
+          offsets[r] += u.offset[s] * sx[r * G + g];
+        }
+#else
+        const int8_t* wq = u.q + s * kGroup;
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = qx + r * K + g * kGroup;
+          int32_t lo = 0, hi = 0;
+          for (int j = 0; j < 16; ++j) lo += wq[j] * xq[j];
+          for (int j = 16; j < 32; ++j) hi += wq[j] * xq[j];
+          acc[r] += dx[r * G + g] * (u.scale[2 * s] * lo + u.scale[2 * s + 1] * hi);
+          offsets[r] += u.offset[s] * sx[r * G + g];
+        }
+#endif
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+#ifdef SLUICE_AVX2
+      y[r * N + n] = sluice::hsum(acc[r]) + offsets[r];
+#else
+      y[r * N + n] = acc[r] + offsets[r];
+#endif
+    }
+  }
+}
+
+template <class F>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, float* out) {
+  Unpacked<F::kQK> u;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < K / F::kQK; ++b) {
+      F::unpack(w + n * row_bytes + b * F::kBytes, u);
+      float* o = out + n * K + b * F::kQK;
+      for (int i = 0; i < F::kQK; ++i) o[i] = u.scale[i / 16] * static_cast<float>(u.q[i]) + u.offset[i / 32];
+    }
+  }
+}
+
+// Calls fn(Format{}) for a GGML type id (gguf.GGMLQuantizationType's values).
+template <typename Fn>
+void with_format(int64_t type, Fn&& fn) {
+  switch (type) {
+    case 2: fn(Q4_0{}); break;
+    case 3: fn(Q4_1{}); break;
+    case 6: fn(Q5<false>{}); break;
+    case 7: fn(Q5<true>{}); break;
+    case 8: fn(Q8_0{}); break;
+    case 12: fn(QK4<false>{}); break;
+    case 13: fn(QK4<true>{}); break;
+    case 14: fn(Q6_K{}); break;
+    default: TORCH_CHECK(false, "gguf_linear: unsupported GGML type ", type);
+  }
+}
+
+void check_blocks(const torch::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "gguf_linear: blocks uint8 [N, row_bytes], contiguous");
+  with_format(type, [&](auto f) {
+    using F = decltype(f);
+    TORCH_CHECK(K % F::kQK == 0 && w.size(1) == K / F::kQK * F::kBytes, "gguf_linear: ", K,
+                " inputs do not match rows of ", w.size(1), " bytes of type ", type);
+  });
+}
+
+}  // namespace
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
+  const int64_t K = x.size(1), N = w.size(0);
+  check_blocks(w, type, K);
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
+  torch::Tensor y = torch::empty({M, N}, xc.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  with_format(type, [&](auto f) {
+    using F = decltype(f);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
+        rows_dot<F, rows>(qx, K, wp, row_bytes, n0, n1, m, yp + m * N, N);
+      });
+    });
+  });
+  return y;
+}
+
+torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
+  check_blocks(w, type, K);
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  torch::Tensor out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_format(type, [&](auto f) {
+    using F = decltype(f);
+    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) { dequantize_rows<F>(wp, row_bytes, K, n0, n1, op); });
+  });
+  return out;
+}
