@@ -134,6 +134,11 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, baseline: 
                 if name in ("fp32", "bf16"):
                     commands[f"Sluice{tag} {name} {spec}"] = (cmd, (A, B))
     commands = dict(sorted(commands.items(), key=lambda kv: _pair_key(kv[0])))
+    kquant = cache / "kquant" / "SmolLM2-135M-Instruct-Q4_K_M.gguf"  # made by llama-quantize, when it has been
+    if kquant.is_file():  # GGUF blocks as stored, weight format for weight format with llama.cpp
+        commands["Sluice Q4_K_M"] = ([*sluice_commands(sys.executable, context, str(kquant))["fp32"],
+                                      "--quantization", "gguf"], (A, B, C))
+        models["llama.cpp Q4_K_M"] = kquant
     for name, gguf in models.items():
         cmd = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
         commands[name] = (cmd, (A, B, C))
