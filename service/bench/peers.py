@@ -3,7 +3,8 @@
 llama.cpp is built from the source PyPI ships (the llama-cpp-python sdist vendors the whole tree, its server
 included), with the CPU features this machine reports turned on one by one (`GGML_NATIVE=OFF`: a
 `-march=native` build once died with SIGILL on a VM whose flags promised AMX, so AMX stays off). The build, the
-F32 GGUF made with llama.cpp's own converter, and the wheel's Q4_1 GGUF are cached outside the repository.
+F32 GGUF made with llama.cpp's own converter, its Q4_K_M made by llama.cpp's `llama-quantize`, and the wheel's Q4_1
+GGUF are cached outside the repository.
 Servers run one at a time, each measured on workloads A, B and C of the standard benchmark.
 """
 
@@ -95,6 +96,24 @@ def f32_gguf(cache: Path, log=print) -> Path:
     return target
 
 
+def kquant_gguf(cache: Path, kind: str = "Q4_K_M", log=print) -> Path:
+    """The F32 GGUF quantized by llama.cpp's own `llama-quantize` (built beside the server, once)."""
+    target = cache / "kquant" / f"SmolLM2-135M-Instruct-{kind}.gguf"
+    if target.is_file():
+        return target
+    quantize = cache / "llama-quantize"
+    if not quantize.is_file():
+        log("building llama-quantize")
+        build = llama_tree(cache) / "build"
+        _run(["cmake", "--build", str(build), "--target", "llama-quantize", "-j", str(os.cpu_count() or 2)])
+        shutil.copy2(build / "bin" / "llama-quantize", quantize)
+    target.parent.mkdir(exist_ok=True)
+    staged = target.with_name(f".{target.name}.{os.getpid()}")
+    _run([str(quantize), str(f32_gguf(cache, log)), str(staged), kind])
+    os.replace(staged, target)  # whole or absent
+    return target
+
+
 def q4_1_gguf(cache: Path) -> Path:
     """The wheel's own GGUF (Q4_1), as llama.cpp serves it."""
     found = [p for p in sorted(cache.glob("*.gguf")) if "F32" not in p.name]
@@ -134,11 +153,10 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, baseline: 
                 if name in ("fp32", "bf16"):
                     commands[f"Sluice{tag} {name} {spec}"] = (cmd, (A, B))
     commands = dict(sorted(commands.items(), key=lambda kv: _pair_key(kv[0])))
-    kquant = cache / "kquant" / "SmolLM2-135M-Instruct-Q4_K_M.gguf"  # made by llama-quantize, when it has been
-    if kquant.is_file():  # GGUF blocks as stored, weight format for weight format with llama.cpp
-        commands["Sluice Q4_K_M"] = ([*sluice_commands(sys.executable, context, str(kquant))["fp32"],
-                                      "--quantization", "gguf"], (A, B, C))
-        models["llama.cpp Q4_K_M"] = kquant
+    kquant = kquant_gguf(cache, "Q4_K_M", log)  # GGUF blocks as stored, weight format for weight format
+    commands["Sluice Q4_K_M"] = ([*sluice_commands(sys.executable, context, str(kquant))["fp32"],
+                                  "--quantization", "gguf"], (A, B, C))
+    models["llama.cpp Q4_K_M"] = kquant
     for name, gguf in models.items():
         cmd = [str(server), "-m", str(gguf), "-t", threads, "--parallel", str(parallel), "-c", str(context)]
         commands[name] = (cmd, (A, B, C))
