@@ -1,11 +1,13 @@
 """Sluice serving a GGUF file's blocks as stored beside llama.cpp's llama-server on the same file: resident weights
-against the file size, process RSS, and greedy agreement (identical tokens until the first divergence).
+against the file size, process RSS, and greedy agreement: identical tokens until the first divergence, and
+teacher-forced (at each position of llama.cpp's reply, given its tokens so far, whether Sluice picks its next one).
 
     python -m sluice.service.bench.gguf_agreement FILE.gguf [--llama-server PATH] [--max-tokens 64]
 
 Each server runs alone in turn (Sluice first), `--threads` threads each, temperature 0. Prompts are chat messages
-rendered by Sluice's /tokenize (the file's chat template); both servers get the same token ids and both outputs are
-compared as Sluice's tokenizer re-encodes their texts. Small and short: a handful of prompts, 64 tokens.
+rendered by Sluice's /tokenize (the file's chat template); both servers get the same token ids; llama.cpp's reply
+comes back as token ids, Sluice's as its tokenizer re-encodes its text. Sluice starts again for the teacher-forced
+pass (one-token completions, the prefix cache keeps them cheap). Small and short: a handful of prompts, 64 tokens.
 """
 
 from __future__ import annotations
@@ -100,14 +102,35 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
             out["llama_server_rss_mib"] = _rss_mib(llama.proc.pid)
             for ids, ours_text, ours in zip(prompts, sluice_texts, sluice_ids, strict=True):
                 reply = _post(llama.base + "/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0,
-                                                           "top_k": 1, "ignore_eos": True, "cache_prompt": False})
-                theirs = encode(reply["content"])
+                                                           "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+                                                           "return_tokens": True})
+                theirs = reply.get("tokens") or encode(reply["content"])
                 out["prompts"].append({"agree": _common_prefix(ours, theirs), "sluice_tokens": len(ours),
-                                       "llama_tokens": len(theirs), "sluice": ours_text, "llama.cpp": reply["content"]})
+                                       "llama_tokens": len(theirs), "llama_ids": theirs, "sluice": ours_text,
+                                       "llama.cpp": reply["content"]})
+    with _Server(sluice, "/ready", workdir / "sluice-forced.log") as server:
+        forced_agreement(server.base, prompts, out["prompts"])
     agree = [p["agree"] for p in out["prompts"]] or [0]
     out["agreement"] = {"min": min(agree), "mean": sum(agree) / len(agree), "full": sum(a >= max_tokens - 1
                                                                                           for a in agree)}
+    forced = [p["forced_agree"] for p in out["prompts"]]
+    out["forced_agreement"] = sum(forced) / max(1, sum(p["llama_tokens"] for p in out["prompts"]))
     return out
+
+
+def forced_agreement(base: str, prompts: list[list[int]], results: list[dict]) -> None:
+    """Teacher-forced agreement: at every position of llama.cpp's reply, given llama.cpp's own tokens before it,
+    whether Sluice's greedy next token is llama.cpp's. One divergence no longer hides every later position."""
+    texts: dict[int, str] = {}
+    for ids, result in zip(prompts, results, strict=True):
+        theirs, hits = result["llama_ids"], 0
+        for i, token in enumerate(theirs):
+            if token not in texts:
+                texts[token] = _post(base + "/detokenize", {"tokens": [token]})["prompt"]
+            reply = _post(base + "/v1/completions", {"prompt": ids + theirs[:i], "max_tokens": 1, "temperature": 0,
+                                                     "ignore_eos": True})
+            hits += reply["choices"][0]["text"] == texts[token]
+        result["forced_agree"] = hits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     (workdir / f"{args.gguf.stem}.json").write_text(json.dumps(result, indent=1))
     summary = {k: v for k, v in result.items() if k != "prompts"}
     summary["agree_per_prompt"] = [p["agree"] for p in result["prompts"]]
+    summary["forced_agree_per_prompt"] = [f"{p['forced_agree']}/{p['llama_tokens']}" for p in result["prompts"]]
     summary["sluice_texts"] = [text[:60] for text in result.get("sluice_texts", [])]
     print(json.dumps(summary, indent=1))
     print(f"details and server logs in {workdir}")
