@@ -15,6 +15,7 @@ the checkpoint names of the parts. The method answers with the module serving th
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections import Counter
 
 import torch
@@ -105,16 +106,16 @@ def _split(weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
     return list(zip(weight.split(sizes), biases, strict=True))
 
 
-class LinearMethod:
+class LinearMethod(ABC):
     """Makes the module serving one (possibly fused) weight in this method's format."""
 
     name = "plain"
 
+    @abstractmethod
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: list[str], sizes: list[int],
              tied: bool = False) -> nn.Module:
         """weight [N, K] (the parts' rows stacked, `sizes` of them each, checkpoint names `parts`); `tied`: the
         weight is the embedding's too."""
-        raise NotImplementedError
 
     def make_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], parts: list[str],
                    device: torch.device, dtype: torch.dtype) -> nn.Module:
