@@ -319,3 +319,24 @@ def test_shape_configs_keep_the_size_and_change_only_the_layer_layout():
     assert type(configs["qwen3"]).__name__ == "Qwen3Config" and configs["qwen3"].head_dim == 64
     with pytest.raises(ValueError, match="unknown architecture"):
         config_of("gpt2", "135m")
+
+
+def test_server_process_waits_for_ready_and_stops_on_leaving(tmp_path):
+    import sys
+    import urllib.request
+
+    from sluice.service.bench.server_process import ServerProcess
+
+    script = tmp_path / "serve.py"  # a stand-in server taking --host/--port as Sluice and llama-server do
+    script.write_text("import argparse, http.server\np = argparse.ArgumentParser(); p.add_argument('--host');"
+                      " p.add_argument('--port', type=int)\na = p.parse_args()\n"
+                      "http.server.ThreadingHTTPServer((a.host, a.port), http.server.SimpleHTTPRequestHandler)"
+                      ".serve_forever()\n")
+    log = tmp_path / "server.log"
+    with ServerProcess([sys.executable, str(script)], "/", log) as server:
+        with urllib.request.urlopen(server.base + "/") as reply:
+            assert reply.status == 200
+        assert server.rss_mib() > 0
+    assert server.proc.poll() is not None and "GET / " in log.read_text()
+    with pytest.raises(RuntimeError, match="server exited"):  # the silent form (no log), as bench peers runs
+        ServerProcess([sys.executable, "-c", "raise SystemExit(3)"], "/")

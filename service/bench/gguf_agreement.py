@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 
-from sluice.service.bench.peers import _rss_mib, _wait_ready
-from sluice.service.bench.soak import free_port
+from sluice.service.bench.server_process import ServerProcess
 from sluice.service.engine.model_loader import default_cache_dir
 
 PROMPTS = [
@@ -43,29 +40,6 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(reply.read())
 
 
-class _Server:
-    """One server process on a free loopback port, stopped on exit."""
-
-    def __init__(self, cmd: list[str], ready_path: str, log: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdout=out,
-                                         stderr=subprocess.STDOUT)
-        _wait_ready(self.base + ready_path, self.proc)
-
-    def __enter__(self) -> _Server:
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -75,8 +49,8 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
     sluice = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", str(gguf), "--quantization", "gguf",
               "--max-model-len", "2048", "--num-kv-blocks", "256"]
     out: dict = {"file": str(gguf), "file_mib": gguf.stat().st_size / 2**20, "prompts": []}
-    with _Server(sluice, "/ready", workdir / "sluice.log") as server:
-        out["sluice_rss_mib_loaded"] = _rss_mib(server.proc.pid)
+    with ServerProcess(sluice, "/ready", workdir / "sluice.log") as server:
+        out["sluice_rss_mib_loaded"] = server.rss_mib()
         prompts, sluice_texts = [], []
         for text in PROMPTS:
             ids = _post(server.base + "/tokenize", {"messages": [{"role": "user", "content": text}]})["tokens"]
@@ -84,7 +58,7 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
             reply = _post(server.base + "/v1/completions", {"prompt": ids, "max_tokens": max_tokens,
                                                             "temperature": 0, "ignore_eos": True})
             sluice_texts.append(reply["choices"][0]["text"])
-        out["sluice_rss_mib_after"] = _rss_mib(server.proc.pid)
+        out["sluice_rss_mib_after"] = server.rss_mib()
         out["sluice_texts"] = sluice_texts
         found = RESIDENT.search(server.log.read_text())
         if found:
@@ -98,8 +72,8 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
             out["llama_server"] = f"not found: {llama_server}"
             return out
         peer = [str(llama_server), "-m", str(gguf), "-t", str(threads), "-c", "2048", "--parallel", "1"]
-        with _Server(peer, "/health", workdir / "llama-server.log") as llama:
-            out["llama_server_rss_mib"] = _rss_mib(llama.proc.pid)
+        with ServerProcess(peer, "/health", workdir / "llama-server.log") as llama:
+            out["llama_server_rss_mib"] = llama.rss_mib()
             for ids, ours_text, ours in zip(prompts, sluice_texts, sluice_ids, strict=True):
                 reply = _post(llama.base + "/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0,
                                                            "top_k": 1, "ignore_eos": True, "cache_prompt": False,
@@ -108,7 +82,7 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
                 out["prompts"].append({"agree": _common_prefix(ours, theirs), "sluice_tokens": len(ours),
                                        "llama_tokens": len(theirs), "llama_ids": theirs, "sluice": ours_text,
                                        "llama.cpp": reply["content"]})
-    with _Server(sluice, "/ready", workdir / "sluice-forced.log") as server:
+    with ServerProcess(sluice, "/ready", workdir / "sluice-forced.log") as server:
         forced_agreement(server.base, prompts, out["prompts"])
     agree = [p["agree"] for p in out["prompts"]] or [0]
     out["agreement"] = {"min": min(agree), "mean": sum(agree) / len(agree), "full": sum(a >= max_tokens - 1

@@ -15,16 +15,15 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 import time
-import urllib.request
 from pathlib import Path
 
+from sluice import native
 from sluice.service.bench.serve import ServeConfig, run_serve
-from sluice.service.bench.soak import free_port
+from sluice.service.bench.server_process import ServerProcess
 from sluice.service.bench.standard import A, B, C
 from sluice.service.engine.model_loader import default_cache_dir, ensure_default_model, fetch_default_gguf
 
@@ -37,12 +36,7 @@ ISA = [("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c",
 
 def cpu_flags() -> set[str]:
     """The instruction-set flags /proc/cpuinfo lists (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return set(native.cpu_flags().partition(":")[2].split())
 
 
 def cmake_isa_options(flags: set[str]) -> list[str]:
@@ -188,30 +182,19 @@ def _pair_key(name: str) -> tuple[str, int]:
 
 
 def _measure(cmd: list[str], sluice: bool, log, workloads=(A, B, C)) -> dict:
-    port = free_port()
-    cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(base + ("/ready" if sluice else "/health"), proc)
+    with ServerProcess(cmd, "/ready" if sluice else "/health") as server:
         out = {}
         for w in workloads:
-            cfg = ServeConfig(workload=dataclasses.replace(w), base_url=base, tokenizer="default", progress=False,
-                              num_warmups=1)
+            cfg = ServeConfig(workload=dataclasses.replace(w), base_url=server.base, tokenizer="default",
+                              progress=False, num_warmups=1)
             r = asyncio.run(run_serve(cfg))
             log(f"{w.name}: {r.output_throughput:.1f} tok/s, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
                 f"TTFT p50 {r.ttft_ms.p50:.0f} ms, failed {r.failed}")
             out[w.name] = {"output_tok_s": r.output_throughput, "tpot_p50_ms": r.tpot_ms.p50,
                            "ttft_p50_ms": r.ttft_ms.p50, "completed": r.completed, "failed": r.failed,
                            "errors": r.errors}
-        out["rss_mib"] = _rss_mib(proc.pid)
+        out["rss_mib"] = server.rss_mib()
         return out
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def ratios(servers: dict) -> dict:
@@ -266,28 +249,6 @@ def table(results: dict) -> str:
                  ("A_throughput_sluice_over_peer", "B_tpot_sluice_over_peer", "C_ttft_sluice_over_peer")]
         lines.append(f"| {name} | {' | '.join(cells)} | {r['rss_sluice_over_peer']:.2f} |")
     return "\n".join(lines) + "\n"
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(map(str, proc.args))}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _run(cmd: list[str], env: dict | None = None) -> None:

@@ -1,0 +1,69 @@
+"""One server process for a benchmark: started on a free loopback port, waited for, measured, stopped."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from sluice.service.bench.soak import free_port
+
+
+class ServerProcess:
+    """`cmd` (any OpenAI-style server taking --host/--port) on a free port, ready once `ready_path` answers 200;
+    stopped (SIGTERM, then kill) on leaving the `with`. Its output goes to `log`, or nowhere."""
+
+    def __init__(self, cmd: list[str], ready_path: str, log: Path | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        args = [*cmd, "--host", "127.0.0.1", "--port", str(self.port)]
+        if log is None:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        else:
+            with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+                self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(self.base + ready_path, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """SIGTERM, then a kill after 30 s."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def rss_mib(self) -> float:
+        """The process's resident memory now."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Poll `url` until it answers 200; raise if the process exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(map(str, proc.args))}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
