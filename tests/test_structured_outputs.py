@@ -129,3 +129,17 @@ def test_length_bounded_strings_refuse_control_characters(engine):
 
     assert accepts('{"a": "ab"}') and accepts('{"a": "é😀"')
     assert not accepts('{"a": "a\x01') and not accepts('{"a": "abcd') and not accepts('{"a": ""}')
+
+
+def test_bitmask_bits_set_and_clear_in_signed_words_including_the_sign_bit():
+    import torch
+
+    from sluice.service.engine.grammar import _set_bit
+
+    row = torch.zeros(2, dtype=torch.int32)
+    for token in (0, 31, 33, 63):
+        _set_bit(row, token, True)
+    assert row.tolist() == [1 - 2**31, 2 - 2**31]  # bits 0 and 31, then bits 1 and 31 of the second word
+    _set_bit(row, 31, False)
+    _set_bit(row, 63, True)  # already set: unchanged
+    assert row.tolist() == [1, 2 - 2**31]

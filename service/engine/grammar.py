@@ -214,7 +214,7 @@ class GrammarState:
             self.matchers[rid].fill_next_token_bitmask(bitmask, i)
             self._mask_seconds[rid] = time.perf_counter() - started
             if rid in thinking:  # the first token may also open the thinking
-                _allow(bitmask[i], thinking[rid].span.start)
+                _set_bit(bitmask[i], thinking[rid].span.start, True)
             if to_sample[i].min_tokens_pending and self._only_stops(bitmask[i], rid):
                 to_sample[i].min_tokens_pending = False  # the grammar's end wins over min_tokens
         mask = bitmask[: len(to_sample)]
@@ -231,8 +231,7 @@ class GrammarState:
             return False
         words = row.clone()
         for t in self.compiler.stop_token_ids:
-            bit = int(words[t >> 5]) & ~(1 << (t & 31))
-            words[t >> 5] = (bit + (1 << 31)) % (1 << 32) - (1 << 31)  # back to a signed 32-bit word
+            _set_bit(words, t, False)
         return not bool(words.any())
 
     def accept(self, request_id: str, token_id: int) -> GrammarStep:
@@ -261,7 +260,9 @@ class GrammarState:
         return GrammarStep.OVER_BUDGET if strikes >= STRIKES else GrammarStep.CONTINUE
 
 
-def _allow(row: torch.Tensor, token_id: int) -> None:
-    """Set one token's bit in a bitmask row of signed 32-bit words."""
-    word = (int(row[token_id >> 5]) | (1 << (token_id & 31))) % (1 << 32)
-    row[token_id >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+def _set_bit(row: torch.Tensor, token_id: int, on: bool) -> None:
+    """Set or clear one token's bit in a bitmask row of signed 32-bit words (xgrammar's layout)."""
+    bit = 1 << (token_id & 31)
+    word = int(row[token_id >> 5])
+    word = word | bit if on else word & ~bit
+    row[token_id >> 5] = (word + (1 << 31)) % (1 << 32) - (1 << 31)  # back to a signed 32-bit word
