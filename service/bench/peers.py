@@ -131,8 +131,8 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, baseline: 
     if baseline:
         from sluice.service.bench.baseline import baseline_python, resolve
 
-        pythons = {f"@{resolve(baseline)[:8]}": str(baseline_python(baseline, cache, log)), "": sys.executable}
-        results["meta"]["baseline"] = resolve(baseline)
+        sha = results["meta"]["baseline"] = resolve(baseline)
+        pythons = {f"@{sha[:8]}": str(baseline_python(sha, cache, log)), "": sys.executable}
     commands: dict[str, tuple[list[str], tuple]] = {}
     for tag, python in pythons.items():  # the baseline's line right before this commit's, format by format
         for name, cmd in sluice_commands(python, context).items():
