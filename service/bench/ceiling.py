@@ -37,7 +37,7 @@ class Ceiling:
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """A linear's weight [N, K] as plain values, whatever its format."""
-    from sluice.service.engine.layers.linear import MergedLinear
+    from sluice.service.engine.layers.gguf_linear import MergedLinear
     from sluice.service.engine.layers.packed_linear import PackedLinear
     from sluice.service.engine.quantized_linear import QuantizedLinear
 

@@ -87,7 +87,7 @@ class LLMEngine(ConstrainedDecoding):
         elif tokenizer is None:
             raise ValueError("a tokenizer must accompany an explicitly given model")
         elif quantization == "gguf":
-            raise ValueError("--quantization gguf needs the engine to load the model itself (from its GGUF types)")
+            raise ValueError("--quantization gguf needs the engine to load the model itself (from a .gguf file)")
         else:
             model = prepare_weights(model, config.model, self.device, self.dtype)
         self.model, self.tokenizer = model, tokenizer

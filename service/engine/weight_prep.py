@@ -13,7 +13,6 @@ from sluice.service.config import ModelConfig
 from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import release_freed_memory
 from sluice.service.engine.layers.linear import (
-    GgufMethod,
     LinearMethod,
     PackedMethod,
     PlainMethod,
@@ -26,13 +25,10 @@ from sluice.service.engine.models.llama import LlamaForCausalLM
 logger = logging.getLogger("sluice.engine")
 
 
-def linear_method(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                  gguf_types: dict[str, str] | None = None) -> LinearMethod:
+def linear_method(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LinearMethod:
     """The linear method `--quantization` and `--prepack-weights` ask for on this device and precision."""
     if config.quantization == "gguf":
-        if gguf_types is None:
-            raise ValueError("gguf quantization needs the GGUF type of each linear")
-        return GgufMethod(gguf_types)
+        raise ValueError("--quantization gguf serves a .gguf file's blocks as stored: load the model from the file")
     if config.quantization in ("int8", "int4"):
         return QuantizedMethod(config.quantization)
     if config.quantization != "none":
@@ -49,18 +45,17 @@ def owned_path(model_config, config: ModelConfig) -> str | None:
     return weights.unsupported_reason(model_config)
 
 
-def load_owned(directory, model_config, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               gguf_types: dict[str, str] | None = None) -> LlamaForCausalLM:
+def load_owned(directory, model_config, config: ModelConfig, device: torch.device,
+               dtype: torch.dtype) -> LlamaForCausalLM:
     """The owned model straight from a safetensors checkpoint directory."""
     start = time.perf_counter()
-    method = linear_method(config, device, dtype, gguf_types)
+    method = linear_method(config, device, dtype)
     model = weights.load(directory, model_config, method, device, dtype)
     _log_owned(method, start, device)
     return model
 
 
-def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    gguf_types: dict[str, str] | None = None) -> nn.Module:
+def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The model to run for a loaded transformers model: Sluice's own forward with its weights (in the formats
     `config` asks for) where the architecture is supported, else the model itself on the paged attention hook."""
     if isinstance(model, LlamaForCausalLM):  # built by load_model: its weights' formats were chosen at load
@@ -68,7 +63,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
     reason = owned_path(model.config, config)
     if reason is None:
         start = time.perf_counter()
-        method = linear_method(config, device, dtype, gguf_types)
+        method = linear_method(config, device, dtype)
         owned = weights.from_transformers(model, method, device, dtype)
         _log_owned(method, start, device)
         return owned

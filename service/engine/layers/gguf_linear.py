@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sluice.service.engine.layers.linear import LinearMethod, MergedLinear, PlainLinear
+from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
 # GGML type name → (type id, elements per block, bytes per block), as gguf.GGML_QUANT_SIZES has them.
 BLOCK_TYPES = {
@@ -148,6 +148,19 @@ class GgufEmbedding(nn.Module):
         rows = self.blocks.index_select(0, ids.reshape(-1))
         out = dequantize(rows, self.qtype, self.embedding_dim, self.kernel).to(self.dtype)
         return out.view(*ids.shape, self.embedding_dim)
+
+
+class MergedLinear(nn.Module):
+    """Linears of one input side by side whose formats differ (a GGUF may store q and v in different types)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs concatenated along the last dim."""
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 class GgufBlockMethod(LinearMethod):

@@ -8,7 +8,6 @@ the checkpoint names of the parts. The method answers with the module serving th
 - `PackedMethod`: oneDNN-prepacked weights read by the packed-layout GEMV (`packed_linear.PackedLinear`); a head
   tied to the embedding stays plain (the embedding needs the plain weight).
 - `Int8Method`, `Int4Method`: GGUF's Q8_0 and Q4_1 layouts (`int8_linear`, `int4_linear`); int4's head is int8.
-- `GgufMethod`: each linear of a checkpoint converted from GGUF in its file's own type (Q4_1, Q8_0; else float32).
 - `gguf_linear.GgufBlockMethod`: a .gguf file's blocks as stored (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K), read in place.
 """
 
@@ -88,24 +87,6 @@ class PlainLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{kernel}"
 
 
-class MergedLinear(nn.Module):
-    """Linears of one input side by side whose formats differ (a GGUF may store q and v in different types)."""
-
-    def __init__(self, parts: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The parts' outputs concatenated along the last dim."""
-        return torch.cat([part(x) for part in self.parts], dim=-1)
-
-
-def _split(weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
-    biases = [None] * len(sizes) if bias is None else bias.split(sizes)
-    return list(zip(weight.split(sizes), biases, strict=True))
-
-
 class LinearMethod(ABC):
     """Makes the module serving one (possibly fused) weight in this method's format."""
 
@@ -178,18 +159,11 @@ class QuantizedMethod(LinearMethod):
     def __init__(self, name: str) -> None:
         self.name, self.kernel, self.made = name, native.load(), Counter()
 
-    def format_of(self, part: str) -> str:
-        """The format one checkpoint linear is served in."""
-        return "Q8_0" if self.name == "int8" or part == "lm_head" else "Q4_1"
-
     def make(self, weight, bias, parts, sizes, tied=False):
-        formats = [self.format_of(p) if weight.shape[1] % GROUP == 0 else "F32" for p in parts]
-        if len(set(formats)) > 1:
-            return MergedLinear([self._one(w, b, f) for (w, b), f in zip(_split(weight, bias, sizes), formats,
-                                                                          strict=True)])
-        return self._one(weight, bias, formats[0])
-
-    def _one(self, weight, bias, fmt: str) -> nn.Module:
+        if weight.shape[1] % GROUP:
+            fmt = "F32"
+        else:
+            fmt = "Q8_0" if self.name == "int8" or parts == ["lm_head"] else "Q4_1"
         self.made[fmt] += 1
         cls = {"Q8_0": Int8Linear, "Q4_1": Int4Linear}.get(fmt)
         return PlainLinear(weight.float(), None if bias is None else bias.float()) if cls is None \
@@ -197,15 +171,3 @@ class QuantizedMethod(LinearMethod):
 
     def describe(self) -> str:
         return f"{self.name}: {dict(self.made)} (format: weights)"
-
-
-class GgufMethod(QuantizedMethod):
-    """Each linear in its GGUF file's own block type where a linear here stores it exactly, else float32."""
-
-    def __init__(self, types: dict[str, str]) -> None:
-        super().__init__("gguf")
-        self.types = types
-
-    def format_of(self, part: str) -> str:
-        stored = self.types.get(part, "F32")
-        return stored if stored in ("Q4_1", "Q8_0") else "F32"
