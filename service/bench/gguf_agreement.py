@@ -1,6 +1,9 @@
 """Sluice serving a GGUF file's blocks as stored beside llama.cpp's llama-server on the same file: resident weights
 against the file size, process RSS, and greedy agreement: identical tokens until the first divergence, and
 teacher-forced (at each position of llama.cpp's reply, given its tokens so far, whether Sluice picks its next one).
+A third server, Sluice in float32 on the same file's weights dequantized (transformers' GGUF loader), picks at the
+same positions: how often each integer path agrees with float arithmetic on the very same weights tells whose
+rounding moves the other's picks.
 
     python -m sluice.service.bench.gguf_agreement FILE.gguf [--llama-server PATH] [--max-tokens 64]
 
@@ -46,8 +49,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: Path) -> dict:
     """Both servers on `gguf`; the figures as a dict."""
-    sluice = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", str(gguf), "--quantization", "gguf",
-              "--max-model-len", "2048", "--num-kv-blocks", "256"]
+    serve = [sys.executable, "-m", "sluice.service.cli", "serve", "--model", str(gguf), "--max-model-len", "2048",
+             "--num-kv-blocks", "256"]
+    sluice = [*serve, "--quantization", "gguf"]
     out: dict = {"file": str(gguf), "file_mib": gguf.stat().st_size / 2**20, "prompts": []}
     with ServerProcess(sluice, "/ready", workdir / "sluice.log") as server:
         out["sluice_rss_mib_loaded"] = server.rss_mib()
@@ -82,29 +86,47 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
                 out["prompts"].append({"agree": _common_prefix(ours, theirs), "sluice_tokens": len(ours),
                                        "llama_tokens": len(theirs), "llama_ids": theirs, "sluice": ours_text,
                                        "llama.cpp": reply["content"]})
-    with ServerProcess(sluice, "/ready", workdir / "sluice-forced.log") as server:
-        forced_agreement(server.base, prompts, out["prompts"])
+    picks = {}
+    for name, command in (("sluice", sluice), ("float", [*serve, "--dtype", "float32"])):
+        with ServerProcess(command, "/ready", workdir / f"{name}-forced.log") as server:
+            picks[name] = forced_picks(server.base, prompts, out["prompts"])
+            if name == "sluice":
+                picks["llama.cpp"] = [[_detokenize(server.base, t) for t in p["llama_ids"]] for p in out["prompts"]]
+    for result, ours, theirs in zip(out["prompts"], picks["sluice"], picks["llama.cpp"], strict=True):
+        result["forced_agree"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
     agree = [p["agree"] for p in out["prompts"]] or [0]
     out["agreement"] = {"min": min(agree), "mean": sum(agree) / len(agree), "full": sum(a >= max_tokens - 1
                                                                                           for a in agree)}
-    forced = [p["forced_agree"] for p in out["prompts"]]
-    out["forced_agreement"] = sum(forced) / max(1, sum(p["llama_tokens"] for p in out["prompts"]))
+    out["forced_agreement"] = _agreement(picks["sluice"], picks["llama.cpp"])
+    out["forced_agreement_with_float"] = {name: _agreement(picks[name], picks["float"])
+                                          for name in ("sluice", "llama.cpp")}
     return out
 
 
-def forced_agreement(base: str, prompts: list[list[int]], results: list[dict]) -> None:
-    """Teacher-forced agreement: at every position of llama.cpp's reply, given llama.cpp's own tokens before it,
-    whether Sluice's greedy next token is llama.cpp's. One divergence no longer hides every later position."""
-    texts: dict[int, str] = {}
+def _agreement(a: list[list[str]], b: list[list[str]]) -> float:
+    pairs = [(x, y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True)]
+    return sum(x == y for x, y in pairs) / max(1, len(pairs))
+
+
+_texts: dict[tuple[str, int], str] = {}
+
+
+def _detokenize(base: str, token: int) -> str:
+    if (base, token) not in _texts:
+        _texts[base, token] = _post(base + "/detokenize", {"tokens": [token]})["prompt"]
+    return _texts[base, token]
+
+
+def forced_picks(base: str, prompts: list[list[int]], results: list[dict]) -> list[list[str]]:
+    """Teacher-forced picks: at every position of llama.cpp's reply, given llama.cpp's own tokens before it, the
+    text of the server's greedy next token. One divergence no longer hides every later position."""
+    picks = []
     for ids, result in zip(prompts, results, strict=True):
-        theirs, hits = result["llama_ids"], 0
-        for i, token in enumerate(theirs):
-            if token not in texts:
-                texts[token] = _post(base + "/detokenize", {"tokens": [token]})["prompt"]
-            reply = _post(base + "/v1/completions", {"prompt": ids + theirs[:i], "max_tokens": 1, "temperature": 0,
-                                                     "ignore_eos": True})
-            hits += reply["choices"][0]["text"] == texts[token]
-        result["forced_agree"] = hits
+        theirs = result["llama_ids"]
+        picks.append([_post(base + "/v1/completions", {"prompt": ids + theirs[:i], "max_tokens": 1, "temperature": 0,
+                                                       "ignore_eos": True})["choices"][0]["text"]
+                      for i in range(len(theirs))])
+    return picks
 
 
 def main(argv: list[str] | None = None) -> None:
