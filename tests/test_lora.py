@@ -95,7 +95,107 @@ def test_tiny_parity_alone_and_mixed_with_other_adapters_and_the_base(model_dir,
     assert expected["a"] != expected[None] and expected["b"] != expected[None]  # the adapters matter
     engine = lora_engine(model_dir, [f"a={adapters[0]}", f"b={adapters[1]}"], max_loras=2)
     assert run(engine, [(prompts[0], "a")], max_new) == [expected["a"][0]]  # batch 1
+    steps = spy_steps(engine)
     jobs = [(p, name) for i, p in enumerate(prompts) for name in (("a", "b", None)[i % 3], ("b", None, "a")[i % 3])]
     got = run(engine, jobs, max_new)
     for (ids, name), tokens in zip(jobs, got, strict=True):
         assert tokens == expected[name][prompts.index(ids)], name
+    assert any(len(uids) == 2 and base for uids, base in steps)  # two adapters and the base in one step
+
+
+def spy_steps(engine) -> list[tuple[set[int], bool]]:
+    """Records each step's (adapter ids, whether base-model rows ran too)."""
+    steps, batch = [], engine.runner.lora_slots.batch
+
+    def spy(requests, rows):
+        steps.append(({r.uid for r in requests if r is not None}, None in requests))
+        return batch(requests, rows)
+
+    engine.runner.lora_slots.batch = spy
+    return steps
+
+
+# ---- checks on the adapter files ----------------------------------------------------------------------------
+
+def _geometry(model_dir: str) -> Geometry:
+    from transformers import AutoConfig
+
+    return Geometry.of(AutoConfig.from_pretrained(model_dir))
+
+
+def test_adapter_checks_name_what_is_wrong(model_dir, adapters, tmp_path):
+    geometry = _geometry(model_dir)
+    weights = read_adapter(adapters[0], geometry, 16, torch.float32)
+    assert weights.rank == 8 and len(weights.modules) == 2 * 7
+    with pytest.raises(LoRAError, match="rank 8 is above --max-lora-rank 4"):
+        read_adapter(adapters[0], geometry, 4, torch.float32)
+    with pytest.raises(LoRAError, match="not a peft LoRA directory"):
+        read_adapter(str(tmp_path / "nowhere"), geometry, 16, torch.float32)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads(open(f"{adapters[0]}/adapter_config.json").read())
+    (bad / "adapter_model.safetensors").write_bytes(open(f"{adapters[0]}/adapter_model.safetensors", "rb").read())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(LoRAError, match="lm_head"):
+        read_adapter(str(bad), geometry, 16, torch.float32)
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(LoRAError, match="use_dora"):
+        read_adapter(str(bad), geometry, 16, torch.float32)
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))  # the tensors are rank 8
+    with pytest.raises(LoRAError, match="has shape"):
+        read_adapter(str(bad), geometry, 16, torch.float32)
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(LoRAError, match="cannot be read"):
+        read_adapter(str(bad), geometry, 16, torch.float32)
+
+
+def test_adapter_for_another_model_shape_is_refused(model_dir, tmp_path):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.hidden_size, config.intermediate_size = 32, 64
+    other = str(tmp_path / "other")
+    LlamaForCausalLM(config).save_pretrained(other)
+    adapter = make_adapter(other, str(tmp_path / "adapter"), seed=3)
+    with pytest.raises(LoRAError, match="the base model needs"):
+        read_adapter(adapter, _geometry(model_dir), 16, torch.float32)
+
+
+def test_lora_module_specs():
+    from sluice.service.engine.lora.manager import parse_lora_module
+
+    assert parse_lora_module("sql=/a/b") == ("sql", "/a/b")
+    assert parse_lora_module('{"name": "sql", "path": "/a", "base_model_name": "x"}') == ("sql", "/a")
+    for bad in ("sql", "=/a", '{"name": 1}', "{oops"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)
+
+
+# ---- scheduling, slots and the prefix cache ---------------------------------------------------------------
+
+def test_a_step_never_holds_more_adapters_than_slots_and_cached_prefixes_never_mix(model_dir, adapters):
+    """max_loras 1 with two adapters: every step's adapter rows share one slot; the base, each adapter and a
+    reload under the same name hash their prefixes apart."""
+    engine = lora_engine(model_dir, [f"a={adapters[0]}", f"b={adapters[1]}"], max_loras=1)
+    steps = spy_steps(engine)
+    from tests._tiny import tokenizer
+
+    ids = tokenizer().encode(PROMPTS[0] * 4)
+    jobs = [(ids, "a"), (ids, "b"), (ids, None), (ids, "a")]
+    outs = run(engine, jobs, 6)
+    seen = [uids for uids, _ in steps]
+    assert max(len(s) for s in seen) == 1
+    assert len({frozenset(s) for s in seen if s}) == 2  # both adapters ran, one at a time
+    assert outs[0] == outs[3] and outs[0] != outs[2] and outs[1] != outs[2]
+    from sluice.scheduling.request import Request
+
+    a, b = engine.loras.get("a"), engine.loras.get("b")
+    hashes = {name: Request("x", ids, SamplingParams(lora_request=lora)) for name, lora in
+              (("a", a), ("b", b), ("base", None))}
+    for r in hashes.values():
+        r.update_block_hashes(16)
+    assert len({r.block_hashes[0] for r in hashes.values()}) == 3
+    engine.loras.unload("a")
+    again = engine.loras.load("a", adapters[0])
+    assert again.uid != a.uid and again.hash_key != a.hash_key

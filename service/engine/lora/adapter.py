@@ -30,7 +30,11 @@ _TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.((?:self_at
 
 
 class LoRAError(ValueError):
-    """An adapter that cannot be served: the message says why (the API answers it with a 400)."""
+    """An adapter that cannot be served: the message says why, `param` which field (the API answers a 400)."""
+
+    def __init__(self, message: str, param: str = "lora_path") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

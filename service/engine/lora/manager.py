@@ -36,7 +36,7 @@ class LoRARegistry:
     def load(self, name: str, path: str) -> LoRARequest:
         """Read, check and register the adapter at `path` under `name` (blocking: file reads); LoRAError."""
         if not name or len(name) > 256 or not name.isprintable():
-            raise LoRAError("lora_name must be 1 to 256 printable characters")
+            raise LoRAError("lora_name must be 1 to 256 printable characters", "lora_name")
         with self._lock:  # cheap checks first, so a refused load reads nothing
             self._check_room(name)
         weights = read_adapter(path, self.geometry, self.max_rank, self.dtype)
@@ -49,9 +49,10 @@ class LoRARegistry:
 
     def _check_room(self, name: str) -> None:
         if name in self._loaded:
-            raise LoRAError(f"an adapter named {name!r} is already loaded")
+            raise LoRAError(f"an adapter named {name!r} is already loaded", "lora_name")
         if len(self._loaded) >= self.max_adapters:
-            raise LoRAError(f"{self.max_adapters} adapters are loaded (--max-cpu-loras); unload one first")
+            raise LoRAError(f"{self.max_adapters} adapters are loaded (--max-cpu-loras); unload one first",
+                            "lora_name")
 
     def unload(self, name: str) -> None:
         """Forget an adapter: new requests cannot name it; requests running with it finish with it."""
