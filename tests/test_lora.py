@@ -55,7 +55,7 @@ def lora_engine(model_dir: str, modules: list[str], max_loras: int = 4, **schedu
     from sluice.service.engine.engine import LLMEngine
 
     config = SluiceConfig()
-    config.model.model, config.model.device, config.model.dtype = model_dir, "cpu", "float32"
+    config.model.model, config.model.device, config.model.dtype = str(model_dir), "cpu", "float32"
     config.cache.num_kv_blocks = 64
     config.lora.lora_modules, config.lora.max_loras = tuple(modules), max_loras
     for name, value in scheduler.items():
@@ -199,3 +199,116 @@ def test_a_step_never_holds_more_adapters_than_slots_and_cached_prefixes_never_m
     engine.loras.unload("a")
     again = engine.loras.load("a", adapters[0])
     assert again.uid != a.uid and again.hash_key != a.hash_key
+
+
+def test_lora_requests_info_reports_the_adapters_of_running_and_waiting_requests():
+    from prometheus_client import CollectorRegistry
+
+    from sluice.metrics.prometheus import SluiceMetrics, render_latest
+    from sluice.metrics.vllm_names import CacheConfigInfo
+    from sluice.scheduling.output import SchedulerStats
+
+    reg = CollectorRegistry()
+    m = SluiceMetrics("m", reg, vllm_names=CacheConfigInfo(16, True))
+    m.observe_step(SchedulerStats(running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",), max_loras=2))
+    m.observe_step(SchedulerStats(running_lora_adapters=("a",), max_loras=2))
+    lines = [x for x in render_latest(reg)[0].decode().splitlines() if "lora_requests_info{" in x]
+    assert len(lines) == 2  # Sluice's and vLLM's name, the earlier label set gone
+    for line in lines:
+        assert 'running_lora_adapters="a"' in line and 'waiting_lora_adapters=""' in line and 'max_lora="2"' in line
+
+
+@pytest.mark.slow
+def test_smollm2_parity_with_two_adapters_and_the_base_in_one_batch(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    a = make_adapter(smollm2_dir, str(tmp_path / "a"), seed=1, scale=0.05)
+    b = make_adapter(smollm2_dir, str(tmp_path / "b"), seed=2, targets=["q_proj", "v_proj", "down_proj"], r=4,
+                     scale=0.05)
+    max_new = 8
+    expected = {name: merged_greedy(smollm2_dir, path, prompts, max_new) for name, path in
+                (("a", a), ("b", b), (None, None))}
+    assert expected["a"] != expected[None] and expected["b"] != expected[None]
+    engine = lora_engine(smollm2_dir, [f"a={a}", f"b={b}"], max_loras=2)
+    assert run(engine, [(prompts[0], "a")], max_new) == [expected["a"][0]]  # batch 1
+    steps = spy_steps(engine)
+    jobs = [(p, name) for p in prompts for name in ("a", "b", None)]
+    for (ids, name), tokens in zip(jobs, run(engine, jobs, max_new), strict=True):
+        assert tokens == expected[name][prompts.index(ids)], name
+    assert any(len(uids) == 2 and base for uids, base in steps)
+
+
+# ---- through `sluice serve` --------------------------------------------------------------------------------
+
+KEY = {"Authorization": "Bearer k"}
+
+
+def call(srv, path: str, body=None, headers=KEY) -> tuple[int, str]:
+    """(status, body text) of a GET (body None) or a JSON POST."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(srv.url + path, data=data, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def prefix_hits(srv) -> float:
+    """sluice_prefix_cache_hit_tokens_total of the server."""
+    text = call(srv, "/metrics", headers={})[1]
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("sluice_prefix_cache_hit_tokens_total{"))
+
+
+def test_serve_with_adapters_load_unload_models_requests_metrics_and_cache(model_dir, adapters, tmp_path):
+    from tests._server import MODEL, Server
+
+    srv = Server(model_dir, tmp_path, "--lora-modules", f"a={adapters[0]}", "--max-loras", "2", "--api-key", "k",
+                 "--vllm-metric-names").wait_ready()
+    try:
+        assert call(srv, "/v1/models", headers={})[0] == 401
+        assert call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters[1]}, headers={})[0] == 401
+        cards = {c["id"]: c for c in json.loads(call(srv, "/v1/models")[1])["data"]}
+        assert cards["a"]["parent"] == MODEL and cards["a"]["root"] == adapters[0] and cards[MODEL]["parent"] is None
+
+        prompt = " ".join(PROMPTS) * 2  # several full blocks
+
+        def complete(model: str) -> tuple[int, dict]:
+            status, text = call(srv, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8,
+                                                         "temperature": 0, "ignore_eos": True})
+            return status, json.loads(text)
+
+        hits = prefix_hits(srv)
+        base = complete(MODEL)[1]
+        status, with_a = complete("a")
+        assert status == 200 and with_a["model"] == "a"
+        assert with_a["choices"][0]["text"] != base["choices"][0]["text"]
+        assert prefix_hits(srv) == hits  # the adapter's prompt found none of the base model's blocks
+        assert complete("a")[1]["choices"][0]["text"] == with_a["choices"][0]["text"]
+        assert prefix_hits(srv) > hits  # …but its own
+
+        status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(tmp_path)})
+        assert status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+        status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters[1]})
+        assert status == 200, text
+        status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters[1]})
+        assert status == 400 and json.loads(text)["error"]["param"] == "lora_name"
+        assert "b" in {c["id"] for c in json.loads(call(srv, "/v1/models")[1])["data"]}
+        assert complete("b")[0] == 200
+        info = [line for line in call(srv, "/metrics", headers={})[1].splitlines()
+                if line.startswith("vllm:lora_requests_info{")]
+        assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
+
+        assert call(srv, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
+        status, text = complete("b")
+        assert status == 404 and text["error"]["code"] == "model_not_found" and text["error"]["param"] == "model"
+        assert call(srv, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 404
+        assert complete("nope")[0] == 404
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
