@@ -98,7 +98,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The one served model."""
+    """The served model and its LoRA adapters (`parent`: the base model)."""
     model = _engine(request.app[STATE]).model
     state = request.app[STATE]
     return _json({"object": "list", "data": [{
