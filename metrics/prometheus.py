@@ -49,6 +49,7 @@ _STEP_TOKEN_BUCKETS = tuple(2**i for i in range(15))  # 1 .. 16384
 _STEP_REQUEST_BUCKETS = tuple(2**i for i in range(11))  # 1 .. 1024
 
 _L = ("model_name",)
+LORA_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 # generate_latest() writes the classic text format, which newer prometheus_client versions label version=1.0.0
 # (a label only Prometheus 3 knows); 0.0.4 names the same format in a way every scraper understands.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,7 +63,7 @@ class MetricSpec:
     kind: type  # Gauge, Counter or Histogram
     name: str
     help: str
-    label: str | None = None  # the one label besides model_name,
+    label: str | tuple[str, ...] | None = None  # the one label besides model_name (an info series: several),
     values: tuple[str, ...] = ()  # and its values: children made up front export 0 from the start
     buckets: tuple[float, ...] | None = None
     # The SchedulerStats field a step sets (gauge) or adds (counter); "{}" stands for the label's value.
@@ -98,6 +99,9 @@ METRICS: tuple[MetricSpec, ...] = (
     # The step histograms: observed only for steps that computed tokens (observe_step).
     _spec("step_tokens", Histogram, "sluice_engine_step_tokens", "Tokens computed in one engine step (the batch size in tokens).", "num_batched_tokens", buckets=_STEP_TOKEN_BUCKETS),
     _spec("step_requests", Histogram, "sluice_engine_step_requests", "Requests computed in one engine step (the batch size in sequences).", "num_scheduled_requests", buckets=_STEP_REQUEST_BUCKETS),
+    # An info series (vLLM's lora_requests_info): one child per model, its labels the adapters now, its value the
+    # time of the report; max_lora 0 where the model serves no adapters.
+    _spec("lora_info", Gauge, "sluice_lora_requests_info", "LoRA adapters of the running and the waiting requests (comma-separated) and the adapter slots; the value is the time of the report.", label=LORA_LABELS),
     _spec("step_duration", Histogram, "sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", "step_duration_s", buckets=_STEP_BUCKETS),
 )
 
@@ -106,7 +110,7 @@ def _define(r: CollectorRegistry) -> SimpleNamespace:
     """Register every family of METRICS in `r`; the result holds each by its field (labelled parents)."""
     families = {}
     for spec in METRICS:
-        labels = (*_L, spec.label) if spec.label else _L
+        labels = (*_L, *((spec.label,) if isinstance(spec.label, str) else spec.label or ()))
         kw = {"buckets": spec.buckets} if spec.buckets is not None else {}
         families[spec.field] = spec.kind(spec.name, spec.help, labels, registry=r, **kw)
     return SimpleNamespace(**families)
@@ -166,14 +170,28 @@ class SluiceMetrics:
         self._step_histograms = [(self._c[spec.field].observe, spec.stat) for spec in METRICS
                                  if spec.stat is not None and spec.kind is Histogram]
         self._tracked: dict[str, _Timing] = {}  # request_id -> timing state, dropped at the finish
+        self._lora_labels: tuple[str, str, str] | None = None
+        self._set_lora_info(("", "", "0"))
 
     def observe_step(self, stats: SchedulerStats) -> None:
         """Set the gauges to the state after a step and add the step's counter increments."""
         for write, stat in self._per_step:
             write(getattr(stats, stat))
+        if stats.max_loras:
+            self._set_lora_info((",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                                 str(stats.max_loras)))
         if stats.num_batched_tokens:  # a step that only swapped or idled says nothing about batch size
             for observe, stat in self._step_histograms:
                 observe(getattr(stats, stat))
+
+    def _set_lora_info(self, labels: tuple[str, str, str]) -> None:
+        """Point the model's lora_info child at the adapters now (the previous label set is removed)."""
+        family = _collectors(self.registry).lora_info
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                family.remove(self.model_name, *self._lora_labels)
+            self._lora_labels = labels
+        family.labels(self.model_name, *labels).set(time.time())
 
     def observe_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's time to first token and the time it spent queued before its first step."""

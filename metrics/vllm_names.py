@@ -2,13 +2,12 @@
 names the Gateway API Inference Extension's endpoint picker and public vLLM dashboards read.
 
 Nothing here observes anything: each vLLM series is a renamed copy of a Sluice family's samples, read from that
-family when Prometheus scrapes, so the two names cannot disagree. The two info series (LoRA and cache config) are
-built from the same families plus the cache's static configuration.
+family when Prometheus scrapes, so the two names cannot disagree. The LoRA info series is
+a renamed family too; the cache-config one is built from the families plus the cache's static configuration.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +35,7 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "queue_time": ("vllm:request_queue_time_seconds",),
     "prompt_len": ("vllm:request_prompt_tokens",),
     "generation_len": ("vllm:request_generation_tokens",),
+    "lora_info": ("vllm:lora_requests_info",),
 }
 LORA_INFO = "vllm:lora_requests_info"
 CACHE_INFO = "vllm:cache_config_info"
@@ -65,25 +65,18 @@ class VllmNames(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        """The renamed families, then the LoRA and cache-config info series."""
+        """The renamed families (the LoRA info series among them), then the cache-config info series."""
         for field, names in RENAMES.items():
             (family,) = getattr(self._families, field).collect()
             for name in names:
                 yield _renamed(family, name)
-        lora = GaugeMetricFamily(
-            LORA_INFO, "LoRA adapters running and waiting (none: Sluice serves no adapters); the value is the "
-            "time of this report.", labels=("model_name", "running_lora_adapters", "waiting_lora_adapters",
-                                           "max_lora"))
         cache = GaugeMetricFamily(CACHE_INFO, "KV cache configuration (value 1).",
                                   labels=("model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks",
                                           "enable_prefix_caching"))
         total, host = self._blocks("total_blocks"), self._blocks("total_host_blocks")
-        now = time.time()
         for model, info in self._cache_info.items():
-            lora.add_metric((model, "", "", "0"), now)
             cache.add_metric((model, str(info.block_size), str(int(total.get(model, 0))),
                               str(int(host.get(model, 0))), str(info.enable_prefix_caching)), 1.0)
-        yield lora
         yield cache
 
     def _blocks(self, field: str) -> dict[str, float]:

@@ -166,3 +166,7 @@ class SchedulerStats:
     num_batched_tokens: int = 0
     num_scheduled_requests: int = 0
     step_duration_s: float = 0.0
+    # LoRA adapters (names, sorted) of the running and the waiting requests; max_loras 0: LoRA is off.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0

@@ -44,6 +44,12 @@ _FINISH_REASONS = {
 }
 
 
+def _first_block_key(params: SamplingParams) -> bytes:
+    """The cache salt and the LoRA adapter, as the first block's extra hash key."""
+    salt = params.cache_salt.encode("utf-8", "surrogatepass") if params.cache_salt else b""
+    return salt + params.lora_request.hash_key if params.lora_request is not None else salt
+
+
 class Request:
     """One sequence being generated. `num_computed_tokens` is the single measure of progress."""
 
@@ -126,9 +132,8 @@ class Request:
         while (len(hashes) + 1) * block_size <= len(self.all_token_ids):
             start = len(hashes) * block_size
             parent = hashes[-1] if hashes else None
-            # The salt enters the first block only: the chain carries it into every later hash.
-            salt = self.sampling_params.cache_salt if not hashes else None
-            extra = salt.encode("utf-8", "surrogatepass") if salt else b""
+            # The salt and the adapter enter the first block only: the chain carries them into every later hash.
+            extra = b"" if hashes else _first_block_key(self.sampling_params)
             hashes.append(hash_block_tokens(parent, self.all_token_ids[start : start + block_size], extra))
 
     def __repr__(self) -> str:

@@ -36,6 +36,21 @@ class StructuredOutput:
         return (self.kind, self.spec)
 
 
+@dataclass(slots=True, frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (vLLM's LoRARequest): its name, an id unique to this load of it, and
+    its weights (opaque here: service/engine/lora owns them)."""
+
+    name: str
+    uid: int
+    adapter: object = field(repr=False, compare=False)
+
+    @property
+    def hash_key(self) -> bytes:
+        """What enters the first block's hash: a reloaded adapter of the same name never reuses the old KV."""
+        return f"\0lora:{self.uid}:{self.name}".encode("utf-8", "surrogatepass")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop; validated by `validate()` before admission."""
@@ -68,6 +83,8 @@ class SamplingParams:
     # Not a sampling choice but a request option carried with them (vLLM's `cache_salt`): requests share cached
     # prefix blocks only when their salts are equal, so one tenant's prompts never warm another's cache.
     cache_salt: str | None = None
+    # Likewise a request option: the LoRA adapter its `model` named (None: the base model). Enters the hash too.
+    lora_request: LoRARequest | None = None
 
     @property
     def has_logit_controls(self) -> bool:

@@ -27,7 +27,8 @@ class Scheduler:
     priority, latest arrival) is always the last element and never one already scheduled in this step.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 max_loras: int = 0) -> None:
         config.validate()
         assert config.max_num_batched_tokens > 0, "resolve the auto token budget first (SchedulerConfig.resolved)"
         self.config = config
@@ -35,6 +36,7 @@ class Scheduler:
         self.block_size = kv_cache_manager.block_size
         # A sequence longer than the whole cache could never be scheduled, not even alone.
         self.max_model_len = min(max_model_len, kv_cache_manager.num_blocks * self.block_size)
+        self.max_loras = max_loras  # distinct LoRA adapters one step may hold (the runner's slots)
         self.policy = config.scheduling_policy
         self.key = priority_key if self.policy == "priority" else fcfs_key
         self.waiting = create_request_queue(self.policy)
@@ -172,7 +174,7 @@ class Scheduler:
             return
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            if self._waiting_outranks(request):
+            if self._waiting_outranks(request) or not self._lora_fits(request):
                 break
             remaining = request.num_tokens - request.num_computed_tokens
             if not self.kv.can_swap_in(request, remaining):
@@ -221,6 +223,8 @@ class Scheduler:
     def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self._lora_fits(request):
+                break  # its adapter needs a slot the running ones hold: it waits for one to finish
             computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
             num_hit = len(computed) * self.block_size
             n = self._num_new_tokens(request, num_hit, budget)
@@ -237,6 +241,14 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             budget -= n
         return budget
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether running `request` keeps the distinct adapters of the running batch within max_loras."""
+        lora = request.sampling_params.lora_request
+        if lora is None:
+            return True
+        held = {r.sampling_params.lora_request.uid for r in self.running if r.sampling_params.lora_request}
+        return lora.uid in held or len(held) < self.max_loras
 
     def _preempt_for_waiting_priority(self, out: SchedulerOutput) -> None:
         """Priority policy: a waiting request of strictly higher priority evicts lower-priority running ones."""
@@ -396,5 +408,14 @@ class Scheduler:
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         s.prefix_cache_queries = queries - self._prefix_counts_reported[0]
         s.prefix_cache_hits = hits - self._prefix_counts_reported[1]
+        if self.max_loras:
+            s.max_loras = self.max_loras
+            s.running_lora_adapters = _lora_names(self.running)
+            s.waiting_lora_adapters = _lora_names([*self.waiting, *self.swapped])
         self._prefix_counts_reported = (queries, hits)
         return s
+
+
+def _lora_names(requests) -> tuple[str, ...]:
+    """The distinct adapter names of `requests`, sorted."""
+    return tuple(sorted({r.sampling_params.lora_request.name for r in requests if r.sampling_params.lora_request}))

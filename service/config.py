@@ -137,6 +137,38 @@ class GrammarConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (vLLM's flags); a request names one in its `model`."""
+
+    enable_lora: bool = knob(
+        False, "Serve LoRA adapters: those of --lora-modules and those loaded at run time "
+        "(POST /v1/load_lora_adapter). Implied by --lora-modules.")
+    lora_modules: tuple[str, ...] = knob(
+        (), "Adapters to load at start, each 'name=path' (a peft directory) or vLLM's JSON form "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; several separated by spaces.', nargs="*", type=str)
+    max_loras: int = knob(4, "Distinct adapters one engine step may run (adapter slots on the device).")
+    max_lora_rank: int = knob(16, "Largest adapter rank accepted (the slots are sized for it).")
+    max_cpu_loras: int = knob(0, "Most adapters loaded at once, in host memory (0: 4 x --max-loras).")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine wraps its linears for adapters."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def max_adapters(self) -> int:
+        """--max-cpu-loras with its default resolved."""
+        return self.max_cpu_loras or 4 * self.max_loras
+
+    def validate(self) -> None:
+        """Raise ValueError on a bound that cannot work."""
+        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
+            raise ValueError("max_loras and max_lora_rank must be >= 1, max_cpu_loras >= 0")
+        if self.enabled and self.max_adapters < len(self.lora_modules):
+            raise ValueError(f"{len(self.lora_modules)} --lora-modules but --max-cpu-loras {self.max_adapters}")
+
+
+@dataclass(slots=True)
 class SluiceConfig:
     """Everything Sluice can be told; the CLI builds one, the engine and server read it."""
 
@@ -145,6 +177,7 @@ class SluiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         """Raise ValueError on an inconsistent configuration."""
@@ -153,6 +186,7 @@ class SluiceConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.grammar.validate()
+        self.lora.validate()
 
 
 # ---- command-line flags and environment variables (`sluice serve`, `sluice bench offline`)
@@ -171,6 +205,8 @@ def _from_env(name: str, kind: type, raw: str):
         if raw.strip().lower() not in _TRUE | _FALSE:
             raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
         return raw.strip().lower() in _TRUE
+    if kind is list:  # a list flag's values, space separated
+        return raw.split()
     try:
         return kind(raw)
     except ValueError:
@@ -187,10 +223,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             seen.add(f.name)
             # A field may name its own parser (`knob(..., type=fn)`), e.g. a size that is a number or 'auto'.
             kind, env = f.metadata.get("type") or type(f.default), ENV_PREFIX + f.name.upper()
+            nargs = f.metadata.get("nargs")
             default = f.default
             if env in os.environ:
                 try:
-                    default = _from_env(env, kind, os.environ[env])
+                    default = _from_env(env, list if nargs else kind, os.environ[env])
                 except ValueError as e:
                     parser.error(str(e))
             text = f.metadata.get("help", "").replace("%", "%%") + f" [env {env}] (default: %(default)s)"
@@ -203,7 +240,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                     group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             else:
                 choices = f.metadata.get("choices")
-                group.add_argument(flag, type=kind, choices=choices, metavar=None if choices else f.name.upper(), **kw)
+                group.add_argument(flag, type=kind, choices=choices, metavar=None if choices else f.name.upper(),
+                                   nargs=nargs, **kw)
 
 
 def config_from_args(args: argparse.Namespace) -> SluiceConfig:

@@ -14,6 +14,7 @@ from sluice.metrics.prometheus import render_latest
 from sluice.metrics.tracing import server_timing
 from sluice.scheduling.outcomes import ErrorCode, RequestRejected
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
+from sluice.service.api.lora_routes import adapter_cards, load_lora_adapter, unload_lora_adapter
 from sluice.service.api.middlewares import (
     REQUEST_ID,
     STATE,
@@ -97,12 +98,13 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The one served model."""
+    """The served model and its LoRA adapters (`parent`: the base model)."""
     model = _engine(request.app[STATE]).model
+    state = request.app[STATE]
     return _json({"object": "list", "data": [{
-        "id": model.served_model_name, "object": "model", "created": request.app[STATE].started,
-        "owned_by": "sluice", "max_model_len": model.max_model_len,
-    }]})
+        "id": model.served_model_name, "object": "model", "created": state.started,
+        "owned_by": "sluice", "max_model_len": model.max_model_len, "root": state.config.model.model, "parent": None,
+    }, *adapter_cards(model, state.started)]})
 
 
 def _json(payload, status: int = 200) -> web.Response:
@@ -160,7 +162,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except EngineDeadError:
         raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
                            headers={"x-should-retry": "true"}) from None
-    fmt = ResponseFormat(req, prefix, model.served_model_name, model.tokenizer)
+    fmt = ResponseFormat(req, prefix, req.model or model.served_model_name, model.tokenizer)  # or the adapter
     async with stream:
         if req.stream:
             return await _stream(request, stream, prep.choices, fmt)
@@ -307,6 +309,8 @@ def create_app(config: SluiceConfig) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.get("/v1/models", models),
+        web.post("/v1/load_lora_adapter", load_lora_adapter),
+        web.post("/v1/unload_lora_adapter", unload_lora_adapter),
         web.post("/tokenize", tokenize),
         web.post("/detokenize", detokenize),
         web.get("/health", health),

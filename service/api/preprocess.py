@@ -129,10 +129,14 @@ class Prepared:
     choices: dict[str, Choice]
 
 
-def check_model(name, model: ModelInfo) -> None:
-    """404 unless the request names no model or the one served."""
-    if name is not None and name != model.served_model_name:
+def check_model(name, model: ModelInfo):
+    """The LoRA adapter the request's `model` names (None: the base model); 404 for a name not served."""
+    if name is None or name == model.served_model_name:
+        return None
+    lora = None if model.loras is None else model.loras.get(name)
+    if lora is None:
         raise RequestError(f"the model '{name}' does not exist", "model", status=404, code="model_not_found")
+    return lora
 
 
 def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str,
@@ -140,7 +144,7 @@ def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser:
     """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
     body = load_body(raw)
     req = parse_chat(body) if chat else parse_completion(body)
-    check_model(req.model, model)
+    lora = check_model(req.model, model)
     tokenizer, max_len = model.tokenizer, model.max_model_len
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
     reasoning = None
@@ -159,6 +163,8 @@ def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser:
     batch, choices = [], {}
     for p, ids in enumerate(prompts):
         params = resolve_params(req, ids, max_len, model.vocab_size)
+        if lora is not None:
+            params.lora_request = lora
         for i in range(req.n):
             index = p * req.n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)

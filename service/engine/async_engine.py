@@ -60,11 +60,13 @@ class ModelInfo:
     max_model_len: int  # prompt plus completion tokens, capped at what the KV cache holds
     vocab_size: int  # token ids run 0 .. vocab_size - 1 (the model's, which may exceed the tokenizer's)
     tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
+    loras: Any = None  # the LoRA adapter registry (lora/manager.py: LoRARegistry, thread-safe); None: LoRA off
 
     @classmethod
     def of(cls, engine: SyncEngine) -> ModelInfo:
         """Read from an LLMEngine (or a stand-in with the same attributes)."""
-        return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer)
+        return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer,
+                   getattr(engine, "loras", None))
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets

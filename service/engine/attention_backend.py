@@ -27,6 +27,7 @@ class ForwardContext:
 
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
+    lora: object | None = None  # the step's adapter rows (lora/layers.py: LoRABatch); None: no adapter rows
 
 
 # A plain global, as in vLLM: one forward runs at a time (the engine's worker thread), and attention layers

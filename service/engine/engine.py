@@ -91,6 +91,11 @@ class LLMEngine(ConstrainedDecoding):
         else:
             model = prepare_weights(model, config.model, self.device, self.dtype)
         self.model, self.tokenizer = model, tokenizer
+        self.loras, lora_slots = None, None  # the adapter registry, where LoRA is on (lora/manager.py)
+        if config.lora.enabled:  # before the runner sizes the KV cache: the adapter slots take memory too
+            from sluice.service.engine.lora.manager import enable_lora
+
+            self.loras, lora_slots = enable_lora(model, config.lora, self.device, self.dtype)
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)
 
@@ -98,6 +103,7 @@ class LLMEngine(ConstrainedDecoding):
             model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs,
             sched.max_model_len, sched.preemption_mode,
         )
+        self.runner.lora_slots = lora_slots
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
@@ -126,7 +132,8 @@ class LLMEngine(ConstrainedDecoding):
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks, block_size, config.cache.enable_prefix_caching, self.runner.num_host_blocks
         )
-        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len,
+                                   config.lora.max_loras if self.loras is not None else 0)
 
         eos_ids = eos_token_ids(model, tokenizer)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
@@ -172,6 +179,8 @@ class LLMEngine(ConstrainedDecoding):
         `trace_headers` (W3C traceparent/tracestate, may be empty) marks it traced: its span events are recorded.
         """
         params.validate()
+        if params.lora_request is not None and self.loras is None:
+            raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")

@@ -87,6 +87,7 @@ class ModelRunner:
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
         self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
+        self.lora_slots = None  # LoRASlots where the engine serves adapters (lora/manager.py)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -100,7 +101,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         decode = all(r.num_tokens == 1 for r in out.scheduled) and self.decode_buffers.size_for(len(out.scheduled))
         input_ids, positions, meta, sample_rows = (self._prepare_decode if decode else self._prepare)(out.scheduled)
-        with set_forward_context(ForwardContext(meta, self.kv.layers)):
+        lora = None if self.lora_slots is None else self.lora_slots.batch(
+            [r.sampling_params.lora_request for r in out.scheduled], [r.num_tokens for r in out.scheduled])
+        with set_forward_context(ForwardContext(meta, self.kv.layers, lora)):
             logits = self._forward(input_ids, positions, sample_rows)
         to_sample = [r for r in out.scheduled if r.sample]
         if not to_sample:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sluice import native
+from sluice.service.engine.attention_backend import get_forward_context
 from sluice.service.engine.layers.attention import PagedAttention
 from sluice.service.engine.layers.mlp import GatedMLP
 from sluice.service.engine.layers.norm import RMSNorm
@@ -37,7 +38,7 @@ class DecoderLayer(nn.Module):
         """hidden [T, E] → [T, E]; the attention reads its cache from the forward context."""
         ops = self._layer_ops
         if ops is not None and hidden.shape[0] <= self._layer_ops_rows and hidden.dtype == torch.float32 \
-                and hidden.device.type == "cpu":
+                and hidden.device.type == "cpu" and get_forward_context().lora is None:  # adapter rows: Python path
             q, k, v = ops.before_attention(hidden[None], cos[None], sin[None])
             return ops.after_attention(self.self_attn.attend(q, k, v), hidden[None])[0]
         hidden = self.self_attn(self.input_layernorm(hidden), cos, sin).add_(hidden)
