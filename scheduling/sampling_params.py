@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -36,6 +37,28 @@ class StructuredOutput:
         return (self.kind, self.spec)
 
 
+class Pooling(enum.Enum):
+    """Which final hidden states of the prompt make its embedding."""
+
+    LAST = "last"  # the last token's (decoder embedding models: Qwen3-Embedding, e5-mistral)
+    MEAN = "mean"  # the mean over every prompt token (sentence-transformers' pooling_mode_mean_tokens)
+    CLS = "cls"  # the first token's
+
+
+@dataclass(slots=True, frozen=True)
+class PoolingParams:
+    """An embedding request: nothing is generated, the request ends with its prompt's pooled final hidden state."""
+
+    mode: Pooling = Pooling.LAST
+    normalize: bool = True  # L2-normalize the vector (after truncating it to `dimensions`)
+    dimensions: int | None = None  # Matryoshka: keep only the first this many components
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Mean and first-token pooling read hidden states a prefix-cache hit would skip computing."""
+        return self.mode is not Pooling.LAST
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop; validated by `validate()` before admission."""
@@ -68,6 +91,7 @@ class SamplingParams:
     # Not a sampling choice but a request option carried with them (vLLM's `cache_salt`): requests share cached
     # prefix blocks only when their salts are equal, so one tenant's prompts never warm another's cache.
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None  # set: an embedding request (prompt only, no sampling)
 
     @property
     def has_logit_controls(self) -> bool:
@@ -121,3 +145,5 @@ class SamplingParams:
             raise ValueError("seed must fit in 64 bits")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.pooling is not None and self.pooling.dimensions is not None and self.pooling.dimensions < 1:
+            raise ValueError("dimensions must be at least 1")
