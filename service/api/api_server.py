@@ -93,7 +93,7 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """OpenAPI 3 description of the completion endpoints."""
+    """OpenAPI 3 description of the completion and embedding endpoints."""
     return _json(openapi_spec(_version()))
 
 
