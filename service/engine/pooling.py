@@ -127,8 +127,8 @@ class Pooler:
             row += n
         if not done:
             return done
-        vectors = torch.stack(list(done.values())).cpu()  # one copy (and sync) for the step
-        return dict(zip(done, vectors, strict=True))
+        vectors = torch.cat(list(done.values())).cpu()  # one copy (and sync) for the step, whatever the sizes
+        return dict(zip(done, vectors.split([v.shape[0] for v in done.values()]), strict=True))
 
     def _pool_chunk(self, r: ScheduledRequest, mode: Pooling, hidden: torch.Tensor,
                     norm: Callable[[torch.Tensor], torch.Tensor], row: int, last: bool) -> torch.Tensor | None:
