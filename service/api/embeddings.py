@@ -1,7 +1,7 @@
 """/v1/embeddings: from body to engine requests (in the preparation pool) and from vectors to the reply.
 
 Any served model answers it with its pooled final hidden state (vLLM serves a generative model the same way
-under `--runner pooling`): an embedding model (Qwen3-Embedding, a sentence-transformers decoder) gives its
+with its pooling runner): an embedding model (Qwen3-Embedding, a sentence-transformers decoder) gives its
 trained vectors, a chat model a usable but untrained one. Each input is one prompt-only engine request, batched
 with whatever else runs; how the model pools is resolved once at load (service/engine/pooling.py).
 """
