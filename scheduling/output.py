@@ -124,10 +124,12 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens for the requests whose `sample` flag was set."""
+    """Sampled tokens for the requests whose `sample` flag was set, vectors for embedding requests."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: their pooled vector (a host float32 tensor).
+    pooled: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -143,6 +145,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    pooled: object | None = None  # an embedding request's vector, on its only output
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -49,6 +50,26 @@ class LoRARequest:
     def hash_key(self) -> bytes:
         """What enters the first block's hash: a reloaded adapter of the same name never reuses the old KV."""
         return f"\0lora:{self.uid}:{self.name}".encode("utf-8", "surrogatepass")
+class Pooling(enum.Enum):
+    """Which final hidden states of the prompt make its embedding."""
+
+    LAST = "last"  # the last token's (decoder embedding models: Qwen3-Embedding, e5-mistral)
+    MEAN = "mean"  # the mean over every prompt token (sentence-transformers' pooling_mode_mean_tokens)
+    CLS = "cls"  # the first token's
+
+
+@dataclass(slots=True, frozen=True)
+class PoolingParams:
+    """An embedding request: nothing is generated, the request ends with its prompt's pooled final hidden state."""
+
+    mode: Pooling = Pooling.LAST
+    normalize: bool = True  # L2-normalize the vector (after truncating it to `dimensions`)
+    dimensions: int | None = None  # Matryoshka: keep only the first this many components
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Mean and first-token pooling read hidden states a prefix-cache hit would skip computing."""
+        return self.mode is not Pooling.LAST
 
 
 @dataclass(slots=True)
@@ -85,6 +106,7 @@ class SamplingParams:
     cache_salt: str | None = None
     # Likewise a request option: the LoRA adapter its `model` named (None: the base model). Enters the hash too.
     lora_request: LoRARequest | None = None
+    pooling: PoolingParams | None = None  # set: an embedding request (prompt only, no sampling)
 
     @property
     def has_logit_controls(self) -> bool:
@@ -138,3 +160,5 @@ class SamplingParams:
             raise ValueError("seed must fit in 64 bits")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.pooling is not None and self.pooling.dimensions is not None and self.pooling.dimensions < 1:
+            raise ValueError("dimensions must be at least 1")

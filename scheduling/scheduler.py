@@ -60,7 +60,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use",
                                   ErrorCode.DUPLICATE_REQUEST_ID)
-        needed = request.num_tokens + request.sampling_params.max_tokens
+        # An embedding request generates nothing: its prompt alone must fit.
+        pooling = request.sampling_params.pooling is not None
+        needed = request.num_tokens + (0 if pooling else request.sampling_params.max_tokens)
         if needed > self.max_model_len:
             capacity = self.kv.num_blocks * self.block_size
             what = (f"the KV cache holds {capacity} tokens" if self.max_model_len == capacity
@@ -143,7 +145,7 @@ class Scheduler:
                     token_ids=request.all_token_ids[start : start + n],
                     start_pos=start,
                     block_ids=self.kv.block_ids(request.request_id),
-                    sample=start + n == request.num_tokens,
+                    sample=start + n == request.num_tokens and request.sampling_params.pooling is None,
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
                     eos_token_id=request.eos_token_id,
@@ -225,7 +227,7 @@ class Scheduler:
             request = self.waiting.peek()
             if not self._lora_fits(request):
                 break  # its adapter needs a slot the running ones hold: it waits for one to finish
-            computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            computed = self._cached_prefix(request)
             num_hit = len(computed) * self.block_size
             n = self._num_new_tokens(request, num_hit, budget)
             if self.kv.allocate_slots(request, n, computed) is None:
@@ -261,8 +263,15 @@ class Scheduler:
                 return
             self._preempt(victim, out)
 
+    def _cached_prefix(self, request: Request) -> list:
+        """The prefix-cache hits of a request not yet computed (none for pooling that needs every token)."""
+        pooling = request.sampling_params.pooling
+        if request.num_computed_tokens or (pooling is not None and pooling.needs_every_token):
+            return []
+        return self.kv.get_computed_blocks(request)
+
     def _fits(self, request: Request) -> bool:
-        computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+        computed = self._cached_prefix(request)
         num_hit = len(computed) * self.block_size
         n = self._num_new_tokens(request, num_hit, self.config.max_num_batched_tokens)
         needed = cdiv(request.num_computed_tokens + num_hit + n, self.block_size) - len(computed)
@@ -304,7 +313,13 @@ class Scheduler:
                 self._stats.num_prompt_tokens += sched.num_tokens
             token = runner_output.sampled.get(sched.request_id)
             if token is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
+                pooled = runner_output.pooled.get(sched.request_id) if runner_output.pooled else None
+                if pooled is not None:  # an embedding request's last prompt chunk: it is done
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    any_finished = True
+                    self._release(request)
+                    outputs.append(self._make_output(request, [], [], pooled))
+                continue  # else a prefill chunk that did not reach the end of the prompt
             request.append_output_token(token)
             request.update_block_hashes(self.block_size)
             self._stats.num_generation_tokens += 1
@@ -379,7 +394,7 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _make_output(request: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+    def _make_output(request: Request, tokens: list[int], logprobs: list, pooled=None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
@@ -390,6 +405,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooled=pooled,
         )
 
     # --- observability -------------------------------------------------------------------------

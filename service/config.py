@@ -57,6 +57,19 @@ class ModelConfig:
         "Q8_0, Q4_K, Q5_K, Q6_K; needs a .gguf model or the default one, whose wheel file is kept).",
         choices=QUANTIZATIONS,
     )
+    pooling: str = knob(
+        "auto", "How /v1/embeddings pools the prompt's final hidden states: 'last' (the last token's, as decoder "
+        "embedding models like Qwen3-Embedding), 'mean', 'cls' (the first token's), or 'auto' (what a "
+        "sentence-transformers model's modules.json and 1_Pooling/config.json say, else 'last').",
+        choices=["auto", "last", "mean", "cls"],
+    )
+    embedding_normalize: bool = knob(True, "L2-normalize /v1/embeddings vectors (as Qwen3-Embedding and "
+                                     "sentence-transformers' Normalize module do).")
+    embedding_dimensions: str = knob(
+        "auto", "Which Matryoshka sizes a /v1/embeddings request's `dimensions` may ask for (the vector is cut to "
+        "them, then normalized): 'auto' (the model config's matryoshka_dimensions or is_matryoshka, else none), "
+        "'any' (1 up to the hidden size), 'none', or sizes like '64,128,256'.",
+    )
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from aiohttp import web
 from sluice.metrics.prometheus import render_latest
 from sluice.metrics.tracing import server_timing
 from sluice.scheduling.outcomes import ErrorCode, RequestRejected
+from sluice.service.api.embeddings import embedding_response, prepare_embeddings
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.lora_routes import adapter_cards, load_lora_adapter, unload_lora_adapter
 from sluice.service.api.middlewares import (
@@ -93,7 +94,7 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """OpenAPI 3 description of the completion endpoints."""
+    """OpenAPI 3 description of the completion and embedding endpoints."""
     return _json(openapi_spec(_version()))
 
 
@@ -145,14 +146,41 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
                 "chat" if req.chat else "completion", len(prompt_lens), req.n, prompt_lens,
                 batch[0][2].max_tokens, req.stream)
+    stream = await _admit(request, aengine, batch, req.priority, "messages" if req.chat else "prompt")
+    fmt = ResponseFormat(req, prefix, req.model or model.served_model_name, model.tokenizer)  # or the adapter
+    async with stream:
+        if req.stream:
+            return await _stream(request, stream, prep.choices, fmt)
+        return await _collect(stream, prep.choices, fmt)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """POST /v1/embeddings: one pooled vector per input, from prompt-only requests in the same batches."""
+    state = request.app[STATE]
+    raw = await request.read()
+    aengine = _engine(state)
+    prep = await state.preprocessor.run(prepare_embeddings, raw, aengine.model, state.config.server.max_queued_requests)
+    stream = await _admit(request, aengine, prep.batch, prep.priority, "input")
+    outputs = {}
+    async with stream:
+        async for out in stream:
+            if out.error:
+                raise _error_of(out)
+            outputs[out.request_id] = out
+    return web.Response(body=embedding_response(prep, outputs, aengine.model.served_model_name),
+                        content_type="application/json")
+
+
+async def _admit(request: web.Request, aengine: AsyncEngine, batch: list, priority: int, param: str):
+    """Queue an API call's engine requests; the engine's refusals as the client's errors (`param`: the prompt's)."""
     try:
-        stream = await aengine.add_requests(batch, req.priority, _trace_headers(request, aengine))
+        return await aengine.add_requests(batch, priority, _trace_headers(request, aengine))
     except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
         raise RequestError(str(e), e.param, code=e.code) from None
     except RequestRejected as e:  # the scheduler's word: a prompt that can never run, an id in use
-        raise RequestError(str(e), "messages" if req.chat else "prompt", code=e.code.value) from None
+        raise RequestError(str(e), param, code=e.code.value) from None
     except ValueError as e:  # the engine's word on a prompt or its parameters
-        raise RequestError(str(e), "messages" if req.chat else "prompt") from None
+        raise RequestError(str(e), param) from None
     except QueueFullError as e:
         raise RequestError(f"{e}; retry shortly", status=429, type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
@@ -162,11 +190,6 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except EngineDeadError:
         raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
                            headers={"x-should-retry": "true"}) from None
-    fmt = ResponseFormat(req, prefix, req.model or model.served_model_name, model.tokenizer)  # or the adapter
-    async with stream:
-        if req.stream:
-            return await _stream(request, stream, prep.choices, fmt)
-        return await _collect(stream, prep.choices, fmt)
 
 
 def _trace_headers(request: web.Request, aengine: AsyncEngine) -> dict[str, str] | None:
@@ -308,6 +331,7 @@ def create_app(config: SluiceConfig) -> web.Application:
     app.add_routes([
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/embeddings", embeddings),
         web.get("/v1/models", models),
         web.post("/v1/load_lora_adapter", load_lora_adapter),
         web.post("/v1/unload_lora_adapter", unload_lora_adapter),

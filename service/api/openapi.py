@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from pydantic.json_schema import models_json_schema
 
+from sluice.service.api.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from sluice.service.api.protocol_models import ChatCompletionRequest, CompletionRequest
 from sluice.service.api.protocol_responses import (
     ChatCompletion,
@@ -31,12 +32,13 @@ def _ref(model) -> dict:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _operation(summary: str, request, response, chunk) -> dict:
+def _operation(summary: str, request, response, chunk=None) -> dict:
     responses = {"200": {
         "description": f"The completion; with stream: true, Server-Sent Events whose data are {chunk.__name__} "
                        "objects, ending in 'data: [DONE]'.",
         "content": {"application/json": {"schema": _ref(response)},
-                    "text/event-stream": {"schema": {"type": "string"}}}}}
+                    "text/event-stream": {"schema": {"type": "string"}}}}} if chunk is not None else {"200": {
+        "description": "The reply.", "content": {"application/json": {"schema": _ref(response)}}}}
     for status, doc in _ERRORS.items():
         responses[status] = {"description": doc, "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
     return {"post": {"summary": summary, "requestBody": {
@@ -48,8 +50,9 @@ def _operation(summary: str, request, response, chunk) -> dict:
 @lru_cache(maxsize=1)
 def _schemas() -> dict:
     """Every model's JSON schema (requests as validated, responses as written), keyed by model name."""
-    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest)]
-    models += [(m, "serialization") for m in (Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse)]
+    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)]
+    models += [(m, "serialization") for m in (Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse,
+                                              EmbeddingResponse)]
     _, schema = models_json_schema(models, ref_template=_REF)
     return schema["$defs"]
 
@@ -66,5 +69,6 @@ def openapi_spec(version: str) -> dict:
             "/v1/completions": _operation("Text completion", CompletionRequest, Completion, Completion),
             "/v1/chat/completions": _operation("Chat completion", ChatCompletionRequest, ChatCompletion,
                                                ChatCompletionChunk),
+            "/v1/embeddings": _operation("Embeddings", EmbeddingRequest, EmbeddingResponse),
         },
     }

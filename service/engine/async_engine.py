@@ -16,6 +16,7 @@ from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.grammar import GrammarBusyError
 from sluice.service.engine.outputs import EngineOutput
+from sluice.service.engine.pooling import EmbeddingSpec
 
 logger = logging.getLogger("sluice.async_engine")
 
@@ -61,12 +62,13 @@ class ModelInfo:
     vocab_size: int  # token ids run 0 .. vocab_size - 1 (the model's, which may exceed the tokenizer's)
     tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
     loras: Any = None  # the LoRA adapter registry (lora/manager.py: LoRARegistry, thread-safe); None: LoRA off
+    embedding: EmbeddingSpec | None = None  # how /v1/embeddings pools (None: a stand-in that serves none)
 
     @classmethod
     def of(cls, engine: SyncEngine) -> ModelInfo:
         """Read from an LLMEngine (or a stand-in with the same attributes)."""
         return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                   getattr(engine, "loras", None))
+                   getattr(engine, "loras", None), getattr(engine, "embedding", None))
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets

@@ -27,6 +27,7 @@ from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarState
 from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
 from sluice.service.engine.outputs import EngineOutput
+from sluice.service.engine.pooling import resolve_embedding
 
 logger = logging.getLogger("sluice.engine")
 
@@ -98,6 +99,8 @@ class LLMEngine(ConstrainedDecoding):
             self.loras, lora_slots = enable_lora(model, config.lora, self.device, self.dtype)
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.vocab_size = int(model.config.vocab_size)
+        m = config.model  # how /v1/embeddings pools this model (any model serves it: its final hidden state)
+        self.embedding = resolve_embedding(m.pooling, m.embedding_normalize, m.embedding_dimensions, model.config)
 
         self.runner = ModelRunner(
             model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -202,13 +205,14 @@ class LLMEngine(ConstrainedDecoding):
             self.grammar.add(request_id, params.structured_output)
         # An id aborted and added again: the old request's abort notice must not end the new one.
         self._pending_outputs = [o for o in self._pending_outputs if o.request_id != request_id]
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
+        if params.pooling is None:  # an embedding request has no text to detokenize
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
         self.metrics.track(request)
         self.timelines.start(request, trace_headers)
         return len(token_ids)
@@ -287,6 +291,9 @@ class LLMEngine(ConstrainedDecoding):
             else:
                 outputs += self._end_rows_without_token(runner_out)
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
+                    if ro.pooled is not None:  # an embedding request: its vector, no text
+                        outputs.append(EngineOutput.pooled(ro))
+                        continue
                     if self._grammar is not None and ro.new_token_ids:
                         error = self._advance_grammar(ro)
                         if error is not None:

@@ -1,4 +1,5 @@
-"""Runs one engine step on the model: block swaps, one packed forward over every scheduled request, sampling."""
+"""Runs one engine step on the model: block swaps, one packed forward over every scheduled request, sampling
+(and pooling, for embedding requests)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from sluice.service.engine.attention_backend import (
 from sluice.service.engine.decode_buffers import DecodeBuffers, DecodeStep
 from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.engine.models.llama import LlamaForCausalLM
+from sluice.service.engine.pooling import Pooler
 from sluice.service.engine.sampler import sample
 
 GiB = 1 << 30
@@ -88,6 +90,7 @@ class ModelRunner:
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
         self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
         self.lora_slots = None  # LoRASlots where the engine serves adapters (lora/manager.py)
+        self.pooler = Pooler()  # embedding requests: pooled final hidden states, partial sums across chunks
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -97,17 +100,23 @@ class ModelRunner:
         out.check_copy_order()
         self.kv.swap_in(out.swap_in)
         self.kv.swap_out(out.swap_out)
+        if self.pooler.partial and out.finished_ids:
+            self.pooler.forget(out.finished_ids)
         if not out.scheduled:
             return ModelRunnerOutput()
         decode = all(r.num_tokens == 1 for r in out.scheduled) and self.decode_buffers.size_for(len(out.scheduled))
         input_ids, positions, meta, sample_rows = (self._prepare_decode if decode else self._prepare)(out.scheduled)
         lora = None if self.lora_slots is None else self.lora_slots.batch(
             [r.sampling_params.lora_request for r in out.scheduled], [r.num_tokens for r in out.scheduled])
+        pooled = {}
         with set_forward_context(ForwardContext(meta, self.kv.layers, lora)):
-            logits = self._forward(input_ids, positions, sample_rows)
+            if any(r.sampling_params.pooling is not None for r in out.scheduled):
+                logits, pooled = self._forward_pooling(input_ids, positions, sample_rows, out.scheduled)
+            else:
+                logits = self._forward(input_ids, positions, sample_rows)
         to_sample = [r for r in out.scheduled if r.sample]
         if not to_sample:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(pooled=pooled)
         logits = logits.float()
         for process in self.logits_processors:  # penalties, biases, grammar masks: in place, batched
             process(logits, to_sample)
@@ -117,6 +126,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled={r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)},
             logprobs={r.request_id: lp for r, lp in zip(to_sample, result.logprobs, strict=True) if lp is not None},
+            pooled=pooled,
         )
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
@@ -176,6 +186,17 @@ class ModelRunner:
                     return self._forward(step.input_ids, step.positions, rows)
 
             capture(size, run)
+
+    def _forward_pooling(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
+                         scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """_forward for a step with embedding requests: the logits of the sampled rows and the pooled vectors."""
+        if self._owned:
+            hidden, norm, head = self.model.hidden_states(input_ids, positions), self.model.norm, self.model.lm_head
+        else:  # transformers' decoder ends with its final norm
+            hidden = self.model.get_decoder()(input_ids=input_ids[None], position_ids=positions[None],
+                                              use_cache=False).last_hidden_state[0]
+            norm, head = (lambda h: h), self.model.get_output_embeddings()
+        return head(norm(hidden[sample_rows])), self.pooler.pool(hidden, norm, scheduled)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """One forward over the packed batch (as a single sequence of batch 1); logits [len(sample_rows), V]."""

@@ -27,6 +27,7 @@ class EngineOutput:
     # Why the engine ended it, when it was not the request's own stop.
     error_code: ErrorCode | None = None
     timeline: RequestTimeline | None = None  # on the final output: queue/prefill/decode times, span events
+    embedding: object | None = None  # an embedding request's vector (a host float32 tensor), on its only output
 
     @classmethod
     def ended(cls, request_id: str, reason: FinishReason, code: ErrorCode | None = None, message: str | None = None,
@@ -49,3 +50,9 @@ class EngineOutput:
         """New tokens of a request; `finish_reason` set on its last."""
         return cls(request_id, text, token_ids, logprobs, finish_reason is not None, finish_reason,
                    num_prompt_tokens, num_output_tokens, num_cached_tokens, stop_reason=stop_reason)
+
+    @classmethod
+    def pooled(cls, ro) -> EngineOutput:
+        """The one output of an embedding request (`ro` a RequestOutput carrying its vector)."""
+        return cls(ro.request_id, "", [], [], True, FinishReason.STOP, ro.num_prompt_tokens, 0,
+                   ro.num_cached_tokens, embedding=ro.pooled)

@@ -2,7 +2,8 @@
 
 One implementation for CPU and CUDA over the layers in `service/engine/layers`: embedding, RMSNorm, rotary, paged
 attention, gated MLP, a head tied to the embedding or its own. The runner packs every scheduled token of a step
-into one sequence [T] with explicit positions; the final norm and the head run on the sampled rows only. Where
+into one sequence [T] with explicit positions; the final norm and the head run on the sampled rows only
+(embedding requests read the normed hidden states of their own rows instead: service/engine/pooling.py). Where
 every linear of a layer is quantized (q/k/v and gate/up fused, no bias, no q/k norms), its work before and after
 the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same ops in the same order as the Python
 path, bit for bit), so at batch 1 the Python between the kernels costs less than the kernels.
@@ -84,13 +85,18 @@ class LlamaForCausalLM(nn.Module):
         """Where the weights live."""
         return self.norm.weight.device
 
-    def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """input_ids and positions [T] (every scheduled token, packed) → the logits of `rows` [n, V]."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids and positions [T] (every scheduled token, packed) → the last layer's output [T, E], before
+        the final norm (which, like the head, then runs on the rows wanted only)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer.forward(hidden, cos, sin)  # not through nn.Module's call wrapper: microseconds a layer
-        return self.lm_head(self.norm(hidden[rows]))
+        return hidden
+
+    def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """input_ids and positions [T] (every scheduled token, packed) → the logits of `rows` [n, V]."""
+        return self.lm_head(self.norm(self.hidden_states(input_ids, positions)[rows]))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep=None, **_) -> SimpleNamespace:
         """transformers' calling convention for one packed row (input_ids, position_ids [1, T]): `.logits` [1, n, V]

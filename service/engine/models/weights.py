@@ -109,7 +109,15 @@ def safetensors_tensors(directory: Path) -> Tensors:
         raise FileNotFoundError(f"no safetensors weights in {directory}")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     where = {name: h for h in handles for name in h.keys()}
-    return lambda name: where[name].get_tensor(name) if name in where else None
+    # A checkpoint saved from the bare decoder (Qwen3-Embedding, sentence-transformers models) names its tensors
+    # without the "model." prefix of transformers' *ForCausalLM.
+    bare = not any(name.startswith("model.") for name in where)
+
+    def get(name: str) -> torch.Tensor | None:
+        key = name.removeprefix("model.") if bare else name
+        return where[key].get_tensor(key) if key in where else None
+
+    return get
 
 
 def load(directory: Path, config, method: LinearMethod, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
