@@ -14,6 +14,7 @@ from sluice.service.api.protocol_responses import (
     Completion,
     ErrorResponse,
 )
+from sluice.service.api.responses_models import Response, ResponsesRequest, StreamEvent
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -31,10 +32,10 @@ def _ref(model) -> dict:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _operation(summary: str, request, response, chunk) -> dict:
+def _operation(summary: str, request, response, chunk, stream_doc: str = "") -> dict:
+    stream_doc = stream_doc or f"Server-Sent Events whose data are {chunk.__name__} objects, ending in 'data: [DONE]'"
     responses = {"200": {
-        "description": f"The completion; with stream: true, Server-Sent Events whose data are {chunk.__name__} "
-                       "objects, ending in 'data: [DONE]'.",
+        "description": f"The completion; with stream: true, {stream_doc}.",
         "content": {"application/json": {"schema": _ref(response)},
                     "text/event-stream": {"schema": {"type": "string"}}}}}
     for status, doc in _ERRORS.items():
@@ -48,8 +49,9 @@ def _operation(summary: str, request, response, chunk) -> dict:
 @lru_cache(maxsize=1)
 def _schemas() -> dict:
     """Every model's JSON schema (requests as validated, responses as written), keyed by model name."""
-    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest)]
-    models += [(m, "serialization") for m in (Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse)]
+    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest)]
+    models += [(m, "serialization") for m in (Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse, Response,
+                                               StreamEvent)]
     _, schema = models_json_schema(models, ref_template=_REF)
     return schema["$defs"]
 
@@ -66,5 +68,9 @@ def openapi_spec(version: str) -> dict:
             "/v1/completions": _operation("Text completion", CompletionRequest, Completion, Completion),
             "/v1/chat/completions": _operation("Chat completion", ChatCompletionRequest, ChatCompletion,
                                                ChatCompletionChunk),
+            "/v1/responses": _operation(
+                "Responses API (stateless)", ResponsesRequest, Response, StreamEvent,
+                "Server-Sent Events `event: <type>` / `data: <StreamEvent>` with the spec's types and "
+                "sequence_number, ending in response.completed or response.incomplete (no [DONE])"),
         },
     }
