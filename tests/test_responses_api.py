@@ -200,7 +200,7 @@ def test_openapi_describes_the_route():
 def tiny(model_dir, tmp_path_factory):
     """The tiny model with room for a tool prompt; its template knows nothing of tools (the prompted path)."""
     path = long_tiny(model_dir, tmp_path_factory.mktemp("tiny") / "model")
-    srv = Server(path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512").wait_ready()
+    srv = Server(path, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512").wait_ready(timeout=600)
     yield srv
     srv.stop()
 

@@ -180,6 +180,7 @@ SECTIONS: dict[tuple[str, str], Callable[[], str]] = {
     ("api.md", "endpoints"): endpoints,
     ("api.md", "completions-fields"): lambda: request_fields("/v1/completions"),
     ("api.md", "chat-fields"): lambda: request_fields("/v1/chat/completions"),
+    ("api.md", "responses-fields"): lambda: request_fields("/v1/responses"),
     ("operations.md", "flags"): flags,
 }
 

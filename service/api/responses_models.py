@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, create_model
 
 from sluice.service.api.protocol_models import (
+    INT32,
     MAX_MESSAGES,
     ChatCompletionRequest,
     FunctionName,
@@ -151,7 +152,7 @@ class _ResponsesBase(Strict):
         "none, auto (the default with tools), required (grammar-enforced) or {type: function, name}."))
     parallel_tool_calls: bool | None = Field(True, description="Allow several calls in one reply.")
     text: TextConfig | None = Field(None, description="`format`: structured outputs for the reply.")
-    max_output_tokens: int | None = Field(None, ge=1, lt=2**31, description=(
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32, description=(
         "Most tokens to generate, thinking included (default: what the context leaves)."))
     temperature: float | None = ChatCompletionRequest.model_fields["temperature"]
     top_p: float | None = ChatCompletionRequest.model_fields["top_p"]
