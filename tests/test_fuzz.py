@@ -177,11 +177,20 @@ def check_generated(status: int, raw: bytes, stream: bool) -> None:
     assert status < 500, (status, raw[:300])
     if status >= 400:
         check_error(status, json.loads(raw), status)
+    elif stream and raw.startswith(b"event: "):  # /v1/responses: typed events, the last one the response
+        events = [json.loads(e.split("\ndata: ", 1)[1]) for e in raw.decode().split("\n\n") if e]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
     elif stream:
         events = parse_sse(raw)
         assert all("error" not in e for e in events), events[-1]
     else:
         body = json.loads(raw)
+        if body.get("object") == "response":  # /v1/responses
+            assert body["status"] in ("completed", "incomplete") and body["output"], body
+            return
+        if body.get("object") == "list":  # /v1/embeddings
+            assert body["data"] and all(d["object"] == "embedding" for d in body["data"]), body
+            return
         assert body["choices"] and all(c["finish_reason"] in ("stop", "length") for c in body["choices"]), body
 
 

@@ -117,7 +117,8 @@ def test_the_document_declares_every_parameter_the_server_reads():
 def test_schemathesis_loads_the_document():
     schemathesis = pytest.importorskip("schemathesis")
     schema = schemathesis.openapi.from_dict(openapi_spec("test"))
-    assert {op.ok().path for op in schema.get_all_operations()} == {"/v1/completions", "/v1/chat/completions"}
+    assert {op.ok().path for op in schema.get_all_operations()} == {"/v1/completions", "/v1/chat/completions",
+                                                                   "/v1/responses", "/v1/embeddings"}
 
 
 # ---- the replies have the response models' shape ---------------------------------------------------------

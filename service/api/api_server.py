@@ -30,6 +30,8 @@ from sluice.service.api.openapi import openapi_spec
 from sluice.service.api.preprocess import prepare_generate
 from sluice.service.api.protocol import RequestError
 from sluice.service.api.reasoning import split_output
+from sluice.service.api.responses import ResponseBuilder, head
+from sluice.service.api.responses_request import prepare_responses, renamed
 from sluice.service.api.tokenize import detokenize, tokenize
 from sluice.service.api.tool_parsers import finish_collected, stream_deltas
 from sluice.service.config import SluiceConfig
@@ -150,7 +152,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     fmt = ResponseFormat(req, prefix, req.model or model.served_model_name, model.tokenizer)  # or the adapter
     async with stream:
         if req.stream:
-            return await _stream(request, stream, prep.choices, fmt)
+            return await _stream(request, stream, lambda outputs: _chat_events(outputs, prep.choices, fmt),
+                                 lambda err: _sse(err.to_dict()) + _DONE)
         return await _collect(stream, prep.choices, fmt)
 
 
@@ -190,6 +193,52 @@ async def _admit(request: web.Request, aengine: AsyncEngine, batch: list, priori
     except EngineDeadError:
         raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
                            headers={"x-should-retry": "true"}) from None
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: stateless, the chat path's request in the Responses API's shapes."""
+    state = request.app[STATE]
+    raw = await request.read()
+    aengine = _engine(state)
+    model = aengine.model
+    server = state.config.server
+    prep, body = await state.preprocessor.run(prepare_responses, raw, model, server.tool_call_parser,
+                                              server.reasoning_parser)
+    logger.info("%s: response, prompt tokens %d, max_tokens %d, stream=%s", prep.prefix, len(prep.batch[0][1]),
+                prep.batch[0][2].max_tokens, prep.req.stream)
+    try:
+        stream = await _admit(request, aengine, prep.batch, prep.req.priority, "messages")
+    except RequestError as e:
+        raise renamed(e) from None
+    [choice] = prep.choices.values()
+    builder = ResponseBuilder(head(body, prep.prefix, prep.req.model or model.served_model_name), choice)
+    async with stream:
+        if prep.req.stream:
+            return await _stream(request, stream, lambda outputs: _response_events(outputs, builder),
+                                 lambda err: _events(builder.error(err)))
+        async for out in stream:
+            if out.error:
+                raise _error_of(out)
+            builder.feed(out)
+        builder.finish()
+        return _json(builder.response())
+
+
+async def _response_events(outputs, builder: ResponseBuilder):
+    """A streamed response's events, each as `event: <type>` and its `data:`."""
+    yield _events(builder.start())
+    async for out in outputs:
+        if out.error:  # headers are out: the spec's error event ends the stream
+            yield _events(builder.error(_error_of(out)))
+            return
+        events = builder.feed(out)
+        if events:
+            yield _events(events)
+    yield _events(builder.finish())
+
+
+def _events(events: list[dict]) -> bytes:
+    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
 
 
 def _trace_headers(request: web.Request, aengine: AsyncEngine) -> dict[str, str] | None:
@@ -234,7 +283,9 @@ async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> w
     return resp
 
 
-async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.StreamResponse:
+async def _stream(request: web.Request, stream, events, failure) -> web.StreamResponse:
+    """Stream `events(outputs)` (each event's SSE bytes); once the headers are out, an internal error can only be
+    the event `failure(error)` returns."""
     # Headers wait for the first output: a request that ends before producing anything (queue timeout, failed
     # step, shutdown) then gets a real HTTP status the client's retry logic can read, not a 200 and an event.
     first = await anext(stream, None)
@@ -246,9 +297,6 @@ async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt:
     _bound_send_buffer(request, request.app[STATE].config.server.stream_send_buffer)
     timeout = request.app[STATE].config.server.stream_write_timeout
 
-    async def _send(resp: web.StreamResponse, payload: dict) -> None:
-        await _write(request, resp, b"data: " + orjson.dumps(payload) + b"\n\n", timeout)
-
     async def _outputs():
         if first is not None:
             yield first
@@ -256,29 +304,8 @@ async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt:
             yield out
 
     try:
-        for choice in sorted(choices.values(), key=lambda c: c.index):
-            if fmt.req.chat:  # OpenAI opens each chat choice with the role
-                await _send(resp, fmt.chunk(choice, "", None, role=True))
-            elif choice.echo:
-                await _send(resp, fmt.chunk(choice, choice.echo, None))
-                choice.text_offset += len(choice.echo)
-        async for out in _outputs():
-            choice = choices[out.request_id]
-            if out.error:
-                await _send(resp, _error_of(out).to_dict())
-                break
-            record(choice, out)
-            reasoning, out = split_output(choice, out)  # reasoning models: the thinking first, in a chunk of its own
-            if reasoning:
-                await _send(resp, fmt.chunk(choice, "", None, logprobs=out.logprobs, reasoning=reasoning))
-                out = dataclasses.replace(out, logprobs=[])
-            for text, calls, finish, logprobs in stream_deltas(choice.tools, out):  # tools: calls held, parsed
-                await _send(resp, fmt.chunk(choice, text, finish, logprobs=logprobs, tool_calls=calls))
-                choice.text_offset += len(text)
-        else:
-            if fmt.req.include_usage:
-                await _send(resp, fmt.usage_chunk(usage(choices)))
-        await _write(request, resp, b"data: [DONE]\n\n", timeout)
+        async for data in events(_outputs()):
+            await _write(request, resp, data, timeout)
         await resp.write_eof()
     except ConnectionError:  # the client left: `async with stream` aborts the rest
         logger.info("client disconnected mid-stream")
@@ -287,11 +314,44 @@ async def _stream(request: web.Request, stream, choices: dict[str, Choice], fmt:
         err = RequestError(f"internal server error (request id {request[REQUEST_ID]})", status=500,
                            type="server_error", code="internal_error")
         try:
-            await _send(resp, err.to_dict())
-            await _write(request, resp, b"data: [DONE]\n\n", timeout)
+            await _write(request, resp, failure(err), timeout)
         except ConnectionError:
             pass
     return resp
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def _chat_events(outputs, choices: dict[str, Choice], fmt: ResponseFormat):
+    """A completions or chat stream's events: chunks, then the usage chunk when asked, then [DONE]."""
+    for choice in sorted(choices.values(), key=lambda c: c.index):
+        if fmt.req.chat:  # OpenAI opens each chat choice with the role
+            yield _sse(fmt.chunk(choice, "", None, role=True))
+        elif choice.echo:
+            yield _sse(fmt.chunk(choice, choice.echo, None))
+            choice.text_offset += len(choice.echo)
+    async for out in outputs:
+        choice = choices[out.request_id]
+        if out.error:
+            yield _sse(_error_of(out).to_dict())
+            break
+        record(choice, out)
+        reasoning, out = split_output(choice, out)  # reasoning models: the thinking first, in a chunk of its own
+        if reasoning:
+            yield _sse(fmt.chunk(choice, "", None, logprobs=out.logprobs, reasoning=reasoning))
+            out = dataclasses.replace(out, logprobs=[])
+        for text, calls, finish, logprobs in stream_deltas(choice.tools, out):  # tools: calls held, parsed
+            yield _sse(fmt.chunk(choice, text, finish, logprobs=logprobs, tool_calls=calls))
+            choice.text_offset += len(text)
+    else:
+        if fmt.req.include_usage:
+            yield _sse(fmt.usage_chunk(usage(choices)))
+    yield _DONE
 
 
 def _bound_send_buffer(request: web.Request, size: int) -> None:
@@ -332,6 +392,7 @@ def create_app(config: SluiceConfig) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/embeddings", embeddings),
+        web.post("/v1/responses", responses),
         web.get("/v1/models", models),
         web.post("/v1/load_lora_adapter", load_lora_adapter),
         web.post("/v1/unload_lora_adapter", unload_lora_adapter),

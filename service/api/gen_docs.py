@@ -181,6 +181,7 @@ SECTIONS: dict[tuple[str, str], Callable[[], str]] = {
     ("api.md", "completions-fields"): lambda: request_fields("/v1/completions"),
     ("api.md", "chat-fields"): lambda: request_fields("/v1/chat/completions"),
     ("api.md", "embeddings-fields"): lambda: request_fields("/v1/embeddings"),
+    ("api.md", "responses-fields"): lambda: request_fields("/v1/responses"),
     ("operations.md", "flags"): flags,
 }
 

@@ -15,6 +15,7 @@ from sluice.service.api.protocol_responses import (
     Completion,
     ErrorResponse,
 )
+from sluice.service.api.responses_models import Response, ResponsesRequest, StreamEvent
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -32,10 +33,12 @@ def _ref(model) -> dict:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _operation(summary: str, request, response, chunk=None) -> dict:
+def _operation(summary: str, request, response, chunk=None, stream_doc: str = "") -> dict:
+    if chunk is not None:
+        stream_doc = stream_doc or f"Server-Sent Events whose data are {chunk.__name__} objects, ending in " \
+            "'data: [DONE]'"
     responses = {"200": {
-        "description": f"The completion; with stream: true, Server-Sent Events whose data are {chunk.__name__} "
-                       "objects, ending in 'data: [DONE]'.",
+        "description": f"The completion; with stream: true, {stream_doc}.",
         "content": {"application/json": {"schema": _ref(response)},
                     "text/event-stream": {"schema": {"type": "string"}}}}} if chunk is not None else {"200": {
         "description": "The reply.", "content": {"application/json": {"schema": _ref(response)}}}}
@@ -50,9 +53,10 @@ def _operation(summary: str, request, response, chunk=None) -> dict:
 @lru_cache(maxsize=1)
 def _schemas() -> dict:
     """Every model's JSON schema (requests as validated, responses as written), keyed by model name."""
-    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)]
+    models = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest,
+                                          ResponsesRequest)]
     models += [(m, "serialization") for m in (Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse,
-                                              EmbeddingResponse)]
+                                              EmbeddingResponse, Response, StreamEvent)]
     _, schema = models_json_schema(models, ref_template=_REF)
     return schema["$defs"]
 
@@ -70,5 +74,9 @@ def openapi_spec(version: str) -> dict:
             "/v1/chat/completions": _operation("Chat completion", ChatCompletionRequest, ChatCompletion,
                                                ChatCompletionChunk),
             "/v1/embeddings": _operation("Embeddings", EmbeddingRequest, EmbeddingResponse),
+            "/v1/responses": _operation(
+                "Responses API (stateless)", ResponsesRequest, Response, StreamEvent,
+                "Server-Sent Events `event: <type>` / `data: <StreamEvent>` with the spec's types and "
+                "sequence_number, ending in response.completed or response.incomplete (no [DONE])"),
         },
     }

@@ -144,7 +144,14 @@ def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser:
     """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
     body = load_body(raw)
     req = parse_chat(body) if chat else parse_completion(body)
+    return prepare_request(req, model, tool_call_parser, reasoning_parser)
+
+
+def prepare_request(req: GenerateRequest, model: ModelInfo, tool_call_parser: str, reasoning_parser: str = "none",
+                    prefix: str | None = None) -> Prepared:
+    """A validated request rendered, tokenized and checked against the model; `prefix`: its response id."""
     lora = check_model(req.model, model)
+    chat = req.chat
     tokenizer, max_len = model.tokenizer, model.max_model_len
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
     reasoning = None
@@ -159,7 +166,7 @@ def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser:
             if isinstance(p, str):
                 refuse_if_longer_than_context(len(p.encode("utf-8", "replace")), tokenizer, max_len, "prompt")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-    prefix = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+    prefix = prefix or ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     batch, choices = [], {}
     for p, ids in enumerate(prompts):
         params = resolve_params(req, ids, max_len, model.vocab_size)
