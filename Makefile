@@ -51,13 +51,13 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
 prometheus-check: install  ## every dashboard/alert query on a real Prometheus scraping a real `sluice serve`
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_prometheus_rules.py tests/test_prometheus_real.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/metrics/test_prometheus_rules.py tests/metrics/test_prometheus_real.py
 
 k8s-manifests: install  ## regenerate k8s/base/{grafana-dashboard,prometheusrule}.yaml from metrics/
 	$(BIN)/python -m sluice.metrics.gen_k8s
 
 k8s-check: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_k8s.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s/test_k8s.py
 
 scaling: install  ## one replica at rising request rates; start `make serve` first
 	$(BIN)/python -m sluice.metrics.measure_scaling $(ARGS)

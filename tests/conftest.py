@@ -45,7 +45,7 @@ def anyio_backend():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny random-weight model and tokenizer on disk, written once for every server-starting test."""
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tiny_server(model_dir, tmp_path_factory):
     """`sluice serve` on the tiny model with a 64-block cache, for one test module."""
-    from tests._server import Server
+    from tests.support.server import Server
 
     srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64").wait_ready()
     yield srv
@@ -63,7 +63,7 @@ def tiny_server(model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smol_server(smollm2_dir, tmp_path_factory):
     """`sluice serve` on the real SmolLM2, started once for every slow API test that needs it."""
-    from tests._server import Server
+    from tests.support.server import Server
 
     srv = Server(smollm2_dir, tmp_path_factory.mktemp("logs"), "--max-model-len", "2048", "--kv-cache-memory", "1",
                  "--max-num-batched-tokens", "512").wait_ready(timeout=300)

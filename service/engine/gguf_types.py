@@ -2,7 +2,7 @@
 
 A checkpoint converted from a GGUF (the default model, or `--model file.gguf`) holds dequantized float32 weights.
 Q4_1 and Q8_0 blocks requantize into the int4 and int8 linears' layouts bit for bit (the same scales, minimums and
-codes: `tests/test_gguf_types.py` checks them against the file's raw blocks), so serving every linear in its GGUF
+codes: `tests/engine/test_gguf_types.py` checks them against the file's raw blocks), so serving every linear in its GGUF
 type serves exactly the file's weights. The types are read from the GGUF's tensor table at conversion time and
 kept beside the safetensors as gguf_types.json.
 """

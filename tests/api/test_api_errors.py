@@ -11,8 +11,8 @@ from sluice.service.api.api_server import create_app
 from sluice.service.api.middlewares import STATE
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.async_engine import AsyncEngine
-from tests._tiny import tokenizer
-from tests.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine
+from tests.support.tiny import tokenizer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 BODY = {"model": "fake", "prompt": "Hello", "max_tokens": 5}

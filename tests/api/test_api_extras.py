@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests._server import MODEL
-from tests.test_api_server import check_error, post
+from tests.support.http import check_error, post
+from tests.support.server import MODEL
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from tests._server import Server, is_idle, wait_idle
-from tests.test_api_server import MODEL, check_error, parse_sse
+from tests.support.http import MODEL, check_error, parse_sse
+from tests.support.server import Server, is_idle, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 TIMEOUT = aiohttp.ClientTimeout(total=30)  # a case that takes longer is a hang

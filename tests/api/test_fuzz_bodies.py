@@ -16,7 +16,7 @@ import random
 import aiohttp
 import pytest
 
-from tests._server import Server, wait_idle
+from tests.support.server import Server, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 COUNT = int(os.environ.get("SLUICE_FUZZ_BODIES", "2000"))

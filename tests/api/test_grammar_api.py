@@ -11,7 +11,7 @@ import pytest
 
 from sluice.service.api.errors import RequestError
 from sluice.service.api.structured import MAX_SCHEMA_DEPTH, parse_structured_output
-from tests._server import MODEL, Server, wait_idle
+from tests.support.server import MODEL, Server, wait_idle
 
 
 def nested(depth: int) -> dict:
@@ -119,7 +119,7 @@ async def test_hostile_constraints_answer_fast_beside_a_stream(server):
             rounds += 1
         busy = await canary
         # The rate is only reported: on the tiny model a stream's pace is the server's per-request overhead, which
-        # back-to-back probes share whatever they ask. tests/test_hostile.py checks the rate on SmolLM2.
+        # back-to-back probes share whatever they ask. tests/api/test_hostile.py checks the rate on SmolLM2.
         print(f"greedy stream: {idle:.0f} tok/s idle, {busy:.0f} tok/s beside {rounds} rounds of probes")
         assert rounds >= 1 and busy > 0, (idle, busy)
         for i in range(20):  # distinct 60 KB choice lists: the cache stays within --grammar-cache-bytes

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests._server import wait_idle
+from tests.support.server import wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio, pytest.mark.timeout(300)]
 PROBE_LIMIT = 10.0  # seconds: the bound on any answer

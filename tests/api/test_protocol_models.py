@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import time
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +19,7 @@ from sluice.service.api.protocol_responses import (
     ErrorResponse,
 )
 from sluice.service.api.structured import _GUIDED
+from tests.support import REPO
 
 MSG = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -101,7 +101,7 @@ def test_the_document_declares_every_parameter_the_server_reads():
     spec = openapi_spec("test")
     schemas = spec["components"]["schemas"]
     declared = set(schemas["CompletionRequest"]["properties"]) | set(schemas["ChatCompletionRequest"]["properties"])
-    api = Path(__file__).resolve().parents[1] / "service" / "api"
+    api = REPO / "service" / "api"
     read = {name for module in ("protocol.py", "tools.py", "structured.py")
             for name in re.findall(r'body\.get\("(\w+)"\)', (api / module).read_text())}
     assert {"tools", "response_format", "structured_outputs"} <= read
@@ -127,7 +127,7 @@ Lp = namedtuple("Lp", "token_id logprob top")
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_formatted_replies_validate_against_the_response_models(chat):
-    from tests._tiny import tokenizer
+    from tests.support.tiny import tokenizer
 
     body = {"messages": MSG} if chat else {"prompt": "x"}
     req = (parse_chat if chat else parse_completion)({**body, "logprobs": True if chat else 2, "stream": True,

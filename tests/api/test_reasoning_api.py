@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests._server import MODEL, Server, wait_idle
+from tests.support.server import MODEL, Server, wait_idle
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -34,7 +34,7 @@ def save_thinking_model(path: str) -> str:
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from tests._tiny import tokenizer
+    from tests.support.tiny import tokenizer
 
     tokenizer().save_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)  # a copy: the shared test tokenizer stays as it is

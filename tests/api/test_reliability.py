@@ -12,12 +12,12 @@ import time
 import aiohttp
 import pytest
 
-from tests._server import Server, wait_idle
-from tests.test_api_server import MODEL, TIMEOUT, check_error, finish_reasons, good_request, parse_sse, post
+from tests.support.http import MODEL, TIMEOUT, check_error, finish_reasons, good_request, parse_sse, post
+from tests.support.server import Server, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 MARK = 0  # <|endoftext|>: no text prompt of these tests tokenizes to it, so only the marked request holds it
-FAULTS = f"token:{MARK}"  # a tests/faults.py spec, for Server(faults=...)
+FAULTS = f"token:{MARK}"  # a tests/support/faults.py spec, for Server(faults=...)
 # tight: 8 blocks of 16 tokens (the context is capped at 128 by the cache), three sequences at a time,
 # swap space for 4 blocks (8 KiB each for the tiny model): small victims swap, larger ones fall back to recompute.
 TIGHT = ["--num-kv-blocks", "8", "--max-num-seqs", "3", "--preemption-mode", "swap", "--swap-space", "0.0000306"]

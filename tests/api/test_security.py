@@ -14,8 +14,8 @@ import pytest
 from sluice.service.api.api_server import create_app
 from sluice.service.api.middlewares import OPEN_PATHS
 from sluice.service.config import SluiceConfig
-from tests._server import Server, wait_idle
-from tests.test_api_server import MODEL, TIMEOUT, check_error, good_request, parse_sse
+from tests.support.http import MODEL, TIMEOUT, check_error, good_request, parse_sse
+from tests.support.server import Server, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 KEY = "s3cr3t-key"

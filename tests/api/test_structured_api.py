@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from tests._server import MODEL, wait_idle
-from tests.test_structured_outputs import SCHEMA
+from tests.support.server import MODEL, wait_idle
+from tests.support.structured import SCHEMA
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

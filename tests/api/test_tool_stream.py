@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sluice.service.api.json_scan import MAX_DEPTH, JsonError, JsonScan
 from sluice.service.api.tool_parsers import parse
-from tests.test_tools import reassemble, stream_pieces
+from tests.support.tools import reassemble, stream_pieces
 
 PARSERS = ("constrained", "hermes", "llama3_json", "mistral", "json")
 PREFIX = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}

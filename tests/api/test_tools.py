@@ -19,6 +19,7 @@ from sluice.service.api.tools import (
     reply_schema,
     template_args,
 )
+from tests.support.tools import NATIVE_TEMPLATE, reassemble, stream_pieces
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -97,7 +98,7 @@ def test_tools_on_completions_are_refused():
 
 def _compiler():
     xgr = pytest.importorskip("xgrammar")
-    from tests._tiny import tokenizer
+    from tests.support.tiny import tokenizer
 
     tok = tokenizer()
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
@@ -195,7 +196,7 @@ def test_prompted_path_renders_tools_and_history_as_text():
     assert messages[3]["content"] == ("Tool result of get_weather (call_1): 21C\n"
                                       "Tool result of get_weather (call_2): 25C")
     # the tiny model's template (no tools) renders it
-    from tests._tiny import tokenizer
+    from tests.support.tiny import tokenizer
 
     text = tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "Tool result of get_weather (call_2): 25C" in text
@@ -207,17 +208,9 @@ def test_history_without_tools_still_renders_as_text():
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
 
 
-NATIVE_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
-    "{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 def test_native_path_passes_tools_and_calls_as_objects():
-    from tests._tiny import tokenizer
+    from tests.support.tiny import tokenizer
 
     tok = tokenizer()
     original, tok.chat_template = tok.chat_template, NATIVE_TEMPLATE
@@ -280,28 +273,6 @@ def test_parsers(parser, text, content, calls):
     for c in parsed.calls:
         assert c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) > 10
 
-
-def reassemble(chunks) -> list[dict]:
-    """Tool-call deltas joined by index as the openai client does; checks OpenAI's delta shapes on the way."""
-    calls: dict[int, dict] = {}
-    for _, deltas, _, _ in chunks:
-        for d in deltas or []:
-            if d["index"] not in calls:  # the first delta: id, type, name and empty arguments
-                assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["arguments"] == ""
-                calls[d["index"]] = {"function": {"name": d["function"]["name"], "arguments": ""}, "pieces": 0}
-            else:  # later ones: arguments only
-                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
-                calls[d["index"]]["pieces"] += 1
-    assert sorted(calls) == list(range(len(calls)))
-    return [calls[i] for i in sorted(calls)]
-
-
-def stream_pieces(parser: str, pieces: list[str], reason: str = "stop") -> list:
-    tools = ToolOutput(parser)
-    outs = [SimpleNamespace(text=p, logprobs=[], finished=False, finish_reason=None) for p in pieces]
-    outs[-1].finished, outs[-1].finish_reason = True, reason
-    return [c for out in outs for c in stream_deltas(tools, out)]
 
 
 @pytest.mark.parametrize("parser,text,content,calls", CASES)

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from tests._server import MODEL, Server, wait_idle
-from tests.test_tools import NATIVE_TEMPLATE
+from tests.support.server import MODEL, Server, wait_idle
+from tests.support.tools import NATIVE_TEMPLATE
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

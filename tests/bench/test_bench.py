@@ -210,7 +210,7 @@ def test_cli_parses_bench_subcommands():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("bench") / "tiny"))
 

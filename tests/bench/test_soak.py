@@ -8,7 +8,7 @@ import json
 import pytest
 
 from sluice.service.bench.soak import add_arguments, run
-from tests._tiny import save_tiny_model
+from tests.support.tiny import save_tiny_model
 
 # 12 sequences on 24 blocks of 16 tokens with swap for 6 blocks, 8 queue slots, 24 clients: 429s, swap
 # preemption and its fallback to recompute all happen within the first seconds.

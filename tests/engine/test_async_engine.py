@@ -15,7 +15,7 @@ from sluice.service.engine.async_engine import (
     EngineDrainingError,
     QueueFullError,
 )
-from tests.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.anyio]
 

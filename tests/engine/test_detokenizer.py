@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
-from tests._tiny import tokenizer as tiny_tokenizer
+from tests.support.tiny import tokenizer as tiny_tokenizer
 
 TEXTS = ["你好 😀 café Paris", "日本語 ✓ ünïcödé 🎉🎉", "The capital of France is Paris."]
 

@@ -61,7 +61,7 @@ def test_auto_is_bf16_only_with_a_native_bf16_matmul(monkeypatch):
 
 
 def tiny_dir(tmp_path_factory):
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 

@@ -35,7 +35,7 @@ def test_top_p_below_float32_range_keeps_the_best_token():
 def engine(tmp_path_factory):
     from sluice.service.config import SluiceConfig
     from sluice.service.engine.engine import LLMEngine
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     config = SluiceConfig()
     config.model.model = save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
@@ -80,7 +80,7 @@ def test_engine_runs_with_the_auto_token_budget_resolved(engine):
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-faults")))
 

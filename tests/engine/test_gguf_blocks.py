@@ -19,8 +19,8 @@ from sluice.service.engine.layers.gguf_linear import (
 )
 from sluice.service.engine.layers.linear import MergedLinear, PlainMethod
 from sluice.service.engine.models import gguf_weights, weights
-from tests import _tiny
-from tests.test_parity import make_engine
+from tests.support import tiny
+from tests.support.parity import make_engine
 
 TYPES = list(BLOCK_TYPES)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -117,7 +117,7 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
 def tiny_config():
     import transformers
 
-    tok = _tiny.tokenizer()
+    tok = tiny.tokenizer()
     return transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=None,

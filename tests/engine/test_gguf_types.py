@@ -12,8 +12,8 @@ from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.int4_linear import Int4Linear
 from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.model_loader import fetch_default_gguf
-from tests import _tiny
-from tests.test_parity import build_pair
+from tests.support import tiny
+from tests.support.parity import build_pair
 
 
 def _raw_blocks(reader, name: str, block_bytes: int) -> np.ndarray:
@@ -64,7 +64,7 @@ def test_gguf_needs_a_model_the_engine_loads_from_a_gguf(model_dir):
     cfg = SluiceConfig()
     cfg.model.quantization = "gguf"
     with pytest.raises(ValueError, match="load the model itself"):
-        LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+        LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
     cfg.model.model = model_dir  # a plain safetensors checkpoint: no GGUF types beside it
     with pytest.raises(ValueError, match="not a .gguf file or a directory converted from one"):
         LLMEngine(cfg)

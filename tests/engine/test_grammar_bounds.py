@@ -17,7 +17,7 @@ from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError, ambi
 def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     return AutoTokenizer.from_pretrained(save_tiny_model(str(tmp_path_factory.mktemp("tiny-bounds"))))
 
@@ -138,7 +138,7 @@ def test_the_cache_is_bounded_by_bytes(tok):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from tests._tiny import tiny_engine
+    from tests.support.tiny import tiny_engine
 
     return tiny_engine(model_dir, 64, max_num_batched_tokens=32)
 

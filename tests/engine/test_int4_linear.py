@@ -20,8 +20,8 @@ from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.int8_linear import dequantize as int8_dequantize
 from sluice.service.engine.int8_linear import quantize_weight as int8_weight
 from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
-from tests import _tiny
-from tests.test_parity import MAX_NEW, build_pair, mixed_prompts
+from tests.support import tiny
+from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
 
 
 def test_quantize_rounds_to_within_half_a_step_of_the_stored_scale_and_minimum():
@@ -200,7 +200,7 @@ def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, bu
     cfg.cache.num_kv_blocks = 64
     cfg.scheduler.max_num_batched_tokens = budget
     cfg.scheduler.max_num_seqs = 16
-    engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    engine = LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
     assert engine.dtype == torch.float32
     assert isinstance(engine.model.lm_head, Int8Linear)
     assert all(type(m) is int4.Int4Linear for m in engine.model.layers.modules() if hasattr(m, "in_features"))
@@ -232,4 +232,4 @@ def test_int4_refuses_bfloat16():
     cfg = SluiceConfig()
     cfg.model.quantization, cfg.model.dtype = "int4", "bfloat16"
     with pytest.raises(ValueError, match="int4 runs on CPU with float32"):
-        LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+        LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())

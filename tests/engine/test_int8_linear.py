@@ -13,8 +13,8 @@ import sluice.service.engine.int8_linear as int8
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from tests import _tiny
-from tests.test_parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
+from tests.support import tiny
+from tests.support.parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
 
 
 def test_quantize_weight_rounds_to_within_half_a_step_per_group():
@@ -92,7 +92,7 @@ def int8_engine(model, budget: int, dtype: str = "auto", device: str = "cpu") ->
     cfg.cache.num_kv_blocks = 64
     cfg.scheduler.max_num_batched_tokens = budget
     cfg.scheduler.max_num_seqs = 16
-    return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
+    return LLMEngine(cfg, model=model, tokenizer=tiny.tokenizer())
 
 
 def test_int8_needs_cpu_float32_and_a_known_name():
@@ -102,7 +102,7 @@ def test_int8_needs_cpu_float32_and_a_known_name():
     cfg = SluiceConfig()
     cfg.model.quantization = "int3"
     with pytest.raises(ValueError, match="quantization must be one of none, int8"):
-        LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+        LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
 
 
 @pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over the kernel's limit

@@ -28,8 +28,8 @@ from sluice.service.engine.layers.rotary import apply_rotary
 from sluice.service.engine.models import weights
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.weight_prep import prepare_weights
-from tests import _tiny
-from tests.test_parity import build_pair, mixed_prompts
+from tests.support import tiny
+from tests.support.parity import build_pair, mixed_prompts
 
 CPU = torch.device("cpu")
 
@@ -178,7 +178,7 @@ def test_other_architectures_and_the_switch_run_transformers_model(caplog):
 
 
 def test_weights_load_straight_from_safetensors(tmp_path, monkeypatch):
-    path = _tiny.save_tiny_model(str(tmp_path / "tiny"))  # a tied head, as SmolLM2's
+    path = tiny.save_tiny_model(str(tmp_path / "tiny"))  # a tied head, as SmolLM2's
     reference = transformers.AutoModelForCausalLM.from_pretrained(path)
 
     def no_modeling(*args, **kwargs):
@@ -206,7 +206,7 @@ def twin_engines(quantization: str) -> list[LLMEngine]:
         cfg = SluiceConfig()
         cfg.model.dtype, cfg.model.quantization = "float32", quantization
         cfg.cache.num_kv_blocks, cfg.scheduler.max_num_batched_tokens = 64, 24
-        engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=_tiny.tokenizer()))
+        engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=tiny.tokenizer()))
     return engines
 
 

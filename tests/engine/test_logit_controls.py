@@ -87,7 +87,7 @@ def test_neutral_controls_leave_the_logits_bit_identical():
 def engine(tmp_path_factory):
     from sluice.service.config import SluiceConfig
     from sluice.service.engine.engine import LLMEngine
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     config = SluiceConfig()
     config.model.model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-controls")))
@@ -148,8 +148,8 @@ def test_neutral_values_keep_greedy_output_identical(engine):
 
 
 def test_no_host_writes_into_device_logits():
-    """Every control on meta logits (where a CUDA host sync shows up as a host write; tests/_host_writes.py)."""
-    from tests._host_writes import HostWrites
+    """Every control on meta logits (where a CUDA host sync shows up as a host write; tests/support/host_writes.py)."""
+    from tests.support.host_writes import HostWrites
 
     requests = [
         row(SamplingParams(logit_bias={3: 5.0, 7: -2.0}), [1, 2], [3]),

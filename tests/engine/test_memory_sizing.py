@@ -79,15 +79,15 @@ def test_cpu_runner_gets_a_host_pool_only_when_swapping_and_keeps_an_explicit_on
 
 def swap_engine(swap_space):
     from sluice.service.engine.engine import LLMEngine
-    from tests import _tiny
+    from tests.support import tiny
 
     cfg = SluiceConfig()
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     cfg.cache.num_kv_blocks, cfg.cache.swap_space = 16, swap_space
     cfg.scheduler.preemption_mode = "swap"
     model = tiny_model()
-    model.resize_token_embeddings(len(_tiny.tokenizer()))
-    return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
+    model.resize_token_embeddings(len(tiny.tokenizer()))
+    return LLMEngine(cfg, model=model, tokenizer=tiny.tokenizer())
 
 
 def test_swap_mode_gets_a_host_pool_by_default_or_refuses_to_start_without_one():
@@ -272,11 +272,11 @@ def engine_config(**cache):
 
 def tiny_engine(cfg):
     from sluice.service.engine.engine import LLMEngine
-    from tests import _tiny
+    from tests.support import tiny
 
     model = tiny_model()
-    model.resize_token_embeddings(len(_tiny.tokenizer()))
-    return LLMEngine(cfg, model=model, tokenizer=_tiny.tokenizer())
+    model.resize_token_embeddings(len(tiny.tokenizer()))
+    return LLMEngine(cfg, model=model, tokenizer=tiny.tokenizer())
 
 
 def test_auto_size_is_logged_before_max_model_len_is_checked_against_it(monkeypatch, caplog):

@@ -26,7 +26,7 @@ from sluice.service.engine.models.llama import LlamaForCausalLM
 def test_resolve_device_dtype(monkeypatch):
     from sluice.service.engine import model_loader
 
-    monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: [])  # a CPU without bf16 (tests/test_dtype_auto.py)
+    monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: [])  # a CPU without bf16 (tests/engine/test_dtype_auto.py)
     expected_auto = (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (
         torch.device("cpu"), torch.float32)
     assert resolve_device_dtype() == expected_auto
@@ -62,13 +62,13 @@ def test_existing_default_model_cache_is_reused_without_download(tmp_path):
 
 
 def test_load_local_directory(tmp_path):
-    from tests import _tiny
+    from tests.support import tiny
 
-    path = _tiny.save_tiny_model(str(tmp_path / "tiny"))
+    path = tiny.save_tiny_model(str(tmp_path / "tiny"))
     model, tokenizer = load_model(path, "cpu", "bfloat16")
     assert isinstance(model, LlamaForCausalLM)  # Sluice's own forward, straight from the safetensors
     assert not model.training and model.dtype == torch.bfloat16
-    assert tokenizer.eos_token_id == _tiny.tokenizer().eos_token_id
+    assert tokenizer.eos_token_id == tiny.tokenizer().eos_token_id
 
 
 def test_missing_paths_fail_clearly(tmp_path):

@@ -238,9 +238,9 @@ def test_cuda_sampler_syncs_once(monkeypatch):
 
 
 def test_no_host_writes_into_device_logits(monkeypatch):
-    """min_tokens masking and the filters write no host scalar into device tensors (tests/_host_writes.py)."""
+    """min_tokens masking and the filters write no host scalar into device tensors (tests/support/host_writes.py)."""
     from sluice.service.engine import sampler
-    from tests._host_writes import HostWrites
+    from tests.support.host_writes import HostWrites
 
     monkeypatch.setattr(sampler, "read_back", lambda t: [0.0] * t.numel())
     monkeypatch.setattr(sampler, "pools_allowed", lambda device: False)

@@ -12,27 +12,10 @@ import pytest
 
 from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-            "required": ["city", "zip"], "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-    "additionalProperties": False,
-}
-
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from tests._tiny import tiny_engine
+    from tests.support.tiny import tiny_engine
 
     return tiny_engine(model_dir, 12, max_num_batched_tokens=32, preemption_mode="swap")
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluice.metrics import gen_k8s
 from sluice.metrics.prometheus import SluiceMetrics, render_latest
 from sluice.metrics.vllm_names import CacheConfigInfo
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # oldest supported, newest known
 CRD_SCHEMAS = yaml.safe_load((K8S / "crd-schemas.yaml").read_text())

@@ -35,7 +35,7 @@ def test_the_api_takes_a_bounded_string():
 
 
 def test_tenants_with_different_salts_never_hit_each_others_prefix(model_dir):
-    from tests._tiny import tiny_engine
+    from tests.support.tiny import tiny_engine
 
     engine = tiny_engine(model_dir, 64)
     prompt = "The capital of France is Paris. Hello world, how are you today? I am fine, thank you." * 2

@@ -10,7 +10,7 @@ import torch
 
 from sluice.kvcache import flex_attention as flex
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
-from tests.test_paged_attention import MIXES, run_case
+from tests.support.attention import MIXES, run_case
 
 pytestmark = pytest.mark.skipif(flex.flex_attention is None, reason="torch without flex_attention")
 
@@ -108,15 +108,15 @@ def test_greedy_parity_with_generate_on_the_flex_backend():
     from sluice.service.cli import build_parser
     from sluice.service.config import config_from_args
     from sluice.service.engine.engine import LLMEngine
-    from tests import _tiny
-    from tests.test_parity import reference_case
+    from tests.support import tiny
+    from tests.support.parity import reference_case
 
     cfg = config_from_args(build_parser().parse_args(
         ["serve", "--attention-backend", "flex", "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "24",
          "--max-num-batched-tokens", "64", "--max-num-seqs", "16"]))
     assert cfg.cache.attention_backend == "flex"
     ours, prompts, expected = reference_case("llama")
-    engine = LLMEngine(cfg, model=ours, tokenizer=_tiny.tokenizer())
+    engine = LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
     assert engine.runner.attention_backend == "flex"
     calls = []
     real = flex.flex_paged_attention
@@ -138,7 +138,7 @@ def test_greedy_parity_with_generate_on_the_flex_backend():
 def test_an_explicit_backend_this_device_cannot_run_fails_at_start():
     from sluice.kvcache.config import CacheConfig
     from sluice.service.engine.model_runner import ModelRunner
-    from tests.test_parity import build_pair
+    from tests.support.parity import build_pair
 
     _, model = build_pair("llama")
     with pytest.raises(ValueError, match="flash"):

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from sluice.metrics.prometheus import SluiceMetrics
 from sluice.scheduling.request import RequestStatus
-from tests.sched_helpers import make_request, make_scheduler
+from tests.support.sched_helpers import make_request, make_scheduler
 
 MODEL = "sched"
 NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 10, 4, 6

@@ -14,7 +14,7 @@ from sluice.metrics.vllm_names import CACHE_INFO, LORA_INFO, RENAMES, CacheConfi
 from sluice.scheduling.output import SchedulerStats
 from sluice.scheduling.request import Request
 from sluice.scheduling.sampling_params import SamplingParams
-from tests._server import MODEL, Server
+from tests.support.server import MODEL, Server
 
 # Sluice sample -> the vLLM sample that must carry the same value (histograms: every bucket, sum and count).
 SAME = {

@@ -19,9 +19,9 @@ import pytest
 
 from sluice.metrics import promql_check as pc
 from sluice.metrics.prometheus import CONTENT_TYPE
-from tests._server import MODEL as MODEL_NAME
-from tests._server import Server, free_port
-from tests._tiny import save_tiny_model
+from tests.support.server import MODEL as MODEL_NAME
+from tests.support.server import Server, free_port
+from tests.support.tiny import save_tiny_model
 
 pytestmark = pytest.mark.timeout(600)  # generous for a first-run apt-get; the check itself takes ~30 s
 

@@ -235,7 +235,7 @@ def test_untraced_requests_record_timestamps_but_no_events(engine):
 def test_a_swap_preemption_is_recorded_as_such():
     from sluice.metrics.tracing import Timelines
     from sluice.scheduling.output import SchedulerOutput
-    from tests.sched_helpers import make_request
+    from tests.support.sched_helpers import make_request
 
     book = Timelines()
     swapped, dropped, plain = (make_request(rid, [1, 2, 3]) for rid in ("swapped", "dropped", "plain"))
@@ -256,7 +256,7 @@ async def test_sluice_serve_exports_spans_over_otlp_http(model_dir, tmp_path):
     from aiohttp import ClientSession, web
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from tests._server import Server
+    from tests.support.server import Server
 
     spans = []
 

@@ -9,7 +9,7 @@ import pytest
 
 from sluice import native
 from sluice.scheduling.sampling_params import SamplingParams
-from tests._tiny import tiny_engine
+from tests.support.tiny import tiny_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["Hello world", "The cat sat on", "one two three four five six"]

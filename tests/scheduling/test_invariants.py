@@ -1,41 +1,11 @@
 """Property tests: random workloads over small pools keep the KV bookkeeping exact and outputs unchanged."""
 
-from collections import Counter
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice.scheduling.request import RequestStatus
-from tests.fake_runner import reference_output
-from tests.sched_helpers import make_request, make_scheduler
-
-
-def check_invariants(sched) -> None:
-    kv = sched.kv
-    pool = kv.pool
-    refs = Counter()
-    for blocks in kv.req_blocks.values():
-        for b in blocks:
-            refs[b.block_id] += 1
-    for block in pool.blocks:
-        assert block.ref_cnt >= 0
-        assert block.ref_cnt == refs[block.block_id], f"{block} referenced by {refs[block.block_id]} tables"
-        if refs[block.block_id] > 1:
-            assert block.block_hash is not None, f"{block} shared but is not a cached prefix block"
-    assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
-    assert sorted(pool.free_queue.block_ids()) == sorted(b.block_id for b in pool.blocks if b.ref_cnt == 0)
-    for h, b in pool.cached.items():
-        assert b.block_hash == h
-    host_used = [h for hs in kv.req_host_blocks.values() for h in hs]
-    assert len(host_used) == len(set(host_used))
-    assert len(host_used) + kv.swap_space.num_free_blocks == kv.swap_space.num_blocks
-    # every live request is in exactly one place that matches its status
-    for r in sched.running:
-        assert r.status == RequestStatus.RUNNING
-    for r in sched.swapped:
-        assert r.status == RequestStatus.SWAPPED and r.request_id in kv.req_host_blocks
-    assert len(sched.running) + len(sched.swapped) + len(sched.waiting) == sched.num_unfinished
-
+from tests.support.fake_runner import reference_output
+from tests.support.sched_helpers import check_invariants, make_request, make_scheduler
 
 workload = st.fixed_dictionaries(
     {

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from sluice.metrics.prometheus import FINISH_REASONS, SluiceMetrics
 from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.service.engine.outputs import EngineOutput
-from tests.sched_helpers import make_request, make_scheduler
+from tests.support.sched_helpers import make_request, make_scheduler
 
 # (status, OpenAI error type, x-should-retry, message reaches the client): what clients saw before the enum.
 EXPECTED = {

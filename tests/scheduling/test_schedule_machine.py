@@ -21,9 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
-from tests.fake_runner import InjectedFault, next_token
-from tests.sched_helpers import make_scheduler
-from tests.test_invariants import check_invariants
+from tests.support.fake_runner import InjectedFault, next_token
+from tests.support.sched_helpers import check_invariants, make_scheduler
 
 EXAMPLES = int(os.environ.get("SLUICE_MACHINE_EXAMPLES", "1500"))
 STATS: Counter = Counter()

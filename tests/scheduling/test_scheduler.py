@@ -5,8 +5,8 @@ import pytest
 from sluice.scheduling.config import SchedulerConfig, auto_batched_tokens
 from sluice.scheduling.request import RequestStatus
 from sluice.scheduling.request_queue import FCFSQueue, PriorityQueue
-from tests.fake_runner import reference_output
-from tests.sched_helpers import make_request, make_scheduler, run_to_completion
+from tests.support.fake_runner import reference_output
+from tests.support.sched_helpers import make_request, make_scheduler, run_to_completion
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -233,7 +233,7 @@ def test_equal_priority_does_not_preempt():
 def test_stop_conditions():
     from sluice.scheduling.request import Request
     from sluice.scheduling.sampling_params import SamplingParams
-    from tests.fake_runner import next_token
+    from tests.support.fake_runner import next_token
 
     sched, runner = make_scheduler()
     p = prompt(5, 3)

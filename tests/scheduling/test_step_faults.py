@@ -12,8 +12,9 @@ import pytest
 from sluice.scheduling.output import CopyOrderError, SchedulerOutput
 from sluice.scheduling.request import RequestStatus
 from sluice.scheduling.request_queue import FCFSQueue, PriorityQueue
-from tests.fake_runner import InjectedFault, reference_output
-from tests.sched_helpers import make_request, make_scheduler
+from tests.support import REPO
+from tests.support.fake_runner import InjectedFault, reference_output
+from tests.support.sched_helpers import make_request, make_scheduler
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -196,7 +197,7 @@ def test_forward_failure_does_not_leave_a_garbage_prefix_for_the_next_request():
 
 def _run_optimized(code: str) -> str:
     result = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60,
-                            cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+                            cwd=str(REPO))
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

@@ -1,7 +1,7 @@
-"""`sluice` with injected engine faults, for tests only: `python -m tests.fault_serve SPEC serve [flags]`.
+"""`sluice` with injected engine faults, for tests only: `python -m tests.support.fault_serve SPEC serve [flags]`.
 
-SPEC is a tests/faults.py spec (`token:<id>`, `step:<n>`, comma-separated). Every LLMEngine this process builds
-gets it; then the real `sluice` command line runs with the remaining arguments. tests/_server.py starts it for
+SPEC is a tests/support/faults.py spec (`token:<id>`, `step:<n>`, comma-separated). Every LLMEngine this process builds
+gets it; then the real `sluice` command line runs with the remaining arguments. tests/support/server.py starts it for
 `Server(..., faults=SPEC)`.
 """
 
@@ -11,7 +11,7 @@ import sys
 
 from sluice.service.cli import main
 from sluice.service.engine.engine import LLMEngine
-from tests.faults import FaultHook, install
+from tests.support.faults import FaultHook, install
 
 
 def install_on_every_engine(spec: str) -> None:
@@ -28,6 +28,6 @@ def install_on_every_engine(spec: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
-        sys.exit("usage: python -m tests.fault_serve SPEC serve [flags]")
+        sys.exit("usage: python -m tests.support.fault_serve SPEC serve [flags]")
     install_on_every_engine(sys.argv[1])
     sys.exit(main(sys.argv[2:]))

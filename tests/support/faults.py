@@ -3,7 +3,7 @@
 Specs, comma-separated: `token:<id>` fails every step that prefills a request whose prompt holds token <id>;
 `step:<n>` fails the n-th step that runs (once). `install(engine, spec)` wraps the engine's
 `runner.execute`, so a fault raises exactly where a failing forward would; a server subprocess gets them through
-tests/fault_serve.py (`Server(..., faults=spec)` in tests/_server.py).
+tests/support/fault_serve.py (`Server(..., faults=spec)` in tests/support/server.py).
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from sluice.kvcache.manager import KVCacheManager
 from sluice.scheduling.config import SchedulerConfig
-from sluice.scheduling.request import Request
+from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
-from tests.fake_runner import FakeRunner
+from tests.support.fake_runner import FakeRunner
 
 
 def make_scheduler(
@@ -43,3 +45,30 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
         for ro in scheduler.update_from_output(out, runner.execute(out)):
             outputs.setdefault(ro.request_id, []).extend(ro.new_token_ids)
     raise AssertionError("scheduler did not finish (livelock?)")
+
+
+def check_invariants(sched) -> None:
+    kv = sched.kv
+    pool = kv.pool
+    refs = Counter()
+    for blocks in kv.req_blocks.values():
+        for b in blocks:
+            refs[b.block_id] += 1
+    for block in pool.blocks:
+        assert block.ref_cnt >= 0
+        assert block.ref_cnt == refs[block.block_id], f"{block} referenced by {refs[block.block_id]} tables"
+        if refs[block.block_id] > 1:
+            assert block.block_hash is not None, f"{block} shared but is not a cached prefix block"
+    assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    assert sorted(pool.free_queue.block_ids()) == sorted(b.block_id for b in pool.blocks if b.ref_cnt == 0)
+    for h, b in pool.cached.items():
+        assert b.block_hash == h
+    host_used = [h for hs in kv.req_host_blocks.values() for h in hs]
+    assert len(host_used) == len(set(host_used))
+    assert len(host_used) + kv.swap_space.num_free_blocks == kv.swap_space.num_blocks
+    # every live request is in exactly one place that matches its status
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+    for r in sched.swapped:
+        assert r.status == RequestStatus.SWAPPED and r.request_id in kv.req_host_blocks
+    assert len(sched.running) + len(sched.swapped) + len(sched.waiting) == sched.num_unfinished

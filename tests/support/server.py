@@ -14,14 +14,14 @@ import urllib.request
 from pathlib import Path
 
 from sluice.service.bench.soak import free_port
+from tests.support import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"  # the served name of the tiny test model
 
 
 class Server:
     """`sluice serve` on a tiny model and a loopback port; `env` adds environment variables,
-    `faults` (a tests/faults.py spec) starts it through tests/fault_serve.py."""
+    `faults` (a tests/support/faults.py spec) starts it through tests/support/fault_serve.py."""
 
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
                  name: str = "sluice", faults: str = ""):
@@ -31,7 +31,7 @@ class Server:
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
         # faults: the test-only launcher installs them on the engine, then runs the real CLI
-        launcher = ["-m", "tests.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
+        launcher = ["-m", "tests.support.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
         cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
                "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16",
                "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
