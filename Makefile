@@ -32,8 +32,8 @@ test: install
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
-test-deep: install  ## the suite with long fuzzing: 20,000 random bodies, 1,500 scheduler examples
-	SLUICE_FUZZ_BODIES=20000 SLUICE_HYPOTHESIS_EXAMPLES=1500 $(BIN)/python -m pytest $(PYTEST_ARGS)
+test-deep: install  ## the suite under the deep hypothesis profile: 20,000 random bodies, 1,500 scheduler machine runs, 10x the examples
+	$(BIN)/python -m pytest --hypothesis-profile=deep $(PYTEST_ARGS)
 
 test-fast: install  ## everything but the tests that need the real SmolLM2
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

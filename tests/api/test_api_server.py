@@ -368,17 +368,11 @@ async def test_drain_on_sigterm(limited):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-async def test_smollm2_knows_paris(smollm2_dir, tmp_path):  # the fixture fetches and caches the model
-    # 1 GiB of KV, not --kv-cache-memory auto's half of the machine's free memory: the suite shares the box
-    srv = Server("default", tmp_path, "--max-model-len", "2048", "--kv-cache-memory", "1").wait_ready(timeout=300)
-    try:
-        status, body, _ = await post(srv.url, "/v1/chat/completions", {
-            "model": MODEL, "temperature": 0, "max_tokens": 40,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
-        chunks = await stream(srv.url, "/v1/chat/completions", {
-            "model": MODEL, "temperature": 0, "max_tokens": 40, "stream": True,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert joined(chunks) == body["choices"][0]["message"]["content"]
-    finally:
-        assert srv.stop() == 0
+async def test_smollm2_knows_paris(smol_server):  # `sluice serve --model default`, shared with the other slow tests
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    status, body, _ = await post(smol_server.url, "/v1/chat/completions", {
+        "model": MODEL, "temperature": 0, "max_tokens": 40, "messages": question})
+    assert status == 200 and "Paris" in body["choices"][0]["message"]["content"], body
+    chunks = await stream(smol_server.url, "/v1/chat/completions", {
+        "model": MODEL, "temperature": 0, "max_tokens": 40, "stream": True, "messages": question})
+    assert joined(chunks) == body["choices"][0]["message"]["content"]

@@ -3,7 +3,7 @@
 Each body starts from a valid completions or chat request and takes a few random mutations: a known parameter
 (or a value nested inside one: a message's content, a tool's parameters, a schema) replaced with a random JSON
 value (deep, wide, huge, odd numbers, wrong types), a key removed, or the bytes themselves cut or flipped. The
-count is SLUICE_FUZZ_BODIES (default 2000; `make test-deep` runs more); the seed is fixed, so a failure replays.
+count is 2000 (20,000 under the deep hypothesis profile, `make test-deep`; SLUICE_FUZZ_BODIES overrides); the seed is fixed, so a failure replays.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import random
 import aiohttp
 import pytest
 
+from tests.support.profiles import examples
 from tests.support.server import Server, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
-COUNT = int(os.environ.get("SLUICE_FUZZ_BODIES", "2000"))
+COUNT = examples(2000, 20000, "SLUICE_FUZZ_BODIES")
 SEED = int(os.environ.get("SLUICE_FUZZ_SEED", "21"))
 CONCURRENCY = 8
 MODEL = "tiny"

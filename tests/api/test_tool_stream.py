@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sluice.service.api.json_scan import MAX_DEPTH, JsonError, JsonScan
 from sluice.service.api.tool_parsers import parse
+from tests.support.profiles import examples
 from tests.support.tools import reassemble, stream_pieces
 
 PARSERS = ("constrained", "hermes", "llama3_json", "mistral", "json")
@@ -68,7 +69,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
                     | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, 2000), deadline=None)
 @given(JSON, st.lists(st.integers(0, 400), max_size=12), st.booleans())
 def test_scanner_in_any_pieces_writes_what_json_dumps_writes(value, cuts, ascii_):
     text = json.dumps(value, ensure_ascii=ascii_, indent=1 if ascii_ else None)  # \u escapes, surrogate pairs
@@ -194,7 +195,7 @@ def render(parser: str, calls: list[dict], prose: str) -> str:
     return prose + "[" + ", ".join(items) + "]"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60, 600), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(PARSERS), st.lists(CALL, min_size=1, max_size=3), st.text("ab .\n", max_size=12),
        st.lists(st.integers(1, 9), min_size=1, max_size=40))
 def test_any_split_of_a_reply_gives_the_calls_of_the_whole(parser, calls, prose, sizes):

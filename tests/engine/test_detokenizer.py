@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
+from tests.support.profiles import examples
 from tests.support.tiny import tokenizer as tiny_tokenizer
 
 TEXTS = ["你好 😀 café Paris", "日本語 ✓ ünïcödé 🎉🎉", "The capital of France is Paris."]
@@ -144,7 +145,7 @@ def test_update_cost_does_not_grow_with_length():
 ALPHABET = "ab é你😀 "
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, 2000), deadline=None)
 @given(
     text=st.text(alphabet=ALPHABET, min_size=0, max_size=30),
     stop=st.text(alphabet=ALPHABET, min_size=1, max_size=4),

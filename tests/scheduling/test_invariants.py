@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from sluice.scheduling.request import RequestStatus
 from tests.support.fake_runner import reference_output
+from tests.support.profiles import examples
 from tests.support.sched_helpers import check_invariants, make_request, make_scheduler
 
 workload = st.fixed_dictionaries(
@@ -33,7 +34,7 @@ workload = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=int(__import__("os").environ.get("SLUICE_HYPOTHESIS_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150, 1500, "SLUICE_HYPOTHESIS_EXAMPLES"), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload)
 def test_random_workloads_keep_invariants_and_outputs(w):
     bs = w["block_size"]

@@ -71,6 +71,31 @@ class Server:
             return json.loads(r.read())
 
 
+class ServerPool:
+    """The session's shared `sluice serve` processes: one per distinct (model, flags), started on first use and
+    stopped when the session ends. Only for tests that leave a server as they found it: they neither stop nor
+    kill it, and read its counters as deltas, never as a fresh server's values."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.servers: dict[tuple, Server] = {}
+
+    def get(self, model_dir: str, *flags: str) -> Server:
+        """The ready server for these flags, started now if no test has asked for it yet."""
+        key = (str(model_dir), flags)
+        if key not in self.servers:
+            self.servers[key] = Server(model_dir, self.log_dir, *flags, name="shared").wait_ready()
+        srv = self.servers[key]
+        assert srv.proc.poll() is None, f"a test stopped the shared server {flags}:\n{srv.log()[-4000:]}"
+        return srv
+
+    def close(self) -> None:
+        """Stop them all; each must exit cleanly and log no traceback."""
+        bad = [f"{srv.log_path}: exit {code}" for srv in self.servers.values()
+               if (code := srv.stop()) != 0 or "Traceback" in srv.log()]
+        assert not bad, "shared servers ended badly:\n" + "\n".join(bad)
+
+
 def is_idle(h: dict) -> bool:
     """Nothing queued, running, swapped or streaming; every device and host block free."""
     return (h["running"] == h["waiting"] == h["swapped"] == h["open_streams"] == 0
