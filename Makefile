@@ -32,8 +32,8 @@ test: install
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
-test-deep: install  ## the suite with long fuzzing: 20,000 random bodies, 1,500 scheduler examples
-	SLUICE_FUZZ_BODIES=20000 SLUICE_HYPOTHESIS_EXAMPLES=1500 $(BIN)/python -m pytest $(PYTEST_ARGS)
+test-deep: install  ## the suite under the deep hypothesis profile: 20,000 random bodies, 1,500 scheduler machine runs, 10x the examples
+	$(BIN)/python -m pytest --hypothesis-profile=deep $(PYTEST_ARGS)
 
 test-fast: install  ## everything but the tests that need the real SmolLM2
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -51,13 +51,13 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
 prometheus-check: install  ## every dashboard/alert query on a real Prometheus scraping a real `sluice serve`
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_prometheus_rules.py tests/test_prometheus_real.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/metrics/test_prometheus_rules.py tests/metrics/test_prometheus_real.py
 
 k8s-manifests: install  ## regenerate k8s/base/{grafana-dashboard,prometheusrule}.yaml from metrics/
 	$(BIN)/python -m sluice.metrics.gen_k8s
 
 k8s-check: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_k8s.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s/test_k8s.py
 
 scaling: install  ## one replica at rising request rates; start `make serve` first
 	$(BIN)/python -m sluice.metrics.measure_scaling $(ARGS)

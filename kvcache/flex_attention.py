@@ -10,7 +10,7 @@ query i of a sequence with kv length L and q length Q sees logical positions j <
 (Q_BLOCK queries) a row lists its blocks in two parts: *full* blocks, wholly visible to every query of the tile,
 which the compiled kernels read without calling mask_mod, and *partial* ones (the diagonal, the window's edge);
 blocks the tile cannot see at all are not listed. The unfused CPU path ignores the lists and applies mask_mod
-everywhere, so `tests/test_flex_attention.py` checks the lists themselves against the causal rule.
+everywhere, so `tests/kvcache/test_flex_attention.py` checks the lists themselves against the causal rule.
 
 Decodes (q_len 1) go in one call with one batch row per sequence (flex's decoding kernel on CUDA); each
 prefill chunk (with or without cached context) goes in its own call. Everything built from the step's metadata

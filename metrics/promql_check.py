@@ -1,6 +1,6 @@
 """Run every PromQL expression of the Grafana dashboard and the alerting rules against a real Prometheus.
 
-Used by tests/test_prometheus_real.py (which starts Prometheus and `sluice serve` itself), and usable on its
+Used by tests/metrics/test_prometheus_real.py (which starts Prometheus and `sluice serve` itself), and usable on its
 own against any Prometheus that scrapes Sluice:
 
     python -m sluice.metrics.promql_check --prometheus http://127.0.0.1:9090 --model-name SmolLM2-135M-Instruct

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import profiles
+
+profiles.register()  # before any test module builds its @settings (the hypothesis plugin may load --hypothesis-profile)
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
@@ -45,27 +49,39 @@ def anyio_backend():
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny random-weight model and tokenizer on disk, written once for every server-starting test."""
-    from tests._tiny import save_tiny_model
+    from tests.support.tiny import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
 
 
-@pytest.fixture(scope="module")
-def tiny_server(model_dir, tmp_path_factory):
-    """`sluice serve` on the tiny model with a 64-block cache, for one test module."""
-    from tests._server import Server
+# The flags of the one shared tiny-model server: a 64-block cache, a 4 MiB grammar cache (test_grammar_api fills it
+# past that) and the vLLM metric names beside Sluice's (test_metrics_vllm compares them); nothing else reads them.
+TINY_FLAGS = ("--num-kv-blocks", "64", "--grammar-cache-bytes", str(4 << 20), "--vllm-metric-names")
 
-    srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64").wait_ready()
-    yield srv
-    srv.stop()
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory):
+    """The session's pool of `sluice serve` processes, one per distinct flag set (tests/support/server.py)."""
+    from tests.support.server import ServerPool
+
+    pool = ServerPool(tmp_path_factory.mktemp("shared-logs"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(model_dir, shared_servers):
+    """`sluice serve` on the tiny model (TINY_FLAGS), shared by every module that asks for it."""
+    return shared_servers.get(model_dir, *TINY_FLAGS)
 
 
 @pytest.fixture(scope="session")
 def smol_server(smollm2_dir, tmp_path_factory):
     """`sluice serve` on the real SmolLM2, started once for every slow API test that needs it."""
-    from tests._server import Server
+    from tests.support.server import Server
 
-    srv = Server(smollm2_dir, tmp_path_factory.mktemp("logs"), "--max-model-len", "2048", "--kv-cache-memory", "1",
+    # `--model default`: the alias resolves to the cached copy the smollm2_dir fixture fetched
+    srv = Server("default", tmp_path_factory.mktemp("logs"), "--max-model-len", "2048", "--kv-cache-memory", "1",
                  "--max-num-batched-tokens", "512").wait_ready(timeout=300)
     yield srv
     srv.stop()

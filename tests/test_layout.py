@@ -179,3 +179,28 @@ def test_pyproject_maps_and_lists_every_package():
 def test_no_module_is_oversized():
     big = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not big, f"over {MAX_LINES} lines (split them): {big}"
+
+
+def test_test_modules_import_only_the_support_helpers():
+    """A test module imports tests.support (and conftest fixtures arrive by name), never another test module, so
+    moving or deleting one test file cannot break another."""
+    wrong = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                     and not node.level and node.module else [])
+            wrong += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
+                      if n.split(".")[0] == "tests" and not n.startswith(("tests.support", "tests.conftest"))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_test_folders_mirror_the_packages():
+    """tests/<folder>/ exists for a package folder or a repository folder (bench, k8s), and holds an __init__.py so
+    every test module has a unique dotted name."""
+    known = {"kvcache", "scheduling", "engine", "api", "metrics", "bench", "k8s", "native", "support"}
+    folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= known, f"test folders that mirror no package: {sorted(folders - known)}"
+    assert all((REPO / "tests" / f / "__init__.py").exists() for f in folders)

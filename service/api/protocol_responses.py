@@ -1,7 +1,7 @@
 """The response shapes as pydantic models: what /openapi.json describes and the tests check real replies against.
 
 The server writes its replies as dicts with orjson (formatting.py), which is faster on the streaming path than
-building models; these models are the description, and tests/test_protocol_models.py holds formatting.py to it.
+building models; these models are the description, and tests/api/test_protocol_models.py holds formatting.py to it.
 """
 
 from __future__ import annotations

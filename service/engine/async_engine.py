@@ -34,7 +34,7 @@ class QueueFullError(RuntimeError):
 
 
 class SyncEngine(Protocol):
-    """What AsyncEngine drives in its worker thread: LLMEngine, or tests/fake_engine.py's stand-in."""
+    """What AsyncEngine drives in its worker thread: LLMEngine, or tests/support/fake_engine.py's stand-in."""
 
     served_model_name: str
     max_model_len: int

@@ -1,0 +1,29 @@
+"""`make gpu-check --tiny`: the GPU check script's CPU self-test, so it keeps working without a GPU in CI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO as ROOT
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_tiny_runs_on_cpu_and_writes_its_json(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny", "--output", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["tiny"] and report["device"] == "cpu"
+    assert report["parity"]["fp32_exact"] and report["attention"]["ok"]
+    assert {"torch/float32", "flex/float32", "flex/bfloat16"} <= set(report["attention"])
+    assert {k.split("/")[0] for k in report["parity"] if "/" in k} >= {"torch", "flex"}
+    for run in ("A", "B"):
+        figures = report["bench"][run]
+        assert figures["failed"] == 0 and figures["output_tokens"] > 0 and figures["tpot_ms_p50"] > 0
+    assert report["bench"]["A"]["requests"] == 64 and report["bench"]["A"]["hf_generate_tokens_per_s"] > 0
+    assert report["bench"]["B"]["hf_generate_tpot_ms"] > 0

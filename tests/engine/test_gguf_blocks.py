@@ -1,0 +1,289 @@
+"""GGUF blocks served as stored: dequantization against the gguf package, the integer GEMV and the tiled prefill
+against float matmul, and a tiny Llama written to a .gguf file loaded with every linear a GgufLinear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.layers.gguf_linear import (
+    BLOCK_TYPES,
+    KERNEL_MAX_ROWS,
+    GgufBlockMethod,
+    GgufBlocks,
+    GgufEmbedding,
+    GgufLinear,
+    MergedLinear,
+    dequantize,
+)
+from sluice.service.engine.layers.linear import PlainMethod
+from sluice.service.engine.models import gguf_weights, weights
+from tests.support import tiny
+from tests.support.parity import make_engine
+
+TYPES = list(BLOCK_TYPES)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row_bytes] of valid blocks: gguf.quants.quantize of random floats where the package quantizes
+    the type, else random bytes with small finite float16 scales (the K-quants)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
+    _, qk, nbytes = BLOCK_TYPES[qtype]
+    blocks = rng.integers(0, 256, (n * k // qk, nbytes), dtype=np.uint8)
+    scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]
+    for at in scales:  # d (and dmin): element magnitudes around 0.1
+        d = (rng.random(len(blocks)) * (2e-5 if qtype == "Q6_K" else 1e-4)).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def reference_dequantize(blocks: np.ndarray, qtype: str) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_matches_the_gguf_package(qtype, kernel):
+    blocks = random_blocks(qtype, 24, 512)
+    want = reference_dequantize(blocks, qtype)
+    data = torch.from_numpy(blocks)
+    torch.testing.assert_close(dequantize(data, qtype, 512), want, rtol=0, atol=0)  # the same ops: bit for bit
+    # the C++ unpacking may fuse a multiply-add: one rounding fewer, within an ulp of the element
+    torch.testing.assert_close(dequantize(data, qtype, 512, kernel), want, rtol=2e-7, atol=1e-9)
+
+
+def emulated_int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: rounded to int8 per 32 inputs with scale max|x| / 127 (half to even)."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(amax > 0, 127 / amax, 0.0))
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS])
+def test_integer_gemv_matches_float_matmul(qtype, rows, kernel):
+    n, k = 40, 768
+    blocks = torch.from_numpy(random_blocks(qtype, n, k, seed=rows))
+    weight = reference_dequantize(blocks.numpy(), qtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))  # a fixed draw: ties are rare, not absent
+    got = kernel.gguf_linear(x, blocks, BLOCK_TYPES[qtype][0])
+    # Against the same int8-rounded activations the products are exact integers: only float summation order differs
+    # (and, rarely, an activation within an ulp of a rounding tie landing on the other integer: one output in 40).
+    exact = emulated_int8_activations(x) @ weight.T
+    scale = (x.abs() @ weight.abs().T).amax()
+    assert ((got - exact).abs() > 1e-5 * scale).sum() <= max(1, got.numel() // 40)
+    # Against float activations: the int8 rounding (at most half a step of max|x| / 127 per element).
+    assert (got - x @ weight.T).abs().max() <= 0.01 * scale
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("native", [True, False])
+def test_linear_prefill_tiles_equal_float_matmul(qtype, native, kernel):
+    n, k = 300, 512
+    blocks = random_blocks(qtype, n, k, seed=7)
+    weight = reference_dequantize(blocks, qtype)
+    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), qtype, k), torch.randn(n), kernel if native else None)
+    linear.tile_rows = 64  # several tiles, the last one partial
+    x = torch.randn(2, 17, k)
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, linear.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_embedding_dequantizes_only_the_rows_looked_up():
+    blocks = random_blocks("Q6_K", 50, 256)
+    embed = GgufEmbedding(GgufBlocks(torch.from_numpy(blocks), "Q6_K", 256), torch.float32)
+    ids = torch.tensor([[3, 49, 3], [0, 7, 11]])
+    torch.testing.assert_close(embed(ids), reference_dequantize(blocks, "Q6_K")[ids], rtol=0, atol=0)
+
+
+# The tiny Llama's linears, in types that cover every block type and both a fused and a split q/k/v.
+LAYER_TYPES = [
+    {"q_proj": "Q4_K", "k_proj": "Q5_K", "v_proj": "Q4_K", "o_proj": "Q6_K", "gate_proj": "Q5_0", "up_proj": "Q5_0",
+     "down_proj": "Q8_0"},
+    {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q5_1", "gate_proj": "Q4_1", "up_proj": "Q4_1",
+     "down_proj": "Q4_K"},
+]
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def tiny_config():
+    import transformers
+
+    tok = tiny.tokenizer()
+    return transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=True)
+
+
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (the inverse of gguf_weights.reverse_permute)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(path, config, the float weights under transformers' names that the file's blocks stand for)."""
+    import gguf
+
+    config = tiny_config()
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    floats: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(3)
+
+    def quantized(hf: str, name: str, qtype: str, n: int, k: int, heads: int = 0) -> None:
+        blocks = random_blocks(qtype, n, k, seed=len(floats))
+        floats[hf] = reference_dequantize(blocks, qtype)
+        writer.add_tensor(name, llama_cpp_permute(blocks, heads) if heads else blocks,
+                          raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    def norm(hf: str, name: str) -> None:
+        floats[hf] = torch.from_numpy(1 + 0.1 * rng.standard_normal(config.hidden_size).astype(np.float32))
+        writer.add_tensor(name, floats[hf].numpy())
+
+    quantized("model.embed_tokens.weight", "token_embd.weight", "Q6_K", config.vocab_size, config.hidden_size)
+    sizes = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
+             "gate_proj": (512, 256), "up_proj": (512, 256), "down_proj": (256, 512)}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for i, types in enumerate(LAYER_TYPES):
+        for part, qtype in types.items():
+            group = "self_attn" if part.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            quantized(f"model.layers.{i}.{group}.{part}.weight", f"blk.{i}.{GGUF_NAMES[part]}.weight", qtype,
+                      *sizes[part], heads.get(part, 0))
+        norm(f"model.layers.{i}.input_layernorm.weight", f"blk.{i}.attn_norm.weight")
+        norm(f"model.layers.{i}.post_attention_layernorm.weight", f"blk.{i}.ffn_norm.weight")
+    norm("model.norm.weight", "output_norm.weight")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, config, floats
+
+
+def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
+    path, config, _ = tiny_gguf
+    model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
+    assert isinstance(model.embed_tokens, GgufEmbedding) and isinstance(model.lm_head, GgufLinear)
+    assert model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()  # tied: one copy of the bytes
+    first, second = model.layers
+    assert isinstance(first.self_attn.qkv_proj, MergedLinear)  # Q4_K, Q5_K, Q4_K: side by side
+    assert [p.qtype for p in first.self_attn.qkv_proj.parts] == ["Q4_K", "Q5_K", "Q4_K"]
+    assert isinstance(second.self_attn.qkv_proj, GgufLinear) and second.self_attn.qkv_proj.out_features == 512
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "in_features")]
+    assert all(isinstance(m, (GgufLinear, MergedLinear)) for m in linears)
+    blocks = sum(m.blocks.numel() for m in model.modules() if isinstance(m, GgufLinear)) \
+        - model.lm_head.blocks.numel()
+    assert blocks < path.stat().st_size  # the blocks as they are, nothing dequantized beside them
+
+
+def greedy(model, prompts, tokens: int = 12) -> list[list[int]]:
+    engine = make_engine(model, "recompute", num_blocks=64, budget=32)
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                         ignore_eos=True))]
+
+
+PROMPTS = [[5, 17, 99, 3, 41, 8, 200, 13, 77, 6], list(range(30, 70)), [11, 12]]
+
+
+class RoundedActivations(torch.nn.Module):
+    """A float linear whose input is first rounded as the integer GEMV rounds it (int8 per 32 inputs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias, self.in_features = weight, bias, weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = emulated_int8_activations(x.reshape(-1, self.in_features))
+        return torch.nn.functional.linear(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
+
+
+class RoundedActivationsMethod(PlainMethod):
+    def make(self, weight, bias, parts, sizes, tied=False):
+        return RoundedActivations(weight, bias)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_tiny_llama_gguf_greedy_equals_the_float_weights(tiny_gguf, native, kernel, monkeypatch):
+    """The file's blocks (q/k unpermuted) against the owned model on the dequantized float weights: identical
+    greedy tokens. Through torch's dequantize + matmul, against plain float linears; through the integer GEMV
+    (every call here has at most 32 rows, the step budget), against float linears on activations rounded as the
+    GEMV rounds them (llama.cpp's arithmetic: plain float linears part ways with it after a few tokens here)."""
+    path, config, floats = tiny_gguf
+    if not native:
+        monkeypatch.setattr(gguf_weights.native, "load", lambda: None)
+    ours = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
+    assert isinstance(ours.layers[0].mlp.gate_up_proj, GgufLinear)
+    assert (ours.layers[0].mlp.gate_up_proj.kernel is not None) == native
+    method = (RoundedActivationsMethod if native else PlainMethod)(torch.device("cpu"), torch.float32)
+    reference = weights.build(config, floats.get, method, torch.device("cpu"), torch.float32)
+    assert KERNEL_MAX_ROWS >= 32
+    assert greedy(ours, PROMPTS) == greedy(reference, PROMPTS)
+
+
+def test_method_describes_the_types_it_served(tiny_gguf):
+    path, config, _ = tiny_gguf
+    method = GgufBlockMethod(torch.float32)
+    weights.build(config, gguf_weights.read_tensors(path, config), method, torch.device("cpu"), torch.float32)
+    assert method.made == {"Q4_K": 3, "Q5_K": 1, "Q6_K": 2, "Q5_0": 1, "Q8_0": 1, "Q4_0": 1, "Q5_1": 1, "Q4_1": 1}
+
+
+def _raw_rows(reader, name: str) -> np.ndarray:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return np.asarray(tensor.data)
+
+
+@pytest.mark.slow
+def test_default_model_under_gguf_serves_the_wheels_blocks_as_stored(smollm2_dir, kernel):
+    import gguf
+
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from sluice.service.engine.model_loader import default_gguf
+
+    cfg = SluiceConfig()
+    cfg.model.quantization, cfg.cache.num_kv_blocks = "gguf", 64
+    engine = LLMEngine(cfg)
+    model = engine.model
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the file's 210, q/k/v and gate/up fused
+    body = [m for name, m in model.layers.named_modules() if name.rpartition(".")[2] in projections]
+    assert len(body) == 120 and all(isinstance(m, GgufLinear) and m.qtype == "Q4_1" for m in body)
+    # The file's Q8_0 embedding, and the tied head reading the very same bytes.
+    assert model.lm_head.qtype == "Q8_0" and model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
+    reader = gguf.GGUFReader(str(default_gguf()))
+    # ffn_down's rows are not permuted by llama.cpp's converter: the bytes are the file's, row for row.
+    assert np.array_equal(model.layers[0].mlp.down_proj.blocks.numpy(), _raw_rows(reader, "blk.0.ffn_down.weight"))
+    assert np.array_equal(model.embed_tokens.blocks.numpy(), _raw_rows(reader, "token_embd.weight"))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    # The float checkpoint was dequantized from this very file: the same weights, only the activations' int8
+    # rounding in the integer GEMV differs.
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    float_cfg = SluiceConfig()
+    float_cfg.cache.num_kv_blocks = 64
+    expected = LLMEngine(float_cfg).generate([prompt], params)[0].token_ids
+    assert engine.generate([prompt], params)[0].token_ids == expected
+
+
+def test_gguf_needs_a_gguf_file_the_engine_loads(model_dir):
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from tests.support.parity import build_pair
+
+    _, ours = build_pair("llama")
+    cfg = SluiceConfig()
+    cfg.model.quantization = "gguf"
+    with pytest.raises(ValueError, match="load the model itself"):
+        LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
+    cfg.model.model = model_dir  # a plain safetensors checkpoint
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        LLMEngine(cfg)

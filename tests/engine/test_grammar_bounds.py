@@ -1,0 +1,186 @@
+"""Every grammar a request can ask for is bounded: compile time, queue, cache bytes, per-token work, depth; and
+impossible or unsupported constraints are errors, never a silent empty "stop"."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
+from sluice.service.config import GrammarConfig
+from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError, ambiguous_repeat
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tests.support.tiny import save_tiny_model
+
+    return AutoTokenizer.from_pretrained(save_tiny_model(str(tmp_path_factory.mktemp("tiny-bounds"))))
+
+
+def compiler_for(tok, **knobs):
+    from sluice.service.engine.grammar import GrammarCompiler
+
+    return GrammarCompiler(tok, len(tok), [tok.eos_token_id], GrammarConfig(**knobs))
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return compiler_for(tok)
+
+
+# ---- pure checks ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,spec,bad", [
+    ("regex", "(x*|x*x*)*b", True), ("regex", "(a?)*", True), ("regex", "[0-9]{3}-[a-z]{2,4}", False),
+    ("regex", "(ab*)*c", False), ("regex", r"\d+(\.\d*)?", False),
+    ("grammar", 'root ::= a* "b"\na ::= "x"* | "x"* "x"*', True), ("grammar", 'root ::= ("a" | "b")+ "c"', False),
+])
+def test_repeats_of_what_can_match_empty_are_found(kind, spec, bad):
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_regex(spec) if kind == "regex" else xgr.Grammar.from_ebnf(spec)
+    assert (ambiguous_repeat(str(grammar)) is not None) is bad
+
+
+# ---- compiles --------------------------------------------------------------------------------------------------
+
+def test_long_bounded_strings_compile_fast_and_refuse_control_characters(compiler):
+    import xgrammar as xgr
+
+    compiler.compile(StructuredOutput("json", json.dumps({"type": "string"}), "warm-up"))  # the child's one start
+    spec = json.dumps({"type": "string", "minLength": 8000, "maxLength": 8000})
+    started = time.perf_counter()
+    compiled = compiler.compile(StructuredOutput("json", spec, "response_format"))
+    assert time.perf_counter() - started < 5  # was 29 s of compiling as a {m,n} pattern; milliseconds now
+    enum = compiler.compile(StructuredOutput("json", json.dumps({"enum": ["a\tb"], "maxLength": 1}), "x"))
+    assert not xgr.GrammarMatcher(compiled).accept_string('"ab\x01')
+    assert xgr.GrammarMatcher(compiled).accept_string('"' + "é" * 100)
+    assert xgr.GrammarMatcher(enum).accept_string('"a\\tb"')  # const/enum literals are untouched
+
+
+@pytest.mark.parametrize("kind,spec", [("regex", "(x*|x*x*)*b"), ("grammar", 'root ::= a* "b"\na ::= "x"* | "y"*')])
+def test_ambiguous_constraints_are_too_complex(compiler, kind, spec):
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(StructuredOutput(kind, spec, "guided_" + kind))
+    assert info.value.code == TOO_COMPLEX and info.value.param == "guided_" + kind
+
+
+@pytest.mark.parametrize("kind,spec", [("grammar", "root ::= a\na ::= a"), ("regex", "[^\\s\\S]")])
+def test_a_constraint_that_accepts_nothing_is_refused(compiler, kind, spec):
+    with pytest.raises(GrammarError, match="accepts no text|invalid"):
+        compiler.compile(StructuredOutput(kind, spec, "p"))
+
+
+def slow(n: int) -> str:
+    """A schema whose compile takes seconds (a {n} pattern inside a JSON string: quadratic in n)."""
+    return json.dumps({"type": "string", "pattern": f"^[a-z]{{{n}}}$"})
+
+
+def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok):
+    c = compiler_for(tok, grammar_compile_timeout=0.3, grammar_compile_workers=1)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))  # the child's start is not part of the limit
+    started = time.perf_counter()
+    with pytest.raises(GrammarError) as info:
+        c.compile(StructuredOutput("json", slow(4000), "guided_json"))
+    assert info.value.code == TOO_COMPLEX and "longer than 0.3 s" in str(info.value)
+    assert time.perf_counter() - started < 3
+    with pytest.raises(GrammarError):  # the refusal is remembered: no second 0.3 s
+        c.compile(StructuredOutput("json", slow(4000), "other"))
+    assert c.compile(StructuredOutput("regex", "[a-z]+", "after")) is not None
+
+
+def test_identical_compiles_share_a_job_a_full_queue_is_busy_and_abandoned_jobs_leave_it(tok):
+    from sluice.service.engine.grammar import GrammarBusyError
+
+    c = compiler_for(tok, grammar_compile_timeout=2, grammar_compile_workers=1, grammar_compile_queue=1)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
+    service = c._service
+    running = service.submit(StructuredOutput("json", slow(3900), "a"))
+    time.sleep(0.2)  # now running
+    queued = service.submit(StructuredOutput("regex", "[ab]{2}", "b"))
+    assert service.submit(StructuredOutput("regex", "[ab]{2}", "c")) is queued and queued.waiters == 2
+    with pytest.raises(GrammarBusyError):
+        service.submit(StructuredOutput("regex", "[cd]{2}", "d"))
+    service.release(queued)
+    service.release(queued)
+    assert queued.future.cancelled()
+    started = time.perf_counter()
+    service.release(running)  # its only waiter left: the running compile is killed, not run to its limit
+    with pytest.raises(GrammarError, match="abandoned"):
+        running.future.result(timeout=5)
+    assert time.perf_counter() - started < 1.5
+    assert c.compile(StructuredOutput("regex", "[cd]{2}", "e")) is not None
+
+
+def test_the_cache_is_bounded_by_bytes(tok):
+    def choices(i):
+        return StructuredOutput("choice", json.dumps([f"option {i} {j} " + "x" * 40 for j in range(200)]), "c")
+
+    one = compiler_for(tok)
+    one.compile(choices(0))
+    limit = one.cache_bytes * 3 + 1  # about three of them
+    c = compiler_for(tok, grammar_cache_bytes=limit)
+    for i in range(12):
+        c.compile(choices(i))
+        assert c.cache_bytes <= limit
+    assert 2 <= len(c._cache) <= 3  # the newest kept, the oldest dropped
+    with pytest.raises(GrammarError) as info:
+        compiler_for(tok, grammar_max_bytes=100).compile(StructuredOutput("json", json.dumps({"a": "x" * 200}), "tools"))
+    assert info.value.code == TOO_COMPLEX and info.value.param == "tools"
+
+
+# ---- the engine: impossible rows, min_tokens, the per-token budget -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from tests.support.tiny import tiny_engine
+
+    return tiny_engine(model_dir, 64, max_num_batched_tokens=32)
+
+
+def run(engine, rid, params, others=None):
+    engine.add_request(rid, "Hello there", params)
+    outs = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            (outs if o.request_id == rid else others if others is not None else []).append(o)
+    return outs
+
+
+def test_a_row_with_no_allowed_token_ends_with_an_error_not_token_0(engine):
+    yes = engine.tokenizer.encode("yes", add_special_tokens=False)
+    other = next(t for t in range(5, 200) if t not in yes)
+    params = SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=[other],
+                            structured_output=StructuredOutput("choice", '["yes"]', "guided_choice"))
+    outs = run(engine, "dead", params)
+    assert outs[-1].finish_reason == "error" and outs[-1].error_code == "constraint_error"
+    assert "guided_choice and allowed_token_ids" in outs[-1].error
+    assert not any(0 in o.token_ids for o in outs) and not engine.grammar.matchers
+
+
+def test_the_grammars_end_wins_over_min_tokens(engine):
+    params = SamplingParams(max_tokens=20, min_tokens=15, temperature=0.0,
+                            structured_output=StructuredOutput("choice", '["yes"]', "guided_choice"))
+    outs = run(engine, "short", params)
+    assert outs[-1].finish_reason == "stop" and "".join(o.text for o in outs) == "yes"
+
+
+def test_a_row_over_its_grammar_budget_ends_and_its_neighbour_goes_on(engine):
+    state = engine.grammar
+    state._budget = 0.0  # every token is over: the row ends after STRIKES tokens
+    try:
+        engine.add_request("free", "Hello", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        free = []
+        outs = run(engine, "costly", SamplingParams(max_tokens=30, temperature=0.0,
+                                                    structured_output=StructuredOutput("regex", "[a-z ]+", "re")),
+                   free)
+    finally:
+        state._budget = engine.config.grammar.grammar_token_budget_ms / 1000
+    assert outs[-1].error_code == "constraint_error" and "per token" in outs[-1].error and "re" in outs[-1].error
+    assert sum(len(o.token_ids) for o in outs) == 2  # the third token over budget ends it
+    assert free[-1].finish_reason == "length" and sum(len(o.token_ids) for o in free) == 12

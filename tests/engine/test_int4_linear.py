@@ -1,0 +1,235 @@
+"""--quantization int4 (Q4_1 layout): quantization, the kernel against plain torch, and the int4 engine against
+transformers on the same dequantized weights (only the weights' precision changes, so the oracle stays exact)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import sluice
+import sluice.service.engine.int4_linear as int4
+from sluice.native import cpu_flags
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.engine import LLMEngine
+from sluice.service.engine.int8_linear import Int8Linear
+from sluice.service.engine.int8_linear import dequantize as int8_dequantize
+from sluice.service.engine.int8_linear import quantize_weight as int8_weight
+from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
+from tests.support import tiny
+from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
+
+
+def test_quantize_rounds_to_within_half_a_step_of_the_stored_scale_and_minimum():
+    torch.manual_seed(0)
+    w = torch.randn(9, 96) * torch.linspace(0.01, 3, 9)[:, None]
+    w[4, 32:64] = 0.5  # a constant group: zero range, every element must come back exactly
+    nibbles, scale, minimum = int4.quantize_weight(w)
+    assert nibbles.dtype == torch.uint8 and nibbles.shape == (9, 3, 16)
+    assert scale.dtype == minimum.dtype == torch.float16 and scale.shape == (9, 3)
+    back = int4.dequantize(nibbles, scale, minimum)
+    step = scale.float().repeat_interleave(32, dim=1)
+    # half a step, plus the float16 rounding of the stored minimum
+    assert ((back - w).abs() <= step / 2 + minimum.float().abs().repeat_interleave(32, dim=1) * 2**-10 + 1e-6).all()
+    assert torch.equal(back[4, 32:64], torch.full((32,), 0.5))
+
+
+def test_weights_that_came_from_q4_1_come_back_exactly():
+    # The default model's weights are dequantized Q4_1: quantizing them again must lose nothing.
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (8, 4, 32))
+    q[..., 0], q[..., 1] = 0, 15  # the group's extremes are present, as in real Q4_1 blocks
+    d = (torch.rand(8, 4) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(8, 4) * 0.1).half().float()
+    w = (q.float() * d[..., None] + m[..., None]).reshape(8, 128)
+    assert torch.equal(int4.dequantize(*int4.quantize_weight(w)), w)
+
+
+def test_nibble_order_is_llama_cpp_q4_1s():
+    # byte j of a group holds element j in its low nibble and element j + 16 in its high nibble
+    first, second = list(range(16)), [15 - j for j in range(16)]
+    w = torch.tensor([first + second], dtype=torch.float32)  # minimum 0, scale 1: q == the value
+    nibbles, scale, minimum = int4.quantize_weight(w)
+    assert scale.item() == 1 and minimum.item() == 0
+    assert nibbles[0, 0].tolist() == [a | (b << 4) for a, b in zip(first, second, strict=True)]
+
+
+def w4a8_reference(x: torch.Tensor, nibbles, scale, minimum) -> torch.Tensor:
+    """What the kernel computes, in plain torch: x [M, K] quantized to int8 per group of 32 (scale max|x| / 127,
+    rounded half to even), exact integer dot products with the nibbles, then the float scales and the minimum's
+    term on the float group sums. In float64, so only the kernel's float32 sums can differ."""
+    m, k = x.shape
+    groups = x.reshape(m, k // 32, 32)
+    amax = groups.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    qx = torch.round(groups * inv[..., None]).double()  # float32 product, as the kernel rounds it
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).double()  # [N, G, 32]
+    dot = torch.einsum("mgj,ngj->mng", qx, q)
+    d = scale.float()[None] * (amax / 127)[:, None, :]  # float32, as the kernel multiplies them
+    y = (dot * d.double()).sum(-1) + (minimum.double()[None] * groups.sum(-1).double()[:, None, :]).sum(-1)
+    return y.float()
+
+
+def test_pack_is_a_permutation_of_the_q4_1_bytes_and_unpack_inverts_it():
+    torch.manual_seed(3)
+    nibbles, scale, minimum = int4.quantize_weight(torch.randn(40, 64))  # 40 rows: the last block is padded
+    packed, pscale, pminimum = int4.pack(nibbles, scale, minimum)
+    assert packed.shape == (3, 2, 4, 16, 4) and pscale.shape == pminimum.shape == (3, 2, 16)
+    # block 1, group 1, chunk 2, row 5 of the block: bytes 8..11 of row 21's group 1
+    assert packed[1, 1, 2, 5].tolist() == nibbles[21, 1, 8:12].tolist()
+    assert pscale[1, 1, 5] == scale[21, 1] and pminimum[1, 1, 5] == minimum[21, 1]
+    assert (packed[2, :, :, 8:] == 0).all()  # padding rows
+    for a, b in zip(int4.unpack(packed, pscale, pminimum, 40), (nibbles, scale, minimum), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("in_features", [32, 96, 576])
+def test_kernel_computes_the_int8_activation_linear_and_stays_near_the_float_one(kernel, rows, in_features,
+                                                                                monkeypatch):
+    torch.manual_seed(rows * 1000 + in_features)
+    linear = nn.Linear(in_features, 130, bias=True)  # 130 outputs: a padded last block
+    layer = int4.Int4Linear(linear.weight.detach(), linear.bias.detach(), kernel)
+    x = torch.randn(2, rows, in_features)
+    x[0, 0, :32] = 0  # an all-zero group: scale 0
+    exact = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
+    want = w4a8_reference(x.reshape(-1, in_features), *layer.q4_1()).view_as(exact) + linear.bias
+    with torch.inference_mode():
+        monkeypatch.setattr(int4.Int4Linear, "kernel_max_rows", 10**6)
+        got = layer(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (got - exact).norm() / exact.norm() < 0.05  # int8 activations: a few % off the float linear
+        monkeypatch.setattr(int4.Int4Linear, "kernel_max_rows", 0)  # more rows than the kernel takes: dequantize + GEMM
+        torch.testing.assert_close(layer(x), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(kernel):
+    packed, scale, minimum = int4.pack(*int4.quantize_weight(torch.randn(16, 64)))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.int4_linear(torch.randn(2, 48), packed, scale, minimum, 16)
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        kernel.int4_linear(torch.randn(2, 64).double(), packed, scale, minimum, 16)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel.int4_linear(torch.randn(2, 64), packed, scale.float(), minimum, 16)
+    with pytest.raises(RuntimeError, match="ceil"):  # 17 outputs need two blocks
+        kernel.int4_linear(torch.randn(2, 64), packed, scale, minimum, 17)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int4.quantize_weight(torch.randn(4, 40))
+
+
+def test_every_instruction_set_computes_the_same_values(kernel, tmp_path):
+    # The integer sums are exact and the float steps run in one order, so AVX2 and portable builds of the
+    # kernel agree with this machine's build bit for bit.
+    from torch.utils.cpp_extension import load
+
+    binding = tmp_path / "int4_only.cpp"
+    binding.write_text('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
+                       'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_linear", &int4_linear); '
+                       'm.def("isa", &int4_linear_isa); }\n')
+    csrc = Path(sluice.__file__).with_name("csrc")
+    torch.manual_seed(5)
+    weights = int4.pack(*int4.quantize_weight(torch.randn(48, 576)))
+    x = torch.randn(7, 576)
+    want = kernel.int4_linear(x, *weights, 48)
+    flags = {"portable": "-march=x86-64"}
+    if "avx2" in cpu_flags().split() and "fma" in cpu_flags().split():
+        flags["avx2"] = "-march=x86-64-v3"
+    for isa, march in flags.items():
+        build = tmp_path / isa
+        build.mkdir()
+        variant = load(name=f"int4_{isa}", sources=[str(csrc / "int4_linear.cpp"), str(binding)],
+                       extra_cflags=["-O3", march], extra_include_paths=[str(csrc)],
+                       build_directory=str(build), verbose=False)
+        assert variant.isa() == isa
+        assert torch.equal(variant.int4_linear(x, *weights, 48), want), isa
+
+
+def test_a_fused_projection_computes_each_parts_output(kernel):
+    torch.manual_seed(6)
+    weights = [torch.randn(n, 64) for n in (48, 20, 20)]  # 20 rows: the fused weight's blocks straddle the parts
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        alone = [int4.Int4Linear(w, None, kernel)(x) for w in weights]
+        assert torch.equal(int4.Int4Linear(torch.cat(weights), None, kernel)(x), torch.cat(alone, dim=-1))
+
+
+def test_int4_method_serves_the_head_in_int8_and_a_linear_not_in_groups_of_32_in_float32():
+    method = QuantizedMethod("int4")
+    assert isinstance(method.make(torch.randn(8, 64), None, ["model.layers.0.mlp.down_proj"], [8]), int4.Int4Linear)
+    assert isinstance(method.make(torch.randn(8, 64), None, ["lm_head"], [8]), Int8Linear)
+    assert type(method.make(torch.randn(8, 40), None, ["model.layers.0.mlp.down_proj"], [8])) is PlainLinear
+    assert method.made == {"Q4_1": 1, "Q8_0": 1, "F32": 1}
+
+
+class W4A8Reference(nn.Module):
+    """A linear computing w4a8_reference on the Q4_1 buffers of a weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.q4_1 = int4.quantize_weight(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w4a8_reference(x.reshape(-1, x.shape[-1]), *self.q4_1).view(*x.shape[:-1], -1)
+
+
+def _int4_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` computing what the int4 kernel computes, in plain torch: W4A8Reference linears (the head:
+    float on the int8-dequantized weight)."""
+    twin = copy.deepcopy(model)
+    head = twin.get_output_embeddings()
+    head.weight = nn.Parameter(int8_dequantize(*int8_weight(head.weight)), requires_grad=False)
+    linears = [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear and m is not head]
+    for name, linear in linears:
+        parent, _, attr = name.rpartition(".")
+        setattr(twin.get_submodule(parent), attr, W4A8Reference(linear.weight))
+    return twin
+
+
+# 8: chunked prefill and decode batches of up to 8 rows. Every row runs the kernel (KERNEL_MAX_ROWS is 4096); the
+# dequantize path for more rows is the float linear (test_kernel_computes_the_int8_activation_linear...).
+@pytest.mark.parametrize("budget", [64, 8])
+def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, budget):
+    reference, ours = build_pair("llama")
+    reference = _int4_twin(reference)
+    cfg = SluiceConfig()
+    cfg.model.quantization = "int4"
+    cfg.cache.num_kv_blocks = 64
+    cfg.scheduler.max_num_batched_tokens = budget
+    cfg.scheduler.max_num_seqs = 16
+    engine = LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
+    assert engine.dtype == torch.float32
+    assert isinstance(engine.model.lm_head, Int8Linear)
+    assert all(type(m) is int4.Int4Linear for m in engine.model.layers.modules() if hasattr(m, "in_features"))
+    layer = engine.model.layers[0]
+    # q/k/v and gate/up: one linear each, fused at load
+    assert layer.self_attn.qkv_proj.out_features == 128 and layer.mlp.gate_up_proj.out_features == 256
+    prompts = mixed_prompts(12)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert all(len(tokens) == MAX_NEW for tokens in got)
+    # Rounding activations to int8 is a step function: an upstream difference of one ulp (the paged attention's sums
+    # against sdpa's) now and then moves a value across a rounding boundary, a whole quantum. On this random model a
+    # 2e-7 relative nudge of every activation moves the reference's own logits by up to ~0.2 (their spread: ~1.6),
+    # so near-ties may break either way and greedy texts part. So each of the engine's tokens is checked against
+    # the reference's logits at that point of the engine's own text: the argmax, or within such a nudge of it.
+    gaps = []
+    with torch.inference_mode():
+        for prompt, tokens in zip(prompts, got, strict=True):
+            logits = reference(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+            chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            gaps.append(logits.max(-1).values - chosen)
+    gaps = torch.cat(gaps)
+    assert (gaps <= 0.3).all(), gaps.max()
+    assert (gaps == 0).float().mean() > 0.9, gaps  # nearly always the very argmax
+
+
+def test_int4_refuses_bfloat16():
+    _, ours = build_pair("llama")
+    cfg = SluiceConfig()
+    cfg.model.quantization, cfg.model.dtype = "int4", "bfloat16"
+    with pytest.raises(ValueError, match="int4 runs on CPU with float32"):
+        LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())

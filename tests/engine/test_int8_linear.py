@@ -1,0 +1,130 @@
+"""--quantization int8: the kernel against plain torch, and the int8 engine against transformers on the same
+dequantized weights (so the oracle stays exact: only the weights' precision changed, not the computation)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sluice.service.engine.int8_linear as int8
+from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import SluiceConfig
+from sluice.service.engine.engine import LLMEngine
+from tests.support import tiny
+from tests.support.parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
+
+
+def test_quantize_weight_rounds_to_within_half_a_step_per_group():
+    torch.manual_seed(0)
+    w = torch.randn(33, 96) * torch.linspace(0.01, 3, 33)[:, None]  # very different row ranges
+    w[5, 32:64] = 0  # an all-zero group must not divide by zero
+    q, scale = int8.quantize_weight(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (33, 3) and scale.dtype == torch.float16
+    step = scale.float().repeat_interleave(32, dim=1)
+    assert ((int8.dequantize(q, scale) - w).abs() <= step / 2 + 1e-7).all()
+    assert (q[5, 32:64] == 0).all() and scale[5, 1] == 0
+
+
+def test_weights_that_came_from_q8_0_come_back_exactly():
+    # The default model's embedding (its tied head) is dequantized Q8_0: quantizing it again must lose nothing.
+    torch.manual_seed(1)
+    q = torch.randint(-127, 128, (8, 4, 32))
+    q[..., 0] = 127  # Q8_0 maps each group's largest magnitude to +-127
+    d = (torch.rand(8, 4) * 0.01 + 1e-3).half().float()
+    w = (q.float() * d[..., None]).reshape(8, 128)
+    assert torch.equal(int8.dequantize(*int8.quantize_weight(w)), w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("in_features", [32, 96, 576])  # 96: an odd number of groups
+def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows, in_features, monkeypatch):
+    torch.manual_seed(rows * 1000 + in_features)
+    linear = nn.Linear(in_features, 130, bias=True)
+    layer = int8.Int8Linear(linear.weight.detach(), linear.bias.detach(), kernel)
+    x = torch.randn(2, rows, in_features)
+    want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
+    with torch.inference_mode():
+        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 10**6)
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 0)
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernel_runs_on_every_torch_thread(kernel):
+    # Without -fopenmp at::parallel_for silently runs on one thread: the kernel would be right, at half the speed.
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch built without OpenMP")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernel.parallel_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(kernel):
+    q, s = int8.quantize_weight(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="int8_linear"):
+        kernel.int8_linear(torch.randn(2, 48), q, s)
+    with pytest.raises(RuntimeError, match="int8_linear"):
+        kernel.int8_linear(torch.randn(2, 64).double(), q, s)
+    with pytest.raises(RuntimeError, match="float16 scale"):
+        kernel.int8_linear(torch.randn(2, 64), q, s.float())
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int8.quantize_weight(torch.randn(4, 40))
+
+
+def _dequantized_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose linear weights are what int8 quantization will make of them."""
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if type(module) is nn.Linear:
+            module.weight = nn.Parameter(int8.dequantize(*int8.quantize_weight(module.weight)), requires_grad=False)
+    return twin
+
+
+def int8_engine(model, budget: int, dtype: str = "auto", device: str = "cpu") -> LLMEngine:
+    cfg = SluiceConfig()
+    cfg.model.device, cfg.model.dtype, cfg.model.quantization = device, dtype, "int8"
+    cfg.cache.num_kv_blocks = 64
+    cfg.scheduler.max_num_batched_tokens = budget
+    cfg.scheduler.max_num_seqs = 16
+    return LLMEngine(cfg, model=model, tokenizer=tiny.tokenizer())
+
+
+def test_int8_needs_cpu_float32_and_a_known_name():
+    _, ours = build_pair("llama")
+    with pytest.raises(ValueError, match="float32"):
+        int8_engine(ours, 64, dtype="bfloat16")
+    cfg = SluiceConfig()
+    cfg.model.quantization = "int3"
+    with pytest.raises(ValueError, match="quantization must be one of none, int8"):
+        LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
+
+
+@pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over the kernel's limit
+def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget, monkeypatch):
+    if budget == 8:
+        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 4)
+    reference, ours = build_pair("llama")
+    reference = _dequantized_twin(reference)
+    engine = int8_engine(ours, budget)
+    assert all(type(m) is not nn.Linear for m in engine.model.modules())
+    assert isinstance(engine.model.lm_head, int8.Int8Linear)
+    prompts = mixed_prompts(12)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    want = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    assert got == want
+
+
+def test_int8_method_quantizes_whole_groups_only():
+    from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
+
+    method = QuantizedMethod("int8")
+    assert isinstance(method.make(torch.randn(8, 64), None, ["model.layers.0.self_attn.o_proj"], [8]),
+                      int8.Int8Linear)
+    assert type(method.make(torch.randn(8, 50), None, ["lm_head"], [8])) is PlainLinear  # no whole groups of 32

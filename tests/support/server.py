@@ -1,0 +1,114 @@
+"""The suite's one way to run `sluice serve` in a test: a subprocess on a tiny model and a free loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from sluice.service.bench.soak import free_port
+from tests.support import REPO as ROOT
+
+MODEL = "tiny"  # the served name of the tiny test model
+
+
+class Server:
+    """`sluice serve` on a tiny model and a loopback port; `env` adds environment variables,
+    `faults` (a tests/support/faults.py spec) starts it through tests/support/fault_serve.py."""
+
+    def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
+                 name: str = "sluice", faults: str = ""):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
+        full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
+        full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
+        # faults: the test-only launcher installs them on the engine, then runs the real CLI
+        launcher = ["-m", "tests.support.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
+        cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
+               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16",
+               "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+
+class ServerPool:
+    """The session's shared `sluice serve` processes: one per distinct (model, flags), started on first use and
+    stopped when the session ends. Only for tests that leave a server as they found it: they neither stop nor
+    kill it, and read its counters as deltas, never as a fresh server's values."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.servers: dict[tuple, Server] = {}
+
+    def get(self, model_dir: str, *flags: str) -> Server:
+        """The ready server for these flags, started now if no test has asked for it yet."""
+        key = (str(model_dir), flags)
+        if key not in self.servers:
+            self.servers[key] = Server(model_dir, self.log_dir, *flags, name="shared").wait_ready()
+        srv = self.servers[key]
+        assert srv.proc.poll() is None, f"a test stopped the shared server {flags}:\n{srv.log()[-4000:]}"
+        return srv
+
+    def close(self) -> None:
+        """Stop them all; each must exit cleanly and log no traceback."""
+        bad = [f"{srv.log_path}: exit {code}" for srv in self.servers.values()
+               if (code := srv.stop()) != 0 or "Traceback" in srv.log()]
+        assert not bad, "shared servers ended badly:\n" + "\n".join(bad)
+
+
+def is_idle(h: dict) -> bool:
+    """Nothing queued, running, swapped or streaming; every device and host block free."""
+    return (h["running"] == h["waiting"] == h["swapped"] == h["open_streams"] == 0
+            and h["kv_free_blocks"] == h["kv_total_blocks"]
+            and h["kv_free_host_blocks"] == h["kv_total_host_blocks"])
+
+
+async def wait_idle(srv: Server, timeout: float = 20) -> dict:
+    """Poll /health until idle; fail with the last figures."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = await asyncio.to_thread(srv.health)
+        if is_idle(h):
+            return h
+        assert time.monotonic() < deadline, f"engine not idle: {h}"
+        await asyncio.sleep(0.05)
