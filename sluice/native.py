@@ -65,6 +65,11 @@ def load():
     if shutil.which(compiler) is None:
         logger.warning("native kernels: no C++ compiler (%r not found; set CXX): %s", compiler, FALLBACK)
         return None
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        logger.warning("native kernels: no ninja to build them with (pip install ninja): %s", FALLBACK)
+        return None
     start, wall_start = time.monotonic(), time.time()
     try:
         ops = build(CFLAGS)

@@ -7,12 +7,12 @@ import dataclasses
 import logging
 import socket
 
-import orjson
 from aiohttp import web
 
 from sluice.metrics.prometheus import render_latest
 from sluice.metrics.tracing import server_timing
 from sluice.scheduling.outcomes import ErrorCode, RequestRejected
+from sluice.service.api import json_codec
 from sluice.service.api.embeddings import embedding_response, prepare_embeddings
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.lora_routes import adapter_cards, load_lora_adapter, unload_lora_adapter
@@ -111,7 +111,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 def _json(payload, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+    return web.Response(status=status, body=json_codec.dumps(payload), content_type="application/json")
 
 
 def _engine(state: ServerState) -> AsyncEngine:
@@ -238,7 +238,7 @@ async def _response_events(outputs, builder: ResponseBuilder):
 
 
 def _events(events: list[dict]) -> bytes:
-    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
+    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + json_codec.dumps(e) + b"\n\n" for e in events)
 
 
 def _trace_headers(request: web.Request, aengine: AsyncEngine) -> dict[str, str] | None:
@@ -324,7 +324,7 @@ _DONE = b"data: [DONE]\n\n"
 
 
 def _sse(payload: dict) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + json_codec.dumps(payload) + b"\n\n"
 
 
 async def _chat_events(outputs, choices: dict[str, Choice], fmt: ResponseFormat):

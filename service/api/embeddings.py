@@ -12,10 +12,10 @@ import base64
 import uuid
 from dataclasses import dataclass
 
-import orjson
 from pydantic import ValidationError
 
 from sluice.scheduling.sampling_params import PoolingParams, SamplingParams
+from sluice.service.api import json_codec
 from sluice.service.api.errors import RequestError
 from sluice.service.api.preprocess import check_model, load_body, refuse_if_longer_than_context
 from sluice.service.api.protocol import invalid
@@ -115,4 +115,4 @@ def embedding_response(prep: PreparedEmbeddings, outputs: dict[str, EngineOutput
         tokens += out.num_prompt_tokens
     reply = {"object": "list", "data": data, "model": model_name,
              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    return orjson.dumps(reply, option=orjson.OPT_SERIALIZE_NUMPY)
+    return json_codec.dumps(reply)

@@ -11,10 +11,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import orjson
 from aiohttp import web
 
 from sluice.metrics.prometheus import record_rejection
+from sluice.service.api import json_codec
 from sluice.service.api.preprocess import Preprocessor
 from sluice.service.api.protocol import RequestError
 from sluice.service.config import SluiceConfig
@@ -103,7 +103,7 @@ def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestE
 
 def error_response(e: RequestError) -> web.Response:
     """OpenAI's error body with the error's status (and its headers: Retry-After, Allow, ...)."""
-    return web.Response(status=e.status, body=orjson.dumps(e.to_dict()), content_type="application/json",
+    return web.Response(status=e.status, body=json_codec.dumps(e.to_dict()), content_type="application/json",
                         headers=e.headers)
 
 

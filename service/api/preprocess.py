@@ -17,9 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-import orjson
-
 from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.api import json_codec
 from sluice.service.api.errors import RequestError, param_path
 from sluice.service.api.formatting import Choice
 from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_completion, resolve_params
@@ -65,8 +64,8 @@ class Preprocessor:
 def load_body(raw: bytes) -> dict:
     """The JSON object of a request body, nested at most MAX_BODY_DEPTH deep; RequestError otherwise."""
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
+        body = json_codec.loads(raw)
+    except json_codec.JSONDecodeError as e:
         deep = "depth limit" in str(e) or "recursion" in str(e).lower()
         raise RequestError(f"the request body is nested more than {MAX_BODY_DEPTH} levels deep" if deep
                            else "the request body is not valid JSON") from None
@@ -187,7 +186,7 @@ def _chat_bytes(req: GenerateRequest, plan: ToolPlan | None) -> int:
     template that knows tools renders them, and the prompted path writes them into the system prompt)."""
     size = sum(len((m.get("content") or "").encode("utf-8", "replace")) for m in req.messages)
     if plan is not None and plan.active:
-        size += sum(len(orjson.dumps(f)) for f in plan.spec.functions)
+        size += sum(len(json_codec.dumps(f)) for f in plan.spec.functions)
     return size
 
 

@@ -6,9 +6,8 @@ grammar}) and its older `guided_json` / `guided_regex` / `guided_choice` / `guid
 
 from __future__ import annotations
 
-import orjson
-
 from sluice.scheduling.sampling_params import StructuredOutput
+from sluice.service.api import json_codec
 from sluice.service.api.errors import RequestError
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema, grammar or choice list larger than this is almost surely a mistake
@@ -86,7 +85,7 @@ def _constraint(kind: str, value, param: str) -> StructuredOutput:
         if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
                 or not all(isinstance(c, str) and c for c in value)):
             raise RequestError(f"'{param}' must be a list of 1 to {MAX_CHOICES} non-empty strings", param)
-        text = orjson.dumps(value).decode()
+        text = json_codec.dumps(value).decode()
         _check_size(text, param)
         return StructuredOutput("choice", text, param)
     if not isinstance(value, str) or not value:
@@ -102,13 +101,13 @@ def _json(schema, param: str) -> StructuredOutput:
     """
     if isinstance(schema, str):
         try:
-            schema = orjson.loads(schema)
-        except orjson.JSONDecodeError:
+            schema = json_codec.loads(schema)
+        except json_codec.JSONDecodeError:
             raise RequestError(f"'{param}' is not valid JSON", param) from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"'{param}' must be a JSON schema object", param)
     check_schema_shape(schema, param, keywords=True)
-    text = orjson.dumps(schema).decode()
+    text = json_codec.dumps(schema).decode()
     _check_size(text, param)
     return StructuredOutput("json", text, param)
 

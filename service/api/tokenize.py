@@ -6,9 +6,9 @@ would otherwise pause every stream.
 
 from __future__ import annotations
 
-import orjson
 from aiohttp import web
 
+from sluice.service.api import json_codec
 from sluice.service.api.errors import RequestError
 from sluice.service.api.middlewares import STATE
 from sluice.service.api.preprocess import chat_prompt_ids, check_model, load_body
@@ -80,4 +80,4 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 def _json(payload) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+    return web.Response(body=json_codec.dumps(payload), content_type="application/json")

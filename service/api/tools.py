@@ -20,8 +20,6 @@ import json
 import re
 from dataclasses import dataclass
 
-import jsonschema_rs
-
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.api.errors import RequestError
 from sluice.service.api.structured import MAX_SPEC_BYTES, check_schema_shape
@@ -136,6 +134,10 @@ def _check_schema(schema: dict, param: str) -> None:
         # An unknown $schema is a URL the validator would fetch: never, from a request.
         raise RequestError(f"{param}.$schema must be one of the JSON-schema drafts: {', '.join(sorted(DRAFTS))}",
                            param)
+    try:
+        import jsonschema_rs
+    except ImportError:  # a bare image without it: xgrammar's compile is then the only check
+        return
     try:
         jsonschema_rs.meta.validate(schema)
     except jsonschema_rs.ValidationError as e:

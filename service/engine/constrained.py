@@ -5,7 +5,13 @@ from __future__ import annotations
 from sluice.scheduling.outcomes import ErrorCode, FinishReason
 from sluice.scheduling.request import RequestStatus
 from sluice.scheduling.sampling_params import StructuredOutput
-from sluice.service.engine.grammar import GrammarCompiler, GrammarState, GrammarStep
+from sluice.service.engine.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarState,
+    GrammarStep,
+    GrammarUnavailable,
+)
 
 
 class ConstrainedDecoding:
@@ -23,11 +29,17 @@ class ConstrainedDecoding:
 
     def compile_grammar(self, constraint: StructuredOutput) -> None:
         """Compile and cache a constraint (thread-safe: the API calls it off the engine thread); GrammarError."""
-        self.grammar.compiler.compile(constraint)
+        self._grammar_for(constraint).compiler.compile(constraint)
 
     async def compile_grammar_async(self, constraint: StructuredOutput) -> None:
         """compile_grammar for the event loop: a caller that leaves gives up its share of the compile."""
-        await self.grammar.compiler.compile_async(constraint)
+        await self._grammar_for(constraint).compiler.compile_async(constraint)
+
+    def _grammar_for(self, constraint: StructuredOutput) -> GrammarState:
+        try:
+            return self.grammar
+        except GrammarUnavailable as e:  # the client's request names what cannot be served here
+            raise GrammarError(str(e), constraint.param, code="grammar_unavailable") from None
 
     def _advance_grammar(self, ro):
         """Feed the sampled token to the request's matcher; a completed grammar ends the request, a broken or

@@ -29,17 +29,25 @@ from sluice.service.config import GrammarConfig
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
 from sluice.service.engine.grammar_compile import CompileJob, CompileService, GrammarBusyError
 
-__all__ = ["GrammarBusyError", "GrammarCompiler", "GrammarError", "GrammarState", "GrammarStep"]
+__all__ = ["GrammarBusyError", "GrammarCompiler", "GrammarError", "GrammarState", "GrammarStep", "GrammarUnavailable"]
 logger = logging.getLogger("sluice.grammar")
 ERRORS_KEPT = 256  # refusals remembered by constraint text: a client resending one never recompiles it
 STRIKES = 3  # tokens in a row over the budget before a row is ended: one slow step (a busy host) is not enough
+
+
+class GrammarUnavailable(RuntimeError):
+    """xgrammar is not installed: every constrained request is refused, the rest are served."""
 
 
 class GrammarCompiler:
     """Compiles StructuredOutput constraints for one tokenizer in child processes; cached by text and bytes."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], config: GrammarConfig | None = None):
-        import xgrammar as xgr  # imported on first use: engines without constrained requests never pay for it
+        try:
+            import xgrammar as xgr  # imported on first use: engines without constrained requests never pay for it
+        except ImportError:
+            raise GrammarUnavailable("structured outputs and tool grammars need xgrammar, which this server lacks "
+                                     "(pip install xgrammar)") from None
 
         self._xgr = xgr
         self.config = config = config or GrammarConfig()

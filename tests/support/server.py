@@ -21,10 +21,11 @@ MODEL = "tiny"  # the served name of the tiny test model
 
 class Server:
     """`sluice serve` on a tiny model and a loopback port; `env` adds environment variables,
-    `faults` (a tests/support/faults.py spec) starts it through tests/support/fault_serve.py."""
+    `faults` (a tests/support/faults.py spec) starts it through tests/support/fault_serve.py, `bare` through
+    tests/support/bare_serve.py."""
 
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
-                 name: str = "sluice", faults: str = ""):
+                 name: str = "sluice", faults: str = "", bare: bool = False):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
@@ -32,6 +33,8 @@ class Server:
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
         # faults: the test-only launcher installs them on the engine, then runs the real CLI
         launcher = ["-m", "tests.support.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
+        if bare:  # as on a bare GPU image: no orjson, xgrammar, gguf, jsonschema_rs or ninja
+            launcher = ["-m", "tests.support.bare_serve"]
         cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
                "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16",
                "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
