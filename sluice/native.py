@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from sluice.machine import cache_root, cpu_flags_line
+
 logger = logging.getLogger("sluice.native")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -37,20 +39,13 @@ FALLBACK = "every CPU kernel runs its pure-torch fallback (correct, slower)"
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: $SLUICE_CACHE_DIR/kernels, default ~/.cache/sluice/kernels."""
-    root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sluice")
-    return Path(root) / "kernels"
+    """Where built kernels live: the cache root's kernels/."""
+    return cache_root() / "kernels"
 
 
 def cpu_flags() -> str:
     """This CPU's feature flags line (/proc/cpuinfo), or the machine name where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+    return cpu_flags_line() or os.uname().machine
 
 
 def sources() -> list[Path]:

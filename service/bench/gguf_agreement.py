@@ -23,8 +23,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from sluice.machine import cache_root
 from sluice.service.bench.server_process import ServerProcess
-from sluice.service.engine.model_loader import default_cache_dir
 
 PROMPTS = [
     "What is the capital of France?",
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: print the figures as JSON (and write them beside the logs)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gguf", type=Path)
-    parser.add_argument("--llama-server", type=Path, default=default_cache_dir() / "peers" / "llama-server")
+    parser.add_argument("--llama-server", type=Path, default=cache_root() / "peers" / "llama-server")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="where the server logs and the JSON go")

@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 from sluice import native
+from sluice.machine import cache_root
 from sluice.service.bench.serve import ServeConfig, run_serve
 from sluice.service.bench.server_process import ServerProcess
 from sluice.service.bench.standard import A, B, C
-from sluice.service.engine.model_loader import default_cache_dir, ensure_default_model, fetch_default_gguf
+from sluice.service.engine.model_loader import ensure_default_model, fetch_default_gguf
 
 SDIST = "llama-cpp-python"
 # (cpuinfo flag, ggml CMake option): turned on only where the CPU reports the flag.
@@ -121,7 +122,7 @@ def run_peers(output: Path, context: int = 16384, parallel: int = 16, baseline: 
     `baseline`: a git ref whose Sluice runs right before this one on every Sluice line ("Sluice@<ref> ...").
     `shapes`: random models ("qwen2-135m", see shapes.py) served by Sluice fp32 and bf16 on workloads A and B.
     """
-    cache = default_cache_dir() / "peers"
+    cache = cache_root() / "peers"
     server = build_llama_server(cache, log)
     models = {"llama.cpp F32": f32_gguf(cache, log), "llama.cpp Q4_1": q4_1_gguf(cache)}
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "context": context,

@@ -68,10 +68,10 @@ def compare(baseline: str, number: int, rounds: int, repeats: int = 3, log=print
     """This commit's figures and (with `baseline`) an earlier commit's, alternating; the median of `repeats`."""
     pythons = {"this": sys.executable}
     if baseline:
+        from sluice.machine import cache_root
         from sluice.service.bench.baseline import baseline_python
-        from sluice.service.engine.model_loader import default_cache_dir
 
-        pythons = {f"@{baseline}": str(baseline_python(baseline, default_cache_dir() / "peers", log)), **pythons}
+        pythons = {f"@{baseline}": str(baseline_python(baseline, cache_root() / "peers", log)), **pythons}
     runs: dict[str, list[dict]] = {tag: [] for tag in pythons}
     for _ in range(repeats):
         for tag, python in pythons.items():

