@@ -152,6 +152,8 @@ def _default(field: dataclasses.Field) -> str:
     value = field.default
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, (tuple, list)) and not value:
+        return "(none)"
     return _code(value) or "(empty)"
 
 

@@ -40,6 +40,8 @@ class SyncEngine(Protocol):
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    loras: Any  # the LoRA adapter registry, or None
+    embedding: EmbeddingSpec | None  # how /v1/embeddings pools, or None where it serves none
     num_waiting: int
     num_running: int
     num_swapped: int
@@ -68,7 +70,7 @@ class ModelInfo:
     def of(cls, engine: SyncEngine) -> ModelInfo:
         """Read from an LLMEngine (or a stand-in with the same attributes)."""
         return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                   getattr(engine, "loras", None), getattr(engine, "embedding", None))
+                   engine.loras, engine.embedding)
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets

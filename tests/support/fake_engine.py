@@ -14,6 +14,8 @@ class FakeEngine:
 
     served_model_name = "fake"
     max_model_len = 64
+    loras = None  # serves no LoRA adapters
+    embedding = None  # and no /v1/embeddings
 
     def __init__(self, step_delay: float = 0.0, fail_at_step: int | None = None, tokenizer=None):
         self.tokenizer = tokenizer
