@@ -54,13 +54,13 @@ prometheus-check: install  ## every dashboard/alert query on a real Prometheus s
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/metrics/test_prometheus_rules.py tests/metrics/test_prometheus_real.py
 
 k8s-manifests: install  ## regenerate k8s/base/{grafana-dashboard,prometheusrule}.yaml from metrics/
-	$(BIN)/python -m sluice.metrics.gen_k8s
+	$(BIN)/python -m sluice.service.bench.gen_k8s
 
 k8s-check: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s/test_k8s.py
 
 scaling: install  ## one replica at rising request rates; start `make serve` first
-	$(BIN)/python -m sluice.metrics.measure_scaling $(ARGS)
+	$(BIN)/python -m sluice.service.bench.measure_scaling $(ARGS)
 
 SOAK_ARGS ?=
 soak: model  ## a few minutes past capacity on SmolLM2: nothing lost, nothing leaked (report: soak.json)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -22,12 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Serve the OpenAI-compatible API. Every flag can also be set with the environment variable shown."))
     add_config_flags(serve)
     serve.set_defaults(func=_serve_command)
-    # `sluice bench ...`, `sluice soak`: modules that add their subparsers (each sets `func(args) -> exit code`).
-    from sluice.service.bench import add_bench_subcommands
-    from sluice.service.bench.soak import add_soak_subcommand
+    # `sluice bench ...`, `sluice soak`: development tools, present in a source checkout and not in the product
+    # wheel; they add their subparsers (each sets `func(args) -> exit code`).
+    if importlib.util.find_spec("sluice.service.bench") is not None:
+        from sluice.service.bench import add_bench_subcommands
+        from sluice.service.bench.soak import add_soak_subcommand
 
-    add_bench_subcommands(commands)
-    add_soak_subcommand(commands)
+        add_bench_subcommands(commands)
+        add_soak_subcommand(commands)
     return parser
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.service.api import gen_docs
+from sluice.service.bench import gen_docs
 from sluice.service.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,6 +32,9 @@ ROOMS = {
     "cli": {"root", "kvcache", "scheduling", "metrics", "config", "engine", "api", "bench", "service"},
     "service": set(),  # sluice/service/__init__.py
 }
+# Benchmarks and development tools (docs and manifest generators, the PromQL checker, the scaling probe): in a
+# source checkout (`pip install -e .`), never in the product wheel, and nothing of the product imports them.
+DEVELOPMENT_ONLY = {"sluice.service.bench"}
 # Third-party packages the two lowest layers never import: they know nothing of HTTP or of the model.
 NOT_BELOW_SERVICE = {"aiohttp", "transformers", "orjson", "uvloop", "prometheus_client", "accelerate", "gguf",
                      "safetensors", "tests"}
@@ -168,10 +171,10 @@ def test_pyproject_maps_and_lists_every_package():
         return
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"] == {package: folder for folder, package in FOLDERS.items()}
-    expected = sorted({m for m, p in modules().items() if p.name == "__init__.py"})
+    expected = sorted({m for m, p in modules().items() if p.name == "__init__.py"} - DEVELOPMENT_ONLY)
     assert sorted(setuptools["packages"]) == expected
     data = setuptools["package-data"]
-    assert "csrc/*.cpp" in data["sluice"] and "*.json" in data["sluice.metrics"]
+    assert "csrc/*.cpp" in data["sluice"] and "grafana-dashboard.json" in data["sluice.metrics"]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["sluice"] == "sluice.service.cli:main"
 
@@ -204,3 +207,26 @@ def test_test_folders_mirror_the_packages():
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders <= known, f"test folders that mirror no package: {sorted(folders - known)}"
     assert all((REPO / "tests" / f / "__init__.py").exists() for f in folders)
+
+
+def test_the_product_wheel_carries_no_development_tools(tmp_path):
+    """The wheel `pip install sluice` gets: every product package and its data, none of DEVELOPMENT_ONLY."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    # From a copy of the sources: setuptools reuses a build/ folder in the tree, stale files and all.
+    source = tmp_path / "src"
+    at_root = {".git", ".venv", "build", "bench", "sluice.egg-info"}  # big, or what the copy must not reuse
+    shutil.copytree(REPO, source, ignore=lambda folder, names: [n for n in names if n in at_root and
+                                                                Path(folder) == REPO or n == "__pycache__"])
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [wheel] = tmp_path.glob("sluice-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    folders = {name.rpartition("/")[0].replace("/", ".") for name in names if name.endswith(".py")}
+    assert folders == {m for m, p in modules().items() if p.name == "__init__.py"} - DEVELOPMENT_ONLY
+    assert "sluice/csrc/gguf_linear.cpp" in names and "sluice/metrics/grafana-dashboard.json" in names
+    assert "sluice/metrics/alerts.yml" in names and "sluice/metrics/alerts_test.yml" not in names

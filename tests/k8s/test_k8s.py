@@ -15,9 +15,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.metrics import gen_k8s
 from sluice.metrics.prometheus import SluiceMetrics, render_latest
 from sluice.metrics.vllm_names import CacheConfigInfo
+from sluice.service.bench import gen_k8s
 from tests.support import REPO
 
 K8S = REPO / "k8s"
@@ -335,8 +335,8 @@ def test_crd_schemas_reject_gateway_mistakes():
 
 def test_generated_manifests_are_in_sync_with_metrics():
     for path, text in gen_k8s.render().items():
-        assert path.exists(), f"{path} missing: run `python -m sluice.metrics.gen_k8s`"
-        assert path.read_text() == text, f"{path} is stale: run `python -m sluice.metrics.gen_k8s`"
+        assert path.exists(), f"{path} missing: run `python -m sluice.service.bench.gen_k8s`"
+        assert path.read_text() == text, f"{path} is stale: run `python -m sluice.service.bench.gen_k8s`"
     cm = yaml.safe_load((K8S / "base" / "grafana-dashboard.yaml").read_text())
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["sluice.json"] == gen_k8s.DASHBOARD.read_text()

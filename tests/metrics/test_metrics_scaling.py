@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from sluice.metrics.measure_scaling import RateResult, gauges, quantile, table
 from sluice.metrics.prometheus import SluiceMetrics, render_latest
 from sluice.scheduling.output import SchedulerStats
+from sluice.service.bench.measure_scaling import RateResult, gauges, quantile, table
 
 
 def test_gauges_sums_series_of_the_live_exposition():

@@ -17,8 +17,8 @@ import urllib.request
 import aiohttp
 import pytest
 
-from sluice.metrics import promql_check as pc
 from sluice.metrics.prometheus import CONTENT_TYPE
+from sluice.service.bench import promql_check as pc
 from tests.support.server import MODEL as MODEL_NAME
 from tests.support.server import Server, free_port
 from tests.support.tiny import save_tiny_model

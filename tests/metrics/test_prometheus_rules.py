@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from sluice.metrics import promql_check as pc
+from sluice.service.bench import promql_check as pc
 
 pytestmark = pytest.mark.timeout(600)  # the first run may apt-get install prometheus
 

@@ -3,7 +3,7 @@
 Used by tests/metrics/test_prometheus_real.py (which starts Prometheus and `sluice serve` itself), and usable on its
 own against any Prometheus that scrapes Sluice:
 
-    python -m sluice.metrics.promql_check --prometheus http://127.0.0.1:9090 --model-name SmolLM2-135M-Instruct
+    python -m sluice.service.bench.promql_check --prometheus http://127.0.0.1:9090 --model-name SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[2] / "metrics"  # the metric definitions this tool reads
 DASHBOARD = HERE / "grafana-dashboard.json"
 ALERTS = HERE / "alerts.yml"
 ALERT_TESTS = HERE / "alerts_test.yml"

@@ -1,7 +1,7 @@
 """Generate the reference parts of docs/ from the code, so the docs cannot drift from it.
 
-    python -m sluice.service.api.gen_docs           # rewrite the generated sections of docs/*.md
-    python -m sluice.service.api.gen_docs --check   # exit 1 when a committed section is stale
+    python -m sluice.service.bench.gen_docs           # rewrite the generated sections of docs/*.md
+    python -m sluice.service.bench.gen_docs --check   # exit 1 when a committed section is stale
 
 A generated section sits between `<!-- generated: NAME ... -->` and `<!-- end generated: NAME -->`; the text
 around it is written by hand. The endpoints come from the app's router, the request fields from the OpenAPI
@@ -22,7 +22,7 @@ from pathlib import Path
 from sluice.service.config import ENV_PREFIX, SluiceConfig, add_config_flags
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-COMMAND = "python -m sluice.service.api.gen_docs"
+COMMAND = "python -m sluice.service.bench.gen_docs"
 
 
 # ---- markdown helpers

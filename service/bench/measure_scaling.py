@@ -2,7 +2,7 @@
 requests (from /metrics), TTFT p99 and throughput. Shows where a replica saturates, which sets the HPA target.
 
     sluice serve &   # one replica, as deployed
-    python -m sluice.metrics.measure_scaling --url http://127.0.0.1:8000 --rates 0.5,1,2,4 --duration 60
+    python -m sluice.service.bench.measure_scaling --url http://127.0.0.1:8000 --rates 0.5,1,2,4 --duration 60
 """
 
 from __future__ import annotations
