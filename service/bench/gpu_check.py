@@ -183,8 +183,8 @@ def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
         for dtype in dtypes:
             worst = 0.0
             for i, (mix, bs, window, softcap) in enumerate(cases):
-                q, k, v, kc, vc, args, expected = _attention_case(ATTENTION_MIXES[mix], bs, device, dtype, i, window,
-                                                                  softcap)
+                q, k, v, kc, vc, args, expected = paged_attention_case(ATTENTION_MIXES[mix], bs, device, dtype, i,
+                                                                       window, softcap)
                 meta = AttentionMetadata.build(*args, backend=backend)
                 out = paged_attention(q, k, v, kc, vc, meta, q.shape[-1] ** -0.5, window, softcap)
                 worst = max(worst, (out.double() - expected).abs().max().item())
@@ -195,8 +195,10 @@ def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
     return report
 
 
-def _attention_case(seqs, block_size, device, dtype, seed, window, softcap, num_heads=8, num_kv_heads=2,
-                    head_dim=64):
+def paged_attention_case(seqs, block_size, device, dtype, seed, window=None, softcap=None, num_heads=8,
+                         num_kv_heads=2, head_dim=64):
+    """(context_len, q_len) per sequence, packed: the new q/k/v, a cache full of garbage with the contexts written
+    into shuffled blocks, AttentionMetadata.build's arguments and the dense float64 reference output."""
     import random
 
     gen = torch.Generator().manual_seed(seed)
@@ -226,12 +228,12 @@ def _attention_case(seqs, block_size, device, dtype, seed, window, softcap, num_
     args = ([q for _, q in seqs], [c + q for c, q in seqs], block_tables, torch.tensor(slots, device=device),
             block_size)
     on = [t.to(device, dtype) for t in (torch.cat(queries), torch.cat(keys), torch.cat(values), kc, vc)]
-    expected = torch.cat([_dense(q.to(dtype), k.to(dtype), v.to(dtype), head_dim ** -0.5, window, softcap)
+    expected = torch.cat([dense_attention(q.to(dtype), k.to(dtype), v.to(dtype), head_dim ** -0.5, window, softcap)
                           for q, (k, v) in zip(queries, full, strict=True)]).to(device)
     return (*on, args, expected)
 
 
-def _dense(q, k, v, scale, window=None, softcap=None):
+def dense_attention(q, k, v, scale, window=None, softcap=None):
     """q [Q, H, D] at the last Q of k/v's L positions; float64."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
