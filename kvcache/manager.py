@@ -144,6 +144,23 @@ class KVCacheManager:
         if pending:  # its swap-in copy may still be reading them
             self._host_release_after_step.extend(pending)
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Device blocks in the request's block table."""
+        return len(self.req_blocks.get(request_id, ()))
+
+    def trim(self, request: CacheableRequest, num_tokens: int) -> None:
+        """Free the request's blocks past those holding its first `num_tokens` tokens: slots reserved for draft
+        tokens that were rejected. Such blocks were never registered in the prefix cache (only blocks of known
+        tokens are), so they go back to the free queue without a hash."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        assert self.req_num_cached.get(request.request_id, 0) <= keep, "a hashed block holds unverified tokens"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+
     def uncache_block_ids(self, block_ids: list[int]) -> None:
         """Forget the prefix hashes of these blocks: a failed step left their contents unknown."""
         for block_id in block_ids:

@@ -102,6 +102,11 @@ METRICS: tuple[MetricSpec, ...] = (
     # An info series (vLLM's lora_requests_info): one child per model, its labels the adapters now, its value the
     # time of the report; max_lora 0 where the model serves no adapters.
     _spec("lora_info", Gauge, "sluice_lora_requests_info", "LoRA adapters of the running and the waiting requests (comma-separated) and the adapter slots; the value is the time of the report.", label=LORA_LABELS),
+    # Speculative decoding (--speculative-method): per position, the drafts accepted at that index of a draft.
+    _spec("spec_drafts", Counter, "sluice_spec_decode_num_drafts", "Drafts verified (one per request and step that speculated).", "spec_num_drafts"),
+    _spec("spec_draft_tokens", Counter, "sluice_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "spec_num_draft_tokens"),
+    _spec("spec_accepted", Counter, "sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+    _spec("spec_accepted_per_pos", Counter, "sluice_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft (0: the first).", label="position"),
     _spec("step_duration", Histogram, "sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", "step_duration_s", buckets=_STEP_BUCKETS),
 )
 
@@ -180,9 +185,20 @@ class SluiceMetrics:
         if stats.max_loras:
             self._set_lora_info((",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
                                  str(stats.max_loras)))
+        if stats.spec_accepted_per_pos:
+            self._observe_positions(stats.spec_accepted_per_pos)
         if stats.num_batched_tokens:  # a step that only swapped or idled says nothing about batch size
             for observe, stat in self._step_histograms:
                 observe(getattr(stats, stat))
+
+    def _observe_positions(self, accepted: list[int]) -> None:
+        """Add the step's accepted drafts per position (a position's child appears once it is first drafted)."""
+        children = self._c["spec_accepted_per_pos"]
+        for pos, n in enumerate(accepted):
+            child = children.get(pos)
+            if child is None:
+                child = children[pos] = _collectors(self.registry).spec_accepted_per_pos.labels(self.model_name, pos)
+            child.inc(n)
 
     def _set_lora_info(self, labels: tuple[str, str, str]) -> None:
         """Point the model's lora_info child at the adapters now (the previous label set is removed)."""

@@ -36,6 +36,10 @@ RENAMES: dict[str, tuple[str, ...]] = {
     "prompt_len": ("vllm:request_prompt_tokens",),
     "generation_len": ("vllm:request_generation_tokens",),
     "lora_info": ("vllm:lora_requests_info",),
+    "spec_drafts": ("vllm:spec_decode_num_drafts",),
+    "spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "spec_accepted": ("vllm:spec_decode_num_accepted_tokens",),
+    "spec_accepted_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 LORA_INFO = "vllm:lora_requests_info"
 CACHE_INFO = "vllm:cache_config_info"

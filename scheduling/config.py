@@ -13,6 +13,10 @@ from sluice.knobs import knob
 GPU_BATCHED_TOKENS = 2048
 CPU_BATCHED_TOKENS_PER_CORE = 128
 CPU_BATCHED_TOKENS_MIN = 256
+SPECULATIVE_METHODS = ("none", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 16
+MAX_PROMPT_LOOKUP_WINDOW = 1 << 16
 
 
 def auto_batched_tokens(device_type: str, cpus: int) -> int:
@@ -53,6 +57,25 @@ class SchedulerConfig:
         "What preemption does to a victim: 'recompute' (drop its KV, redo later) or 'swap' (copy KV to host memory).",
         choices=("recompute", "swap"),
     )
+    speculative_method: str = knob(
+        "none",
+        "Speculative decoding: 'none', or 'ngram' (prompt lookup: each decoding request proposes the tokens that "
+        "followed the latest earlier occurrence of its last few tokens in its own prompt and output, and one "
+        "forward verifies them; greedy output is unchanged, sampled output keeps its distribution). Helps "
+        "replies that copy their prompt (code edits, extraction, RAG); requests with structured outputs, "
+        "logprobs, allowed_token_ids or bad_words decode without drafts.",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = knob(
+        4, f"Most draft tokens verified per request and step with --speculative-method ngram "
+        f"(1..{MAX_SPECULATIVE_TOKENS})."
+    )
+    prompt_lookup_max: int = knob(4, "Longest n-gram (the request's last tokens) matched to find drafts.")
+    prompt_lookup_min: int = knob(2, "Shortest n-gram matched to find drafts (tried after the longer ones).")
+    prompt_lookup_window: int = knob(
+        4096, "Most recent tokens of a request searched for an n-gram match: bounds the proposer's work per "
+        "step, however long the context."
+    )
 
     def validate(self) -> None:
         """Raise ValueError on an inconsistent configuration."""
@@ -66,6 +89,16 @@ class SchedulerConfig:
             raise ValueError("max_queue_wait must be >= 0 (0: no limit)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.speculative_method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= "
+                             f"{MAX_PROMPT_LOOKUP} (got {self.prompt_lookup_min} and {self.prompt_lookup_max})")
+        if not self.prompt_lookup_max < self.prompt_lookup_window <= MAX_PROMPT_LOOKUP_WINDOW:
+            raise ValueError(f"prompt_lookup_window must be in {self.prompt_lookup_max + 1}.."
+                             f"{MAX_PROMPT_LOOKUP_WINDOW} (more than prompt_lookup_max)")
 
     def resolved(self, device_type: str, cpus: int) -> SchedulerConfig:
         """A copy with the auto (0) token budget replaced by this device's value."""

@@ -26,10 +26,13 @@ class ScheduledRequest:
     # them; the first num_prompt_tokens are the prompt.
     token_history: list[int] | None = None
     num_prompt_tokens: int = 0
+    # Speculation: the tail of token_ids that are drafts to verify (token_ids = [last known token, *drafts]); the
+    # runner samples at each of those 1 + d positions and returns the accepted run in `spec_sampled`.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        """Tokens computed for this request in this step."""
+        """Tokens computed for this request in this step (drafts included)."""
         return len(self.token_ids)
 
 
@@ -127,6 +130,9 @@ class ModelRunnerOutput:
     """Sampled tokens for the requests whose `sample` flag was set, vectors for embedding requests."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    # Requests that verified drafts: the accepted drafts then one more token (1 to d + 1 tokens), in place of
+    # an entry in `sampled`.
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Embedding requests whose prompt ended this step: their pooled vector (a host float32 tensor).
     pooled: dict[str, object] = field(default_factory=dict)
@@ -146,6 +152,14 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     pooled: object | None = None  # an embedding request's vector, on its only output
+
+    @classmethod
+    def of(cls, request, tokens: list[int], logprobs: list, pooled=None) -> RequestOutput:
+        """What a step produced for `request` (a scheduling.Request), with its state after the step."""
+        return cls(request_id=request.request_id, new_token_ids=tokens, finished=request.is_finished,
+                   finish_reason=request.status.finish_reason, stop_reason=request.stop_reason, logprobs=logprobs,
+                   num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+                   num_cached_tokens=max(request.num_cached_tokens, 0), pooled=pooled)
 
 
 @dataclass(slots=True)
@@ -169,6 +183,12 @@ class SchedulerStats:
     num_batched_tokens: int = 0
     num_scheduled_requests: int = 0
     step_duration_s: float = 0.0
+    # Speculative decoding this step: requests that verified drafts, draft tokens, accepted drafts, and accepted
+    # drafts by position in the draft (index 0: the first draft token).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     # LoRA adapters (names, sorted) of the running and the waiting requests; max_loras 0: LoRA is off.
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()

@@ -7,6 +7,7 @@ import itertools
 import time
 
 from sluice.kvcache.hashing import BlockHash, hash_block_tokens
+from sluice.scheduling.ngram import TokenBytes
 from sluice.scheduling.outcomes import FinishReason
 from sluice.scheduling.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class Request:
         "request_id",
         "prompt_token_ids",
         "all_token_ids",
+        "token_bytes",
         "num_prompt_tokens",
         "sampling_params",
         "eos_token_id",
@@ -87,6 +89,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
+        self.token_bytes: TokenBytes | None = None  # packed copy for n-gram lookups, built on the first one
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -125,6 +128,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         """Record a sampled token."""
         self.all_token_ids.append(token_id)
+        if self.token_bytes is not None:
+            self.token_bytes.append(token_id)
 
     def update_block_hashes(self, block_size: int) -> None:
         """Extend the hash chain over every newly full block of known tokens."""

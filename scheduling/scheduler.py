@@ -18,6 +18,7 @@ from sluice.scheduling.output import (
 )
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.request_queue import create_request_queue, fcfs_key, priority_key
+from sluice.scheduling.speculation import Speculation
 
 
 class Scheduler:
@@ -52,6 +53,7 @@ class Scheduler:
         self._ended_in_flight: list[ScheduledRequest] = []
         # (deadline, seq, request) for requests not yet scheduled once, when max_queue_wait is set.
         self._queue_deadlines: list[tuple[float, int, Request]] = []
+        self.spec = Speculation(config, kv_cache_manager, self.max_model_len)
 
     # --- requests in and out -----------------------------------------------------------------
 
@@ -125,12 +127,13 @@ class Scheduler:
         self._finished_ids = []
         self._stats = SchedulerStats()
         num_scheduled: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
         budget = self.config.max_num_batched_tokens
 
         if self.policy == "priority":
             self._preempt_for_waiting_priority(out)
         self._resume_swapped(out)
-        budget, preempted = self._schedule_running(out, num_scheduled, budget)
+        budget, preempted = self._schedule_running(out, num_scheduled, drafts, budget)
         if not preempted and self._may_admit_waiting():
             budget = self._schedule_waiting(num_scheduled, budget)
 
@@ -138,20 +141,21 @@ class Scheduler:
             n = num_scheduled.get(request.request_id)
             if n is None:
                 continue
-            start = request.num_computed_tokens
+            start, draft = request.num_computed_tokens, drafts.get(request.request_id, [])
             out.scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + n],
+                    token_ids=request.all_token_ids[start : start + n - len(draft)] + draft,
                     start_pos=start,
                     block_ids=self.kv.block_ids(request.request_id),
-                    sample=start + n == request.num_tokens and request.sampling_params.pooling is None,
+                    sample=start + n - len(draft) == request.num_tokens and request.sampling_params.pooling is None,
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
                     eos_token_id=request.eos_token_id,
                     min_tokens_pending=request.num_output_tokens < request.sampling_params.min_tokens,
                     token_history=request.all_token_ids if request.sampling_params.needs_token_history else None,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    draft_token_ids=draft,
                 )
             )
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -187,7 +191,7 @@ class Scheduler:
             bisect.insort(self.running, request, key=self.key)
 
     def _schedule_running(
-        self, out: SchedulerOutput, num_scheduled: dict[str, int], budget: int
+        self, out: SchedulerOutput, num_scheduled: dict[str, int], drafts: dict[str, list[int]], budget: int
     ) -> tuple[int, bool]:
         preempted = False
         i = 0
@@ -195,7 +199,12 @@ class Scheduler:
             request = self.running[i]
             n = self._num_new_tokens(request, 0, budget)
             assert n > 0, f"{request} has nothing to compute"
-            while self.kv.allocate_slots(request, n) is None:
+            draft = self.spec.drafts(request, n, budget, len(self.running) - i - 1)
+            if draft:  # they fit: drafts() keeps a block for each request after this one, and within budget
+                assert self.kv.allocate_slots(request, n + len(draft)) is not None
+                drafts[request.request_id] = draft
+                n += len(draft)
+            while not draft and self.kv.allocate_slots(request, n) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 preempted = True
@@ -311,30 +320,43 @@ class Scheduler:
             request.num_computed_tokens += sched.num_tokens
             if request.num_output_tokens == 0:
                 self._stats.num_prompt_tokens += sched.num_tokens
-            token = runner_output.sampled.get(sched.request_id)
-            if token is None:
+            tokens = runner_output.spec_sampled.get(sched.request_id)
+            if tokens is not None:  # verified drafts: progress covers the accepted ones only
+                request.num_computed_tokens -= self.spec.num_rejected(sched, tokens, self._stats)
+            elif (token := runner_output.sampled.get(sched.request_id)) is not None:
+                tokens = [token]
+            else:
                 pooled = runner_output.pooled.get(sched.request_id) if runner_output.pooled else None
                 if pooled is not None:  # an embedding request's last prompt chunk: it is done
                     request.status = RequestStatus.FINISHED_STOPPED
                     any_finished = True
                     self._release(request)
-                    outputs.append(self._make_output(request, [], [], pooled))
+                    outputs.append(RequestOutput.of(request, [], [], pooled))
                 continue  # else a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(token)
-            request.update_block_hashes(self.block_size)
-            self._stats.num_generation_tokens += 1
-            status = self._check_stop(request, token)
+            tokens, status = self._append_until_stop(request, tokens)
             logprobs = runner_output.logprobs.get(sched.request_id)
             if status is not None:
                 request.status = status
                 any_finished = True
-                self.kv.free(request)
-                del self.requests[request.request_id]
-                self._finished_ids.append(request.request_id)
-            outputs.append(self._make_output(request, [token], [logprobs] if logprobs else []))
+                self._release(request)
+            elif sched.draft_token_ids:  # blocks holding only rejected drafts go back
+                self.kv.trim(request, request.num_tokens)
+            outputs.append(RequestOutput.of(request, tokens, [logprobs] if logprobs else []))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _append_until_stop(self, request: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens up to and including the first that ends the request (as one-token steps would)."""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            self._stats.num_generation_tokens += 1
+            status = self._check_stop(request, token)
+            if status is not None:
+                tokens = tokens[: i + 1]
+                break
+        request.update_block_hashes(self.block_size)
+        return tokens, status
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -368,7 +390,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             self.running.remove(request)
             self._release(request, uncache_from_block=sched.start_pos // self.block_size)
-            outputs.append(self._make_output(request, [], []))
+            outputs.append(RequestOutput.of(request, [], []))
         for rid in out.swapped_in_ids:
             request = self.requests.get(rid)
             if request is None or rid not in self.kv.swapping_in:
@@ -392,21 +414,6 @@ class Scheduler:
         self._in_flight, self._ended_in_flight = {}, []
         self.kv.commit_swaps()  # what is left pending belongs to requests that ended: nothing reads it now
         return outputs
-
-    @staticmethod
-    def _make_output(request: Request, tokens: list[int], logprobs: list, pooled=None) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=tokens,
-            finished=request.is_finished,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=logprobs,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            pooled=pooled,
-        )
 
     # --- observability -------------------------------------------------------------------------
 

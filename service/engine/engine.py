@@ -337,10 +337,15 @@ class LLMEngine(ConstrainedDecoding):
 
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]
-        text = detok.update(ro.new_token_ids, finished=ro.finished)
+        num_tokens = len(ro.new_token_ids)
+        text = detok.update(ro.new_token_ids, finished=ro.finished) if num_tokens == 1 else _update_until_stop(detok, ro)
         finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
-        if detok.stop_hit is not None and not finished:
-            self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
+        cut = len(ro.new_token_ids) < num_tokens  # a stop string inside a run of verified drafts: it ends there
+        if detok.stop_hit is not None and (cut or not finished):
+            if not finished:
+                request = self.scheduler.requests[ro.request_id]
+                del request.all_token_ids[request.num_prompt_tokens + ro.num_output_tokens :]  # none past the stop
+                self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
             finished, reason, stop_reason = True, FinishReason.STOP, detok.stop_hit
         if finished:
             self._forget(ro.request_id)
@@ -377,6 +382,19 @@ class LLMEngine(ConstrainedDecoding):
 
 
 _gen_ids = itertools.count()
+
+
+def _update_until_stop(detok: IncrementalDetokenizer, ro) -> str:
+    """Detokenize a run of tokens (verified drafts) one at a time, as one-token steps would, and cut the run
+    after the token that completes a stop string: no token past a stop is reported."""
+    parts, tokens = [], ro.new_token_ids
+    for i, token in enumerate(tokens):
+        parts.append(detok.update([token], finished=ro.finished and i == len(tokens) - 1))
+        if detok.stop_hit is not None:
+            ro.num_output_tokens -= len(tokens) - i - 1
+            ro.new_token_ids = tokens[: i + 1]
+            break
+    return "".join(parts)
 
 
 def _default_served_name(model: str) -> str:

@@ -25,6 +25,7 @@ from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.pooling import Pooler
 from sluice.service.engine.sampler import sample
+from sluice.service.engine.spec_verify import expand_rows, verify
 
 GiB = 1 << 30
 
@@ -118,16 +119,37 @@ class ModelRunner:
         if not to_sample:
             return ModelRunnerOutput(pooled=pooled)
         logits = logits.float()
+        speculating = any(r.draft_token_ids for r in to_sample)
+        rows = expand_rows(to_sample) if speculating else to_sample  # a request with d drafts: 1 + d rows
         for process in self.logits_processors:  # penalties, biases, grammar masks: in place, batched
-            process(logits, to_sample)
-        rows, dead = _rows_without_token(logits, to_sample)
-        result = sample(logits, to_sample)  # its read-back syncs: `dead` is on the host after it
-        self.no_allowed_token = [to_sample[i].request_id for i, d in zip(rows, dead.tolist(), strict=True) if d]
-        return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)},
-            logprobs={r.request_id: lp for r, lp in zip(to_sample, result.logprobs, strict=True) if lp is not None},
-            pooled=pooled,
-        )
+            process(logits, rows)
+        constrained, dead = _rows_without_token(logits, rows)
+        result = ModelRunnerOutput(pooled=pooled)
+        if speculating:
+            logits, to_sample = self._verify(logits, to_sample, rows, result)
+        if to_sample:
+            sampled = sample(logits, to_sample)  # its read-back syncs: `dead` is on the host after it
+            result.sampled = {r.request_id: t for r, t in zip(to_sample, sampled.token_ids, strict=True)}
+            result.logprobs = {r.request_id: lp for r, lp in zip(to_sample, sampled.logprobs, strict=True)
+                               if lp is not None}
+        self.no_allowed_token = [rows[i].request_id for i, d in zip(constrained, dead.tolist(), strict=True) if d]
+        return result
+
+    @staticmethod
+    def _verify(logits: torch.Tensor, to_sample: list[ScheduledRequest], rows: list[ScheduledRequest],
+                result: ModelRunnerOutput) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Verify the drafts of the requests that have some (into result.spec_sampled); returns the logits and
+        requests left for plain sampling."""
+        plain, spec, plain_rows, spec_rows, i = [], [], [], [], 0
+        for r in to_sample:
+            width = 1 + len(r.draft_token_ids)
+            (spec if r.draft_token_ids else plain).append(r)
+            (spec_rows if r.draft_token_ids else plain_rows).extend(range(i, i + width))
+            i += width
+        index = to_device(spec_rows, torch.long, logits.device)
+        runs = verify(logits[index], spec, [rows[j] for j in spec_rows])
+        result.spec_sampled = {r.request_id: run for r, run in zip(spec, runs, strict=True)}
+        return (logits[to_device(plain_rows, torch.long, logits.device)] if plain else logits[:0]), plain
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         """Packed input ids, positions, attention metadata and the rows whose logits are needed."""
@@ -146,7 +168,12 @@ class ModelRunner:
         positions = torch.arange(len(input_ids)) + (starts - cu_q[:-1])[seq_of_token]
         blocks = block_tables[seq_of_token, positions // self.block_size].long()
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        sample_rows = (cu_q[1:] - 1)[torch.tensor([r.sample for r in scheduled])]
+        if any(r.draft_token_ids for r in scheduled):  # a request verifying d drafts: its last 1 + d rows
+            ends = cu_q[1:].tolist()
+            sample_rows = torch.tensor([row for r, end in zip(scheduled, ends, strict=True) if r.sample
+                                        for row in range(end - 1 - len(r.draft_token_ids), end)], dtype=torch.long)
+        else:
+            sample_rows = (cu_q[1:] - 1)[torch.tensor([r.sample for r in scheduled])]
         to_device = self.device.type != "cpu"
         if to_device:
             input_ids, positions, slot_mapping, block_tables, sample_rows = (

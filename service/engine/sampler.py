@@ -79,7 +79,7 @@ def sample(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> Sample
     if logprob_rows:  # reported from the raw distribution, before masking and temperature (as vLLM does)
         rows = logits if len(logprob_rows) == num_rows else logits[to_device(logprob_rows, torch.long, device)]
         raw_logprobs = torch.log_softmax(rows, dim=-1)
-    logits = _mask_stop_tokens(logits, requests)
+    logits = mask_stop_tokens(logits, requests)
     token_ids = logits.argmax(dim=-1)  # greedy rows: exactly argmax
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -111,7 +111,7 @@ def sample(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> Sample
     return SamplerOutput(token_list, logprobs)
 
 
-def _mask_stop_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
     """-inf on EOS and stop_token_ids for rows still short of min_tokens (a copy only when needed)."""
     rows, cols = [], []
     for i, r in enumerate(requests):
@@ -138,6 +138,13 @@ def fill_at(x: torch.Tensor, rows: list[int], cols: list[int], value: float) -> 
 
 def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p filtering, then one inverse-CDF draw per row."""
+    x, uniforms = filtered_logits(logits, requests)
+    return draw(x, uniforms)
+
+
+def filtered_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logits after temperature, top-k, top-p and min-p (-inf outside its support), and the uniform
+    [rows, 1] float64 each row draws with (seeded rows: from their seed and output position)."""
     num_rows, vocab = logits.shape
     params = [r.sampling_params for r in requests]
     uniforms = torch.rand(num_rows, dtype=torch.float64).tolist()
@@ -157,11 +164,16 @@ def _sample_random(logits: torch.Tensor, requests: list[ScheduledRequest]) -> to
         # min-p is a threshold relative to the best token (p_i < min_p * p_max, i.e. x_i - x_max < log min_p), the
         # same set before or after renormalising: no sort needed. min_p 0 gives log 0 = -inf, which masks nothing.
         x = x.masked_fill(x - x.amax(dim=-1, keepdim=True) < packed[:, 2:3].to(x.dtype).log(), float("-inf"))
+    return x, packed[:, 4:5]
+
+
+def draw(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row of softmax(x) at uniforms [rows, 1] float64 (vocabulary order)."""
     probs = torch.softmax(x, dim=-1)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, the first cdf entry above the target always belongs to a positive-prob token.
-    target = torch.minimum((packed[:, 4:5] * total).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum((uniforms * total).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
     ids = torch.searchsorted(cdf, target, right=True)[:, 0]
     # A row whose probabilities under/overflowed has no valid CDF: fall back to its argmax.
     bad = ~torch.isfinite(total[:, 0]) | (total[:, 0] <= 0)
