@@ -65,20 +65,21 @@ def verify(logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[Sc
     flat = read_back(torch.cat(parts))
     n = len(rows)
     target = [int(t) for t in flat[:n]]
-    resampled, accept_p = {}, {}
+    resampled, accept = {}, {}
     if random_rows:
         m = len(random_rows)
         resampled = dict(zip(random_rows, (int(t) for t in flat[n : n + m]), strict=True))
-        accept_p = dict(zip(random_rows, flat[n + m : n + 2 * m], strict=True))
+        # accept[row]: whether the row's draft passes its test, u < p(draft)
+        u = _accept_uniforms([rows[i] for i in random_rows])
+        accept = {row: ui < p for row, ui, p in zip(random_rows, u, flat[n + m : n + 2 * m], strict=True)}
     runs, first = [], 0
     for r in requests:
-        runs.append(_run(r, first, target, resampled, accept_p, rows))
+        runs.append(_run(r, first, target, resampled, accept))
         first += 1 + len(r.draft_token_ids)
     return runs
 
 
-def _run(r: ScheduledRequest, first: int, target: list[int], resampled: dict, accept_p: dict,
-         rows: list[ScheduledRequest]) -> list[int]:
+def _run(r: ScheduledRequest, first: int, target: list[int], resampled: dict, accept: dict) -> list[int]:
     """Accept r's drafts left to right (its rows start at `first`); the first rejection ends the run."""
     greedy = r.sampling_params.greedy
     run = []
@@ -87,7 +88,7 @@ def _run(r: ScheduledRequest, first: int, target: list[int], resampled: dict, ac
         if greedy:
             accepted, other = target[row] == draft, target[row]
         else:
-            accepted, other = _accept_uniform(rows[row]) < accept_p[row], resampled[row]
+            accepted, other = accept[row], resampled[row]
         if not accepted:
             return [*run, other]
         run.append(draft)
@@ -95,9 +96,11 @@ def _run(r: ScheduledRequest, first: int, target: list[int], resampled: dict, ac
     return [*run, target[last] if greedy else resampled[last]]
 
 
-def _accept_uniform(row: ScheduledRequest) -> float:
-    """The accept test's uniform: from the seed's own stream at this output position, else torch's generator."""
-    seed = row.sampling_params.seed
-    if seed is None:
-        return float(torch.rand((), dtype=torch.float64))
-    return seeded_uniform(seed ^ _ACCEPT_STREAM, row.num_output_tokens)
+def _accept_uniforms(rows: list[ScheduledRequest]) -> list[float]:
+    """The accept tests' uniforms: a seeded row's from its seed's own stream at its output position, the others'
+    from torch's default generator."""
+    u = torch.rand(len(rows), dtype=torch.float64).tolist()
+    for i, row in enumerate(rows):
+        if row.sampling_params.seed is not None:
+            u[i] = seeded_uniform(row.sampling_params.seed ^ _ACCEPT_STREAM, row.num_output_tokens)
+    return u
