@@ -106,7 +106,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("spec_drafts", Counter, "sluice_spec_decode_num_drafts", "Drafts verified (one per request and step that speculated).", "spec_num_drafts"),
     _spec("spec_draft_tokens", Counter, "sluice_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "spec_num_draft_tokens"),
     _spec("spec_accepted", Counter, "sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
-    _spec("spec_accepted_per_pos", Counter, "sluice_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft (0: the first).", label="position"),
+    _spec("spec_accepted_per_pos", Counter, "sluice_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft (0: the first; later positions appear once drafted).", label="position", values=("0",)),
     _spec("step_duration", Histogram, "sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", "step_duration_s", buckets=_STEP_BUCKETS),
 )
 
@@ -195,9 +195,10 @@ class SluiceMetrics:
         """Add the step's accepted drafts per position (a position's child appears once it is first drafted)."""
         children = self._c["spec_accepted_per_pos"]
         for pos, n in enumerate(accepted):
-            child = children.get(pos)
+            child = children.get(str(pos))
             if child is None:
-                child = children[pos] = _collectors(self.registry).spec_accepted_per_pos.labels(self.model_name, pos)
+                family = _collectors(self.registry).spec_accepted_per_pos
+                child = children[str(pos)] = family.labels(self.model_name, str(pos))
             child.inc(n)
 
     def _set_lora_info(self, labels: tuple[str, str, str]) -> None:
