@@ -201,7 +201,8 @@ class Scheduler:
             assert n > 0, f"{request} has nothing to compute"
             draft = self.spec.drafts(request, n, budget, len(self.running) - i - 1)
             if draft:  # they fit: drafts() keeps a block for each request after this one, and within budget
-                assert self.kv.allocate_slots(request, n + len(draft)) is not None
+                allocated = self.kv.allocate_slots(request, n + len(draft))
+                assert allocated is not None
                 drafts[request.request_id] = draft
                 n += len(draft)
             while not draft and self.kv.allocate_slots(request, n) is None:
