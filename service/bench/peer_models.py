@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sluice.service.bench import llama_cpp
+from sluice.service.bench.llama_cpp import CONVERTED, convert, quantize
 from sluice.service.bench.shapes import SIZES, random_checkpoint
 from sluice.service.engine.model_loader import ensure_default_model, fetch_default_gguf
 
@@ -26,7 +26,7 @@ def hf_dir(size: str) -> Path:
 def gguf_path(cache: Path, size: str, kind: str) -> Path:
     """Where the `kind` GGUF of `size` lives (made or not)."""
     stem = "SmolLM2-135M-Instruct" if size == "135m" else f"random-llama-{size}"
-    folder = cache if kind in llama_cpp.CONVERTED else cache / "kquant"
+    folder = cache if kind in CONVERTED else cache / "kquant"
     return folder / f"{stem}-{kind}.gguf"
 
 
@@ -38,9 +38,9 @@ def gguf(cache: Path, size: str, kind: str, log=print) -> Path:
         found = [p for p in sorted(cache.glob("*.gguf")) if p.name.endswith("Instruct.Q4_1.gguf")]
         return found[0] if found else fetch_default_gguf(cache)
     target = gguf_path(cache, size, kind)
-    if kind in llama_cpp.CONVERTED:
-        return llama_cpp.convert(cache, hf_dir(size), kind.lower(), target, log)
-    return llama_cpp.quantize(cache, gguf(cache, size, "F32", log), kind, target, log)
+    if kind in CONVERTED:
+        return convert(cache, hf_dir(size), kind.lower(), target, log)
+    return quantize(cache, gguf(cache, size, "F32", log), kind, target, log)
 
 
 def prepare(cache: Path, sizes: tuple[str, ...], kinds: tuple[str, ...] = GGUF_TYPES, log=print) -> dict:

@@ -136,11 +136,9 @@ def plan(sizes: tuple[str, ...], pairs=PAIRS, d_sizes: tuple[str, ...] = ("135m"
         kv = max(ab.kv_tokens, c.kv_tokens)
         every = Launch(1, kv, ("A", "B", "C", "D") if with_d else ("A", "B", "C"))  # one Sluice server
         for ours, theirs in pairs:
-            if ours == "bf16" and not bf16:
-                continue
-            if baseline:
-                out.append(Line(size, f"Sluice@{baseline[:8]}", ours, launches=(every,)))
-            out.append(Line(size, "Sluice", ours, launches=(every,)))
+            if ours != "bf16" or bf16:  # llama.cpp's BF16 runs anyway: it is often its best A
+                engines = ([f"Sluice@{baseline[:8]}"] if baseline else []) + ["Sluice"]
+                out += [Line(size, engine, ours, launches=(every,)) for engine in engines]
             out.append(Line(size, "llama.cpp", theirs, launches=(ab, c)))
         if with_d:
             ours, theirs = next(p for p in pairs if p[0] == "bf16") if bf16 and ("bf16", "BF16") in pairs else pairs[0]
@@ -171,23 +169,29 @@ SPEED = {"fp32": ((0.5, 11.0), (5.5, 115.0)), "bf16": ((0.6, 5.6), (4.5, 58.0)),
 D_PROMPT = 560  # D's prompts, tokens
 
 
-def estimate_s(line: Line) -> float:
-    """Seconds `line` takes: server starts, a warm-up per workload, the workloads."""
+def startup_s(line: Line) -> float:
+    """Seconds one server of `line` takes to start (Sluice loads, converts or quantizes its weights)."""
+    p = params(SIZES[line.size])
+    return (6 + 12 * p) if line.sluice else (2 + 3 * p)
+
+
+def workload_s(line: Line, name: str) -> float:
+    """Seconds workload `name` takes on `line`'s server, its warm-up request included."""
     p = params(SIZES[line.size])
     (ba, bb), (da, db) = SPEED[line.fmt]
     batch_ms, step_ms = ba + bb * p, da + db * p
-    total = 0.0
-    for launch in line.launches:
-        total += (6 + 12 * p) if line.sluice else (2 + 3 * p)
-        for name in launch.workloads:
-            w = workloads(line.size)[name]
-            prompt = D_PROMPT if name == "D" else w.input_len
-            total += (prompt * batch_ms + 4 * step_ms) / 1000  # warm-up
-            if name in ("A", "C"):
-                total += w.num_prompts * (prompt + w.output_len) * batch_ms / 1000
-            else:  # one at a time; speculation's gain is not counted (the estimate stays on the long side)
-                total += w.num_prompts * (prompt * batch_ms + w.output_len * step_ms) / 1000
-    return total
+    w = workloads(line.size)[name]
+    prompt = D_PROMPT if name == "D" else w.input_len
+    warm = (prompt * batch_ms + 4 * step_ms) / 1000
+    if name in ("A", "C"):
+        return warm + w.num_prompts * (prompt + w.output_len) * batch_ms / 1000
+    # one at a time; speculation's gain is not counted (the estimate stays on the long side)
+    return warm + w.num_prompts * (prompt * batch_ms + w.output_len * step_ms) / 1000
+
+
+def estimate_s(line: Line) -> float:
+    """Seconds `line` takes: its server starts and workloads."""
+    return sum(startup_s(line) + sum(workload_s(line, w) for w in x.workloads) for x in line.launches)
 
 
 def estimate_lines(lines: list[Line]) -> list[str]:

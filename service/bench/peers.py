@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from sluice.machine import cache_root
-from sluice.service.bench import peer_models
 from sluice.service.bench.llama_cpp import ISA, build_llama_server, cpu_flags
+from sluice.service.bench.peer_models import disk_mib, prepare
 from sluice.service.bench.peer_plan import PAIRS, SPEC_LLAMA, SPEC_SLUICE, Launch, Line, estimate_lines, plan
 from sluice.service.bench.peer_plan import workloads as scaled_workloads
 from sluice.service.bench.peers_report import ratios, table
@@ -51,13 +51,13 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
                  shapes=shapes)
     kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *(["Q4_K_M"] if ("Q4_K", "Q4_K_M") in pairs else [])]))
     log("preparing models: " + ", ".join(sizes))
-    models = peer_models.prepare(cache, sizes, kinds, log)
+    models = prepare(cache, sizes, kinds, log)
     threads = str(len(os.sched_getaffinity(0)))
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "threads": threads,
                         "sizes": list(sizes), "baseline": sha, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                         "models": {s: ("SmolLM2-135M-Instruct" if s == "135m" else f"random weights, SmolLM2-{s.upper()}"
                                        "'s shape") for s in sizes},
-                        "disk_mib": peer_models.disk_mib(models.values())}, "servers": {}}
+                        "disk_mib": disk_mib(models.values())}, "servers": {}}
     if resume and output.is_file():
         old = json.loads(output.read_text())
         results["servers"] = old.get("servers", {})
