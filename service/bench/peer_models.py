@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sluice.service.bench.llama_cpp import CONVERTED, convert, quantize
-from sluice.service.bench.shapes import SIZES, random_checkpoint
+from sluice.service.bench.shapes import RECIPE, SIZES, random_checkpoint
 from sluice.service.engine.model_loader import ensure_default_model, fetch_default_gguf
 
 GGUF_TYPES = ("F32", "BF16", "Q4_1", "Q4_K_M")
@@ -25,7 +25,7 @@ def hf_dir(size: str) -> Path:
 
 def gguf_path(cache: Path, size: str, kind: str) -> Path:
     """Where the `kind` GGUF of `size` lives (made or not)."""
-    stem = "SmolLM2-135M-Instruct" if size == "135m" else f"random-llama-{size}"
+    stem = "SmolLM2-135M-Instruct" if size == "135m" else f"random-llama-{size}-{RECIPE}"
     folder = cache if kind in CONVERTED else cache / "kquant"
     return folder / f"{stem}-{kind}.gguf"
 

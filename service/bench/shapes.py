@@ -3,8 +3,11 @@
 Speed depends on a model's shape, not its weights, so a random model of SmolLM2-360M's or SmolLM2-1.7B's shape
 (or a Qwen2/Qwen3 layer layout at SmolLM2's size) measures what the real one would, without a download. The
 benchmark's requests set ignore_eos, so random text still runs to its full length. The weights are drawn as
-transformers initializes a new model (normal, std 0.02; norms at 1) from a fixed seed, and saved in bf16: the
-same checkpoint on every machine, half the disk of fp32.
+transformers initializes a new model (normal, std 0.02; norms at 1) from a fixed seed, then the query and key
+projections again with std 0.1: at 0.02 every attention is near uniform, and greedy decoding settles on one token
+repeated ("tripled tripled ..."), which n-gram speculation would predict for free; sharper attention gives varied
+text (29-32 distinct tokens in 32 at 360M's shape). Saved in bf16: the same checkpoint on every machine, half the
+disk of fp32. RECIPE names the folder, so a checkpoint made another way is never taken for this one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ SIZES = {"135m": Shape(576, 1536, 30, 9, 3), "360m": Shape(960, 2560, 32, 15, 5)
 ARCHS = ("llama", "qwen2", "qwen3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SEED = 0
+QK_STD = 0.1
+RECIPE = "r2"  # bf16, std 0.02, q/k std 0.1, seed 0
 
 
 def config_of(arch: str, size: str | Shape) -> transformers.PretrainedConfig:
@@ -67,11 +72,15 @@ def random_checkpoint(arch: str, size: str | Shape, cache: Path | None = None, n
 
     `name` names the folder when `size` is a Shape rather than one of SIZES.
     """
-    target = (cache or cache_root() / "shapes") / f"{arch}-{name or size}"
+    target = (cache or cache_root() / "shapes") / f"{arch}-{name or size}-{RECIPE}"
     if (target / "model.safetensors").is_file():
         return target
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config_of(arch, size), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            if module_name.endswith(("q_proj", "k_proj")):
+                module.weight.normal_(0.0, QK_STD)
     staged = target.with_name(target.name + ".partial")
     shutil.rmtree(staged, ignore_errors=True)
     model.save_pretrained(staged)
