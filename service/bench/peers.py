@@ -67,7 +67,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     spec_ok = _has_spec_flag(sys.executable)
     for line in lines:
         done = results["servers"].get(line.name)
-        if resume and done and done.get("plan") == _plan_of(line) and "error" not in done:
+        if resume and done and done.get("plan") == _plan_of(line) and not {"error", "skipped"} & set(done):
             log(f"--- {line.name}: in {output} already")
             continue
         log(f"--- {line.name}")

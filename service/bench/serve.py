@@ -99,8 +99,8 @@ async def first_model_id(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 async def spec_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """The server's speculative-decoding counters on /metrics (Sluice's `sluice_spec_decode_*`), per-position
-    series left out; {} where there is no such page or counter."""
+    """The server's speculative-decoding counters on /metrics (Sluice's `sluice_spec_decode_*`), summed over
+    their labels, per-position series left out; {} where there is no such page or counter."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -113,8 +113,10 @@ async def spec_counters(session: aiohttp.ClientSession, base_url: str) -> dict[s
     out: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
+            if family.type != "counter" or "spec_decode" not in family.name:
+                continue
             for sample in family.samples:
-                if ("spec_decode" in sample.name and not sample.name.endswith("_created")
+                if (sample.name.endswith("_total")
                         and "per_pos" not in sample.name and not {"position", "pos"} & set(sample.labels)):
                     out[sample.name] = out.get(sample.name, 0.0) + sample.value
     except ValueError:  # not Prometheus text

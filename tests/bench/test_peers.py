@@ -176,10 +176,16 @@ def spec_app(metrics: list[str]) -> web.Application:
         return resp
 
     async def prometheus(request):
-        text = ("# TYPE sluice_spec_decode_num_accepted_tokens counter\n"
+        text = ("# TYPE sluice_spec_decode_num_accepted_tokens_total counter\n"  # as prometheus_client writes it
                 f"sluice_spec_decode_num_accepted_tokens_total {6 * len(metrics)}\n"
-                "# TYPE sluice_spec_decode_num_accepted_tokens_per_pos counter\n"
-                f'sluice_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {99 * len(metrics)}\n')
+                "# TYPE sluice_spec_decode_num_accepted_tokens_created gauge\n"
+                "sluice_spec_decode_num_accepted_tokens_created 1.7e9\n"
+                "# TYPE sluice_spec_decode_num_accepted_tokens_per_pos_total counter\n"
+                f'sluice_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {99 * len(metrics)}\n'
+                "# TYPE sluice_spec_decode_accepted_per_step histogram\n"
+                f'sluice_spec_decode_accepted_per_step_bucket{{le="+Inf"}} {len(metrics)}\n'
+                f"sluice_spec_decode_accepted_per_step_count {len(metrics)}\n"
+                f"sluice_spec_decode_accepted_per_step_sum {50 * len(metrics)}\n")
         return web.Response(text=text)
 
     app = web.Application()
@@ -208,7 +214,7 @@ def test_serve_client_reads_draft_figures_of_a_repetitive_run():
     assert result.completed == 2 and seen[1].startswith("Here is a")
     assert result.spec["source"] == "timings" and result.spec["accepted_tokens"] == 12
     assert result.spec["tokens_per_forward"] == pytest.approx(16 / 4)
-    # the per-position series stays out of the counters; the warm-up's came before the run began
+    # per-position series and histograms stay out of the counters; the warm-up's came before the run began
     assert result.spec["counters"] == {"sluice_spec_decode_num_accepted_tokens_total": 12.0}
 
 
