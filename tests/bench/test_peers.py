@@ -129,6 +129,7 @@ def test_commands_carry_format_kv_capacity_and_speculation(tmp_path):
     assert "--no-kv-unified" in cmd and cmd[cmd.index("--spec-ngram-simple-size-m") + 1] == "4"
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer (and config)
 def test_workload_d_prompts_are_passages_to_copy_with_an_edit(smollm2_dir):
     from transformers import AutoTokenizer
 
@@ -252,7 +253,8 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     assert json.loads(json.dumps(r)) == r  # the results file holds them as they are
 
 
-def test_random_checkpoint_of_a_tiny_shape_is_seeded_bf16_and_not_degenerate(tmp_path):
+@pytest.mark.slow  # SmolLM2's tokenizer (and config)
+def test_random_checkpoint_of_a_tiny_shape_is_seeded_bf16_with_sharper_attention(tmp_path):
     from sluice.service.bench.shapes import Shape, config_of, random_checkpoint
 
     shape = Shape(64, 128, 2, 4, 2)
