@@ -44,8 +44,10 @@ lint: install
 bench: model
 	$(BIN)/sluice bench offline --standard --dtype float32 --output bench/results.json
 
-bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/peers.{json,md}; PEERS_ARGS="--baseline REF --shapes qwen2-135m"
-	$(BIN)/sluice bench peers --output bench/peers.json $(PEERS_ARGS)
+SIZES ?= 135m,360m,1.7b
+FORMATS ?=
+bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/peers.{json,md}; SIZES=135m,360m FORMATS=bf16,int4 RESUME=1 PEERS_ARGS="--baseline REF --estimate"
+	$(BIN)/sluice bench peers --output bench/peers.json --sizes "$(SIZES)" --formats "$(FORMATS)" $(if $(RESUME),--resume) $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -63,11 +63,22 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     sched.add_argument("--steps", type=int, default=30, help="Timed steps per size (default: %(default)s).")
     sched.set_defaults(func=_scheduler_command)
 
-    peers = commands.add_parser("peers", help="Sluice beside llama.cpp's server (built from PyPI's sdist): A, B, C.")
+    peers = commands.add_parser("peers", help="Sluice beside llama.cpp's server (built from PyPI's sdist): A, B, C, D "
+                                "per model size and weight format.")
     peers.add_argument("--output", default="bench/peers.json", help="JSON result; a .md table beside it.")
+    peers.add_argument("--sizes", default="135m,360m,1.7b",
+                       help="Model sizes: 135m (SmolLM2-135M-Instruct), 360m, 1.7b (random weights of SmolLM2's "
+                            "shapes) (default: %(default)s).")
+    peers.add_argument("--formats", default="", help="Weight format pairs, by either side's name: fp32/F32, bf16/BF16, "
+                       "int4/Q4_1, Q4_K/Q4_K_M (gguf) (default: all).")
+    peers.add_argument("--d-sizes", default="135m", help="Sizes that also run workload D (repetitive) with n-gram "
+                       "speculation off and on, or 'none' (default: %(default)s; random weights accept few drafts).")
+    peers.add_argument("--resume", action="store_true", help="Keep the lines --output already holds with the same "
+                       "plan, run only the rest.")
+    peers.add_argument("--estimate", action="store_true", help="Print the plan and its expected duration; run nothing.")
     peers.add_argument("--baseline", default="", help="A git ref whose Sluice runs beside this one, alternating.")
-    peers.add_argument("--shapes", default="", help="Random models served on A and B too, e.g. qwen2-135m,qwen3-135m "
-                       "(architectures llama, qwen2, qwen3; sizes 135m, 360m, 1.7b).")
+    peers.add_argument("--shapes", default="", help="Random models served by Sluice on A and B too, e.g. "
+                       "qwen2-135m,qwen3-135m (architectures llama, qwen2, qwen3; sizes 135m, 360m, 1.7b).")
     peers.set_defaults(func=_peers_command)
 
     grammar = commands.add_parser("grammar", help="Grammar-constrained rows' share of a batch-64 decode step.")
@@ -100,13 +111,16 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=0, help="Requests in flight at most (0: no limit).")
     g.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrivals (default: %(default)s).")
     g.add_argument("--name", default="custom", help="Workload label in the output.")
+    g.add_argument("--dataset-name", default="random", choices=("random", "repetitive"),
+                   help="random: prompts of random tokens (or words); repetitive (workload D): passages of code and "
+                        "JSON to return with small edits, --input-len unused (default: %(default)s).")
 
 
 def _workload(args):
     from sluice.service.bench.workloads import Workload
 
     return Workload(args.name, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
-                    args.prefix_len, args.max_concurrency, args.request_rate, args.seed)
+                    args.prefix_len, args.max_concurrency, args.request_rate, args.seed, args.dataset_name)
 
 
 def _serve_command(args) -> int:
@@ -149,6 +163,8 @@ def _offline_command(args) -> int:
         config.validate()
         workload = _workload(args)
         workload.validate()
+        if workload.dataset != "random":  # offline prompts are token ids, drawn without a text source
+            raise ValueError("--dataset-name repetitive runs with `sluice bench serve` only")
     except ValueError as e:
         print(f"sluice bench offline: error: {e}", file=sys.stderr)
         return 2
@@ -187,10 +203,22 @@ def _offline_command(args) -> int:
 
 def _peers_command(args) -> int:
 
-    from sluice.service.bench.peers import run_peers
+    from sluice.service.bench.peer_plan import estimate_lines, parse_formats, parse_sizes, plan
 
     shapes = tuple(s for s in args.shapes.split(",") if s)
-    run_peers(Path(args.output), baseline=args.baseline, shapes=shapes)
+    try:
+        sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats), (
+            parse_sizes(args.d_sizes) if args.d_sizes.strip().lower() not in ("", "none") else ())
+        lines = plan(sizes, pairs, d_sizes, shapes=shapes)
+    except ValueError as e:
+        print(f"sluice bench peers: error: {e}", file=sys.stderr)
+        return 2
+    if args.estimate:
+        print("\n".join([*(line.name for line in lines), *estimate_lines(lines)]))
+        return 0
+    from sluice.service.bench.peers import run_peers
+
+    run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume)
     return 0
 
 

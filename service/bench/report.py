@@ -47,6 +47,11 @@ def result_lines(r: BenchResult) -> list[str]:
     ]
     for label, d in (("TTFT", r.ttft_ms), ("TPOT", r.tpot_ms), ("ITL", r.itl_ms), ("E2E latency", r.e2el_ms)):
         lines.append(f"{label + ' (ms) mean/p50/p90/p99:':<34}{d.mean:>9.1f}{d.p50:>9.1f}{d.p90:>9.1f}{d.p99:>9.1f}")
+    if r.spec:
+        rate, per_forward = r.spec["acceptance_rate"], r.spec["tokens_per_forward"]
+        lines.append(f"{'Spec drafted / accepted tokens:':<34}{r.spec['draft_tokens']:>9.0f}{r.spec['accepted_tokens']:>9.0f}"
+                     f"  (acceptance {_f(rate and 100 * rate)}%, {_f(per_forward, 2)} decode tokens per forward, "
+                     f"from {r.spec['source']})")
     lines += [f"  error: {e}" for e in r.errors]
     return lines
 

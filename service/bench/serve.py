@@ -12,7 +12,7 @@ import orjson
 
 from sluice.service.bench.progress import Progress
 from sluice.service.bench.sse import CompletionStream, SSEError, SSEParser
-from sluice.service.bench.stats import BenchResult, RequestRecord, summarize
+from sluice.service.bench.stats import BenchResult, RequestRecord, spec_summary, summarize
 from sluice.service.bench.workloads import Workload, arrival_offsets, text_prompts
 
 
@@ -50,11 +50,21 @@ def request_body(cfg: ServeConfig, model: str, prompt: str, max_tokens: int) -> 
     return body
 
 
+async def _post(session: aiohttp.ClientSession, url: str, data: bytes) -> aiohttp.ClientResponse:
+    """POST, once more on a fresh connection when the server had already closed the pooled keep-alive one
+    (llama.cpp's server closes idle ones between one-at-a-time requests); no response had begun."""
+    headers = {"Content-Type": "application/json"}
+    try:
+        return await session.post(url, data=data, headers=headers)
+    except aiohttp.ServerDisconnectedError:
+        return await session.post(url, data=data, headers=headers)
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord, chat: bool) -> None:
     """Send one request and time each streamed chunk that carries text; failures land in record.error."""
     record.start = time.perf_counter()
     try:
-        async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as resp:
+        async with await _post(session, url, orjson.dumps(body)) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
@@ -71,6 +81,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict, recor
                 stream.on_event(event)
             stream.finish()
             record.output_tokens = stream.completion_tokens or len(record.token_times)
+            if stream.timings is not None:  # llama.cpp: drafts appear only once a request had any
+                record.draft_tokens = int(stream.timings.get("draft_n", 0))
+                record.accepted_tokens = int(stream.timings.get("draft_n_accepted", 0))
             record.ok = True
     except (aiohttp.ClientError, asyncio.TimeoutError, SSEError) as e:
         record.error = f"{type(e).__name__}: {e}"
@@ -83,6 +96,32 @@ async def first_model_id(session: aiohttp.ClientSession, base_url: str) -> str:
     async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
         resp.raise_for_status()
         return (await resp.json())["data"][0]["id"]
+
+
+async def spec_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """The server's speculative-decoding counters on /metrics (Sluice's `sluice_spec_decode_*`), summed over
+    their labels, per-position series left out; {} where there is no such page or counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics") as resp:
+            if resp.status != 200:
+                return {}
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    out: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.type != "counter" or "spec_decode" not in family.name:
+                continue
+            for sample in family.samples:
+                if (sample.name.endswith("_total")
+                        and "per_pos" not in sample.name and not {"position", "pos"} & set(sample.labels)):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    except ValueError:  # not Prometheus text
+        return {}
+    return out
 
 
 def load_tokenizer(name: str):
@@ -126,6 +165,7 @@ async def run_serve(cfg: ServeConfig) -> BenchResult:
                     await stream_one(session, url, body, records[i], cfg.chat)
             progress.update(records[i].ok)
 
+        before = await spec_counters(session, cfg.base_url)
         start = time.perf_counter()
         tasks = []
         for i, offset in enumerate(offsets):
@@ -136,7 +176,10 @@ async def run_serve(cfg: ServeConfig) -> BenchResult:
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
-    return summarize(w.name, records, duration)
+        after = await spec_counters(session, cfg.base_url)
+    result = summarize(w.name, records, duration)
+    result.spec = spec_summary(records, {k: v - before.get(k, 0.0) for k, v in after.items()})
+    return result
 
 
 def serve_report(cfg: ServeConfig, result: BenchResult) -> dict:

@@ -118,13 +118,14 @@ class StreamChunk:
 class CompletionStream:
     """Checks the OpenAI streaming contract event by event: JSON chunks with choices or usage, then [DONE]."""
 
-    __slots__ = ("chat", "done", "finish_reason", "completion_tokens")
+    __slots__ = ("chat", "done", "finish_reason", "completion_tokens", "timings")
 
     def __init__(self, chat: bool = False) -> None:
         self.chat = chat
         self.done = False
         self.finish_reason: str | None = None
         self.completion_tokens: int | None = None
+        self.timings: dict | None = None  # llama.cpp's own per-request figures (draft_n, draft_n_accepted, ...)
 
     def on_event(self, event: SSEEvent) -> StreamChunk:
         """Interpret one event; raises SSEError on anything the contract does not allow."""
@@ -146,6 +147,8 @@ class CompletionStream:
             message = error.get("message") if isinstance(error, dict) else error
             raise SSEError(f"server error in stream: {message}")
         chunk = StreamChunk()
+        if isinstance(body.get("timings"), dict):
+            self.timings = body["timings"]
         usage = body.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             chunk.completion_tokens = self.completion_tokens = usage["completion_tokens"]

@@ -57,6 +57,8 @@ class RequestRecord:
     output_tokens: int = 0  # the server's usage count when it reports one, else the number of chunks
     ok: bool = False
     error: str = ""
+    draft_tokens: int | None = None  # speculative drafts the server says it proposed / accepted for this request
+    accepted_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -95,6 +97,7 @@ class BenchResult:
     itl_ms: Distribution
     e2el_ms: Distribution
     errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
+    spec: dict = field(default_factory=dict)  # speculative decoding as the server reported it (spec_summary)
 
 
 def summarize(name: str, records: Sequence[RequestRecord], duration_s: float) -> BenchResult:
@@ -123,3 +126,28 @@ def summarize(name: str, records: Sequence[RequestRecord], duration_s: float) ->
         e2el_ms=distribution([r.end - r.start for r in done]),
         errors=errors,
     )
+
+
+def spec_summary(records: Sequence[RequestRecord], counters: dict[str, float] | None = None) -> dict:
+    """Drafted and accepted tokens of the completed requests, and decode tokens per forward pass.
+
+    From each request's own figures where the server sent them (llama.cpp's `timings`), else from the change of
+    the server's `*spec_decode*` counters over the run (`counters`, Sluice's /metrics). Each request's first token
+    comes from its prefill; every later forward yields one token plus the drafts it accepted. {} when neither
+    source says anything.
+    """
+    done = [r for r in records if r.ok]
+    if any(r.accepted_tokens is not None for r in done):
+        source, drafted = "timings", sum(r.draft_tokens or 0 for r in done)
+        accepted = sum(r.accepted_tokens or 0 for r in done)
+    elif counters:
+        source = "metrics"
+        drafted = sum(v for k, v in counters.items() if "draft_tokens" in k)
+        accepted = sum(v for k, v in counters.items() if "accepted" in k)
+    else:
+        return {}
+    decode_tokens = sum(max(r.output_tokens - 1, 0) for r in done)
+    forwards = decode_tokens - accepted
+    return {"source": source, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_forward": decode_tokens / forwards if forwards > 0 else None, "counters": counters or {}}

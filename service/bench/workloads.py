@@ -6,6 +6,10 @@ import math
 import random
 from dataclasses import dataclass
 
+from sluice.service.bench.repetitive import edit_prompts
+
+DATASETS = ("random", "repetitive")
+
 # Short, common words: each is about one token in any English BPE vocabulary, so a prompt of N words is
 # roughly N tokens even when the client has no tokenizer to check.
 WORDS = (
@@ -30,6 +34,7 @@ class Workload:
     max_concurrency: int = 0  # 0: no limit
     request_rate: float = math.inf  # requests/s with Poisson arrivals; inf: all at once
     seed: int = 0
+    dataset: str = "random"  # or "repetitive": passages to return with small edits (input_len unused)
 
     def validate(self) -> None:
         """Raise ValueError on impossible settings."""
@@ -41,6 +46,8 @@ class Workload:
             raise ValueError("prefix_len must be shorter than every prompt")
         if self.max_concurrency < 0 or not self.request_rate > 0:
             raise ValueError("max_concurrency must be >= 0 and request_rate > 0")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS)}")
 
 
 def sample_lengths(w: Workload) -> list[tuple[int, int]]:
@@ -67,9 +74,15 @@ def text_prompts(w: Workload, tokenizer=None) -> list[tuple[str, int, int]]:
     """(prompt text, its token count, output length) per request, for servers that take text.
 
     With a tokenizer: random token ids decoded to text, re-encoded and trimmed so the count is close to the
-    target (the server's own tokenization may still differ by a token or two). Without: random words.
+    target (the server's own tokenization may still differ by a token or two). Without: random words. The
+    repetitive dataset's prompts are fixed passages; without a tokenizer their count is a guess (4 chars a token).
     """
     lengths = sample_lengths(w)
+    if w.dataset == "repetitive":
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else len(text) // 4
+
+        return [(text, count(text), m) for text, (_, m) in zip(edit_prompts(w.num_prompts), lengths, strict=True)]
     if tokenizer is None:
         rng = random.Random(w.seed + 1)
         prefix = " ".join(rng.choice(WORDS) for _ in range(w.prefix_len))

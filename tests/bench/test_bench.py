@@ -260,57 +260,6 @@ def test_profile_and_ceiling_pieces(tiny_dir):
     assert [q.num_running for q in points] == [8, 32] and all(q.step_us > 0 for q in points)
 
 
-def test_peers_build_uses_only_the_cpu_features_it_reports():
-    from sluice.service.bench.peers import cmake_isa_options
-
-    opts = cmake_isa_options({"avx", "avx2", "fma", "f16c"})
-    assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_AVX2=ON" in opts and "-DGGML_AVX512=OFF" in opts
-    assert not any("AMX" in o and o.endswith("ON") for o in opts)
-    assert "-DGGML_AVX512=ON" in cmake_isa_options({"avx2", "avx512f"})
-
-
-def test_peers_report_ratios_and_table():
-    from sluice.service.bench.peers import ratios, table
-
-    def server(a, tpot, ttft, rss):
-        return {"A": {"output_tok_s": a}, "B": {"tpot_p50_ms": tpot}, "C": {"output_tok_s": 1.0, "ttft_p50_ms": ttft},
-                "rss_mib": rss}
-
-    servers = {"Sluice fp32": server(200, 30, 1000, 1500), "Sluice int8": server(100, 10, 1000, 1000),
-               "llama.cpp F32": server(100, 20, 4000, 1000)}
-    r = ratios(servers)["llama.cpp F32"]
-    assert r["A_throughput_sluice_over_peer"] == 2.0 and r["B_tpot_sluice_over_peer"] == 1.5
-    assert r["C_ttft_sluice_over_peer"] == 0.25 and r["rss_sluice_over_peer"] == 1.5
-    text = table({"meta": {"cpu_flags": ["avx2"]}, "servers": servers, "ratios": ratios(servers)})
-    assert "| llama.cpp F32 | 2.00 | 1.50 | 0.25 | 1.50 |" in text
-    assert "| Sluice int8 / llama.cpp F32 | 1.00 | 0.50 | 0.25 | 1.00 |" in text
-    assert set(ratios(servers)) == {"llama.cpp F32", "Sluice int8 / llama.cpp F32"}
-
-
-def test_peers_report_pairs_each_line_with_its_baseline_and_shapes_with_no_peer():
-    from sluice.service.bench.peers import _pair_key, ratios, table
-
-    def server(a, tpot, ttft=None, rss=1000):
-        s = {"A": {"output_tok_s": a}, "B": {"tpot_p50_ms": tpot}, "rss_mib": rss}
-        if ttft is not None:
-            s["C"] = {"output_tok_s": 1.0, "ttft_p50_ms": ttft}
-        return s
-
-    servers = {"Sluice@0123abcd fp32": server(100, 20, 1000), "Sluice fp32": server(150, 10, 500),
-               "Sluice@0123abcd bf16 qwen2-135m": server(100, 40), "Sluice bf16 qwen2-135m": server(200, 20, rss=500),
-               "llama.cpp F32": server(100, 20, 4000)}
-    r = ratios(servers)
-    assert set(r) == {"llama.cpp F32", "Sluice fp32 / Sluice@0123abcd fp32",
-                      "Sluice bf16 qwen2-135m / Sluice@0123abcd bf16 qwen2-135m"}
-    shape = r["Sluice bf16 qwen2-135m / Sluice@0123abcd bf16 qwen2-135m"]
-    assert shape == {"A_throughput_sluice_over_peer": 2.0, "B_tpot_sluice_over_peer": 0.5, "rss_sluice_over_peer": 0.5}
-    text = table({"meta": {"cpu_flags": ["avx2"], "baseline": "0123abcd" * 5}, "servers": servers, "ratios": r})
-    assert "| Sluice bf16 qwen2-135m / Sluice@0123abcd bf16 qwen2-135m | 2.00 | 0.50 | - | 0.50 |" in text
-    assert "| Sluice bf16 qwen2-135m | 200.0 | 20.0 | - | - | 500 | 0/0 |" in text
-    order = sorted(["Sluice fp32", "Sluice@x bf16", "Sluice bf16", "Sluice@x fp32"], key=_pair_key)
-    assert order == ["Sluice@x bf16", "Sluice bf16", "Sluice@x fp32", "Sluice fp32"]
-
-
 def test_shape_configs_keep_the_size_and_change_only_the_layer_layout():
     from sluice.service.bench.shapes import ARCHS, config_of
 

@@ -1,0 +1,133 @@
+"""`bench peers` results as ratios and Markdown: weight format for weight format per size, A against llama.cpp's
+best, and workload D with speculation on and off."""
+
+from __future__ import annotations
+
+from sluice.service.bench.peer_plan import PAIRS
+
+FIELDS = {"A": ("A", "output_tok_s"), "B": ("B", "tpot_p50_ms"), "C": ("C", "ttft_p50_ms")}
+
+
+def _get(line: dict | None, workload: str, field: str) -> float | None:
+    value = ((line or {}).get(workload) or {}).get(field)
+    return value if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(servers: dict, sizes: list[str]) -> dict:
+    """Sluice over llama.cpp per size: each weight-format pair (A tok/s, B TPOT, C TTFT, RSS), every Sluice
+    line's A over llama.cpp's best A, each line over its baseline, and D's speculation figures."""
+    out: dict = {}
+    for size in sizes:
+        for ours, theirs in PAIRS:
+            a, b = servers.get(f"{size} Sluice {ours}"), servers.get(f"{size} llama.cpp {theirs}")
+            if a and b:
+                r = {w: _div(_get(a, *FIELDS[w]), _get(b, *FIELDS[w])) for w in FIELDS}
+                r["rss"] = _div(a.get("rss_mib"), b.get("rss_mib"))
+                out[f"{size} {ours} / {theirs}"] = r
+        peers_a = {n: _get(s, "A", "output_tok_s") for n, s in servers.items()
+                   if n.startswith(f"{size} llama.cpp ") and _get(s, "A", "output_tok_s")}
+        if peers_a:
+            best = max(peers_a, key=peers_a.get)
+            for name, s in servers.items():
+                if name.startswith(f"{size} Sluice ") and _get(s, "A", "output_tok_s"):
+                    out[f"{name} A / best llama.cpp"] = {"A": _get(s, "A", "output_tok_s") / peers_a[best],
+                                                         "best": best.removeprefix(f"{size} ")}
+        for name, s in servers.items():
+            if name.startswith(f"{size} Sluice@"):
+                ours = servers.get(f"{size} Sluice {name.split(' ', 2)[2]}")
+                if ours:
+                    r = {w: _div(_get(ours, *FIELDS[w]), _get(s, *FIELDS[w])) for w in FIELDS}
+                    r["rss"] = _div(ours.get("rss_mib"), s.get("rss_mib"))
+                    out[f"{size} Sluice {name.split(' ', 2)[2]} / {name.removeprefix(size + ' ')}"] = r
+        d = d_ratios(servers, size)
+        if d:
+            out[f"{size} D"] = d
+    return out
+
+
+def d_ratios(servers: dict, size: str) -> dict:
+    """Workload D at `size`: Sluice's speculation against its own decoding and against llama.cpp's n-gram."""
+    spec = {n: s for n, s in servers.items() if n.startswith(f"{size} ") and n.endswith(("ngram", "ngram k4"))}
+    ours_on = next((s for n, s in spec.items() if " Sluice " in n), None)
+    if ours_on is None or "D" not in ours_on:
+        return {}
+    fmt = next(n for n, s in spec.items() if s is ours_on).split(" ")[2]
+    ours_off = servers.get(f"{size} Sluice {fmt}")
+    theirs_on = [s for n, s in spec.items() if " llama.cpp " in n and _get(s, "D", "tpot_p50_ms")]
+    best_on = min((_get(s, "D", "tpot_p50_ms") for s in theirs_on), default=None)
+    on_tpf = (ours_on["D"].get("spec") or {}).get("tokens_per_forward")
+    return {"D_tpot_off_over_on": _div(_get(ours_off, "D", "tpot_p50_ms"), _get(ours_on, "D", "tpot_p50_ms")),
+            "D_tokens_per_forward": on_tpf,
+            "D_tpot_on_over_llama_best_on": _div(_get(ours_on, "D", "tpot_p50_ms"), best_on),
+            "B_tpot_on_over_off": _div(_get(ours_on, "B", "tpot_p50_ms"), _get(ours_off, "B", "tpot_p50_ms"))}
+
+
+def _c(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(results: dict) -> str:
+    """The Markdown report: per size the pairs table, A against the best peer, D; then every line's figures."""
+    meta, servers, r = results["meta"], results["servers"], results["ratios"]
+    out = ["# Sluice beside llama.cpp (same machine, one server at a time, same KV capacity)", "",
+           f"CPU features used by the llama.cpp build: {', '.join(meta.get('cpu_flags', []))}. "
+           f"{meta.get('threads', '?')} threads. Started {meta.get('started', '?')}.",
+           "Ratios are Sluice / llama.cpp: above 1 is better for A (tok/s), below 1 for B (TPOT), C (TTFT) and RSS."]
+    for size in meta.get("sizes", []):
+        out += ["", f"## {size} ({meta.get('models', {}).get(size, '')})", "",
+                "| weights (Sluice / llama.cpp) | A tok/s | A ratio | B TPOT p50 ms | B ratio | C TTFT p50 ms | "
+                "C ratio | RSS MiB | RSS ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        for ours, theirs in PAIRS:
+            a, b = servers.get(f"{size} Sluice {ours}"), servers.get(f"{size} llama.cpp {theirs}")
+            if not (a or b):
+                continue
+            pr = r.get(f"{size} {ours} / {theirs}", {})
+
+            def pair(w: str, fmt: str, a=a, b=b) -> str:
+                return f"{_c(_get(a, *FIELDS[w]), fmt)} / {_c(_get(b, *FIELDS[w]), fmt)}"
+
+            rss = f"{_c((a or {}).get('rss_mib'), '.0f')} / {_c((b or {}).get('rss_mib'), '.0f')}"
+            out.append(f"| {ours} / {theirs} | {pair('A', '.1f')} | {_c(pr.get('A'), '.2f')} | {pair('B', '.1f')} | "
+                       f"{_c(pr.get('B'), '.2f')} | {pair('C', '.0f')} | {_c(pr.get('C'), '.2f')} | {rss} | "
+                       f"{_c(pr.get('rss'), '.2f')} |")
+        best = [(n.split(" ")[2], v) for n, v in r.items() if n.startswith(f"{size} Sluice ") and n.endswith("best llama.cpp")]
+        if best:
+            out += ["", f"A against llama.cpp's best ({best[0][1]['best']}): "
+                    + ", ".join(f"{fmt} {v['A']:.2f}×" for fmt, v in best) + "."]
+        out += _d_section(servers, r.get(f"{size} D"), size)
+    out += ["", "## Every line", "", "| server | A tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | D TPOT p50 ms | "
+            "D tokens/forward | RSS MiB | failed |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in servers.items():
+        if "skipped" in s:
+            out.append(f"| {name} | skipped: {s['skipped']} |" + " |" * 7)
+            continue
+        failed = "/".join(str(s[w].get("failed", 0)) for w in "ABCD" if w in s)
+        tpf = ((s.get("D") or {}).get("spec") or {}).get("tokens_per_forward")
+        out.append(f"| {name} | {_c(_get(s, 'A', 'output_tok_s'), '.1f')} | {_c(_get(s, 'B', 'tpot_p50_ms'), '.1f')} | "
+                   f"{_c(_get(s, 'C', 'output_tok_s'), '.1f')} | {_c(_get(s, 'C', 'ttft_p50_ms'), '.0f')} | "
+                   f"{_c(_get(s, 'D', 'tpot_p50_ms'), '.1f')} | {_c(tpf, '.2f')} | {_c(s.get('rss_mib'), '.0f')} | "
+                   f"{failed} |")
+    return "\n".join(out) + "\n"
+
+
+def _d_section(servers: dict, d: dict | None, size: str) -> list[str]:
+    lines = [(n, s) for n, s in servers.items() if n.startswith(f"{size} ") and "D" in s]
+    if not lines:
+        return []
+    out = ["", "Workload D (return a passage with small edits, 1 at a time), n-gram speculation off and on:", "",
+           "| server | D TPOT p50 ms | decode tokens per forward | acceptance | B TPOT p50 ms |", "|---|---|---|---|---|"]
+    for name, s in lines:
+        spec = s["D"].get("spec") or {}
+        rate = spec.get("acceptance_rate")
+        out.append(f"| {name.removeprefix(size + ' ')} | {_c(_get(s, 'D', 'tpot_p50_ms'), '.1f')} | "
+                   f"{_c(spec.get('tokens_per_forward'), '.2f')} | {'-' if rate is None else format(rate, '.0%')} | "
+                   f"{_c(_get(s, 'B', 'tpot_p50_ms'), '.1f')} |")
+    if d:
+        out += ["", f"Sluice's speculation: D TPOT {_c(d['D_tpot_off_over_on'], '.2f')}× lower than without, "
+                f"{_c(d['D_tokens_per_forward'], '.2f')} tokens per forward, TPOT {_c(d['D_tpot_on_over_llama_best_on'], '.2f')}"
+                f"× llama.cpp's best n-gram; B with it on costs {_c(d['B_tpot_on_over_off'], '.2f')}× its TPOT off."]
+    return out
