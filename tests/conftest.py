@@ -9,6 +9,25 @@ from tests.support import profiles
 
 profiles.register()  # before any test module builds its @settings (the hypothesis plugin may load --hypothesis-profile)
 
+# Under `pytest -n N --dist loadgroup` (make test) a group runs on one worker, so its module- and session-scoped
+# fixtures start once: every module is a group of its own, except that the modules on the real SmolLM2 share one
+# per fixture (one SmolLM2 server, one pair of transformers copies in the whole run, not one per worker).
+SHARED_GROUPS = ("smol_server", "smollm2")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with the xdist group its module runs in."""
+    groups: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        shared = next((name for name in SHARED_GROUPS if name in item.fixturenames), None)
+        if shared and not groups.get(module, "").startswith("shared:"):
+            groups[module] = f"shared:{shared}"
+        groups.setdefault(module, module)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
