@@ -8,10 +8,10 @@ TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 # Two pytest workers (pytest-xdist): many tests wait on a server subprocess or on HTTP, so two overlap even on two
-# cores. --dist loadgroup keeps each module (and the modules on the real SmolLM2) on one worker, so a module's
-# server starts once (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+# cores. tests/conftest.py hands out whole modules (the SmolLM2 ones in two groups), so a module's server starts
+# once. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
 
 .PHONY: install serve test test-fast test-deep lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 

@@ -9,24 +9,41 @@ from tests.support import profiles
 
 profiles.register()  # before any test module builds its @settings (the hypothesis plugin may load --hypothesis-profile)
 
-# Under `pytest -n N --dist loadgroup` (make test) a group runs on one worker, so its module- and session-scoped
-# fixtures start once: every module is a group of its own, except that the modules on the real SmolLM2 share one
-# per fixture (one SmolLM2 server, one pair of transformers copies in the whole run, not one per worker).
-SHARED_GROUPS = ("smol_server", "smollm2")
+# Under `pytest -n N` (make test) a group of modules runs on one worker, so its module- and session-scoped fixtures
+# start once: each module is a group of its own, except the modules on the real SmolLM2, which share one group per
+# fixture (one SmolLM2 server, one pair of transformers copies in the run, not one per worker). Collection checks
+# that this list names every module that takes those fixtures.
+SMOLLM2_GROUPS = {
+    "smol_server": ("tests/api/test_api_server.py", "tests/api/test_hostile.py", "tests/api/test_structured_api.py",
+                    "tests/api/test_tools_api.py"),
+    "smollm2": ("tests/engine/test_detokenizer.py", "tests/engine/test_memory_sizing.py", "tests/test_parity.py"),
+}
+GROUP_OF = {module: group for group, modules in SMOLLM2_GROUPS.items() for module in modules}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's per-module scheduling (--dist loadscope), with the SmolLM2 modules grouped as SMOLLM2_GROUPS says."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = module_of(nodeid)
+            return GROUP_OF.get(module, module)
+
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark every test with the xdist group its module runs in."""
-    groups: dict[str, str] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        shared = next((name for name in SHARED_GROUPS if name in item.fixturenames), None)
-        if shared and not groups.get(module, "").startswith("shared:"):
-            groups[module] = f"shared:{shared}"
-        groups.setdefault(module, module)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
+    """Fail early when a module takes a SmolLM2 fixture without being in its group."""
+    stray = sorted({f"{module_of(item.nodeid)} ({name})" for item in items for name in SMOLLM2_GROUPS
+                    if name in item.fixturenames and module_of(item.nodeid) not in SMOLLM2_GROUPS[name]})
+    if stray:
+        raise pytest.UsageError(f"tests/conftest.py SMOLLM2_GROUPS must list: {', '.join(stray)}")
 
 
 @pytest.fixture(scope="session")
