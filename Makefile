@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): many tests wait on a server subprocess or on HTTP, so two overlap even on two
+# cores. tests/conftest.py hands out whole modules (the SmolLM2 ones in two groups), so a module's server starts
+# once. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
 
 .PHONY: install serve test test-fast test-deep lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 
@@ -29,14 +34,14 @@ serve: model
 
 # pytest exits 5 when it collects no tests: that must fail CI, never pass silently.
 test: install
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 test-deep: install  ## the suite under the deep hypothesis profile: 20,000 random bodies, 1,500 scheduler machine runs, 10x the examples
-	$(BIN)/python -m pytest --hypothesis-profile=deep $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) --hypothesis-profile=deep $(PYTEST_ARGS)
 
 test-fast: install  ## everything but the tests that need the real SmolLM2
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check sluice service scheduling kvcache metrics tests

@@ -9,6 +9,42 @@ from tests.support import profiles
 
 profiles.register()  # before any test module builds its @settings (the hypothesis plugin may load --hypothesis-profile)
 
+# Under `pytest -n N` (make test) a group of modules runs on one worker, so its module- and session-scoped fixtures
+# start once: each module is a group of its own, except the modules on the real SmolLM2, which share one group per
+# fixture (one SmolLM2 server, one pair of transformers copies in the run, not one per worker). Collection checks
+# that this list names every module that takes those fixtures.
+SMOLLM2_GROUPS = {
+    "smol_server": ("tests/api/test_api_server.py", "tests/api/test_hostile.py", "tests/api/test_structured_api.py",
+                    "tests/api/test_tools_api.py"),
+    "smollm2": ("tests/engine/test_detokenizer.py", "tests/engine/test_memory_sizing.py", "tests/test_parity.py"),
+}
+GROUP_OF = {module: group for group, modules in SMOLLM2_GROUPS.items() for module in modules}
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's per-module scheduling (--dist loadscope), with the SmolLM2 modules grouped as SMOLLM2_GROUPS says."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = module_of(nodeid)
+            return GROUP_OF.get(module, module)
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Fail early when a module takes a SmolLM2 fixture without being in its group."""
+    stray = sorted({f"{module_of(item.nodeid)} ({name})" for item in items for name in SMOLLM2_GROUPS
+                    if name in item.fixturenames and module_of(item.nodeid) not in SMOLLM2_GROUPS[name]})
+    if stray:
+        raise pytest.UsageError(f"tests/conftest.py SMOLLM2_GROUPS must list: {', '.join(stray)}")
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir():

@@ -1,4 +1,5 @@
-"""The short soak: `sluice soak` for ~30 s on the tiny model, far past capacity; the full one is `make soak`."""
+"""The short soak: `sluice soak` for 10 s on the tiny model (30 s under the deep profile), far past capacity;
+the full one is `make soak`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from sluice.service.bench.soak import add_arguments, run
-from tests.support.tiny import save_tiny_model
+from tests.support.profiles import pick
 
 # 12 sequences on 24 blocks of 16 tokens with swap for 6 blocks, 8 queue slots, 24 clients: 429s, swap
 # preemption and its fallback to recompute all happen within the first seconds.
@@ -17,11 +18,11 @@ FLAGS = ("--served-model-name tiny --device cpu --block-size 16 --num-kv-blocks 
 
 
 @pytest.mark.timeout(240)
-def test_short_soak(tmp_path):
-    model_dir = save_tiny_model(str(tmp_path / "tiny"))
+def test_short_soak(model_dir, tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--model", model_dir, "--serve-flags", FLAGS, "--duration", "30", "--concurrency", "24",
+    duration = pick(10, 30, "SLUICE_SOAK_SECONDS")  # long enough for RSS samples in each third (one per 0.5 s)
+    args = p.parse_args(["--model", model_dir, "--serve-flags", FLAGS, "--duration", str(duration), "--concurrency", "24",
                          "--max-rss-growth-mib", "48", "--output", str(tmp_path / "soak.json")])
     result = run(args)
     print(json.dumps(result, indent=1))

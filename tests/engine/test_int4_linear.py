@@ -4,15 +4,12 @@ transformers on the same dequantized weights (only the weights' precision change
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-import sluice
 import sluice.service.engine.int4_linear as int4
-from sluice.native import cpu_flags
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
@@ -21,6 +18,7 @@ from sluice.service.engine.int8_linear import dequantize as int8_dequantize
 from sluice.service.engine.int8_linear import quantize_weight as int8_weight
 from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
 from tests.support import tiny
+from tests.support.kernels import build_variant, has_avx2
 from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
 
 
@@ -121,29 +119,23 @@ def test_the_kernel_refuses_what_it_cannot_read(kernel):
         int4.quantize_weight(torch.randn(4, 40))
 
 
-def test_every_instruction_set_computes_the_same_values(kernel, tmp_path):
+def test_every_instruction_set_computes_the_same_values(kernel):
     # The integer sums are exact and the float steps run in one order, so AVX2 and portable builds of the
-    # kernel agree with this machine's build bit for bit.
-    from torch.utils.cpp_extension import load
-
-    binding = tmp_path / "int4_only.cpp"
-    binding.write_text('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
-                       'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_linear", &int4_linear); '
-                       'm.def("isa", &int4_linear_isa); }\n')
-    csrc = Path(sluice.__file__).with_name("csrc")
+    # kernel agree with this machine's build bit for bit. Each variant is int4_linear.cpp alone behind a torch-op
+    # binding, built once per machine (tests/support/kernels.py).
     torch.manual_seed(5)
     weights = int4.pack(*int4.quantize_weight(torch.randn(48, 576)))
     x = torch.randn(7, 576)
     want = kernel.int4_linear(x, *weights, 48)
-    flags = {"portable": "-march=x86-64"}
-    if "avx2" in cpu_flags().split() and "fma" in cpu_flags().split():
-        flags["avx2"] = "-march=x86-64-v3"
-    for isa, march in flags.items():
-        build = tmp_path / isa
-        build.mkdir()
-        variant = load(name=f"int4_{isa}", sources=[str(csrc / "int4_linear.cpp"), str(binding)],
-                       extra_cflags=["-O3", march], extra_include_paths=[str(csrc)],
-                       build_directory=str(build), verbose=False)
+    marches = {"portable": "-march=x86-64"}
+    if has_avx2():
+        marches["avx2"] = "-march=x86-64-v3"
+    for isa, march in marches.items():
+        binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
+                   f'TORCH_LIBRARY(sluice_test_int4_{isa}, m) {{ m.def("int4_linear", &int4_linear); '
+                   'm.def("isa", &int4_linear_isa); }\n')
+        build_variant(f"int4_{isa}", ["int4_linear.cpp"], binding, ["-O3", march], python_module=False)
+        variant = getattr(torch.ops, f"sluice_test_int4_{isa}")
         assert variant.isa() == isa
         assert torch.equal(variant.int4_linear(x, *weights, 48), want), isa
 

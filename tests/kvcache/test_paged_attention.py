@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from sluice import native
 from sluice.kvcache import decode_kernel as cpu_kernel
 from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
 from tests.support.attention import MIXES, run_case
+from tests.support.kernels import build_variant, has_avx2
 
 
 def decode_kernel():
@@ -26,33 +26,18 @@ def decode_kernel():
 def avx2_kernel():
     """The decode kernel alone, built for x86-64-v3 (what a Zen 3 runs) on any CPU that has AVX2 and FMA; its class
     module-local, as the process's own extension has registered PagedDecodePlan already."""
-    if "avx2" not in native.cpu_flags().split() or "fma" not in native.cpu_flags().split():
+    if not has_avx2():
         pytest.skip("no AVX2 and FMA on this CPU")
     if native.load() is None:
         pytest.skip("the native extension cannot be built here (no C++ compiler?)")
-    from torch.utils.cpp_extension import load
-
-    binding_text = ('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
-                    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_isa", &paged_decode_isa);\n'
-                    'pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan", pybind11::module_local()).def(pybind11::init<torch::Tensor, '
-                    'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
-                    'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
-    # Built once per machine, like the extension itself (sluice/native.py): in the kernel cache, keyed by the
-    # sources, the binding and the flags; ninja rebuilds nothing while they stay the same.
-    flags = ["-O3", "-march=x86-64-v3", *native.OPENMP_FLAGS]
-    digest = hashlib.sha256(repr((binding_text, flags, torch.__version__, str(native.CSRC))).encode())
-    for path in sorted(native.CSRC.iterdir()):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.name.encode() + path.read_bytes())
-    key = digest.hexdigest()[:16]
-    folder = native.cache_dir() / f"paged-decode-avx2-{key}"
-    folder.mkdir(parents=True, exist_ok=True)
-    binding = folder / "decode_only.cpp"
-    if not binding.exists() or binding.read_text() != binding_text:  # an unchanged file keeps its mtime
-        binding.write_text(binding_text)
-    ops = load(name=f"paged_decode_avx2_{key}", sources=[str(native.CSRC / "paged_decode.cpp"), str(binding)],
-               extra_cflags=flags, extra_ldflags=list(native.OPENMP_FLAGS),
-               extra_include_paths=[str(native.CSRC)], build_directory=str(folder), verbose=False)
+    binding = ('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
+               'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_isa", &paged_decode_isa);\n'
+               'pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan", pybind11::module_local()).def(pybind11::init<torch::Tensor, '
+               'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
+               'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
+    # built once per machine, like the extension itself (tests/support/kernels.py)
+    ops = build_variant("paged_decode_avx2", ["paged_decode.cpp"], binding,
+                        ["-O3", "-march=x86-64-v3", *native.OPENMP_FLAGS])
     return cpu_kernel.DecodeKernel(ops)
 
 

@@ -129,7 +129,8 @@ def test_dashboard_and_alerts_against_real_prometheus(server, prometheus_binary,
             )
 
         wait_until(idle, 30, "the engine to go idle")
-        time.sleep(3)
+        idle_at = time.time()  # scrapes come each second: a last one past idle_at + 1 s is the second since idle
+        wait_until(lambda: scalar(url, 'timestamp(up{job="sluice"})') > idle_at + 1, 20, "two scrapes of the idle engine")
         at = time.time()
         rate_interval = f"{math.ceil(at - load_start) + 5}s"  # one window spanning the whole load
 

@@ -24,6 +24,11 @@ def is_deep() -> bool:
 
 def examples(quick: int, deep: int, env: str | None = None) -> int:
     """`quick` under the default profile, `deep` under the deep one; the variable `env`, when set, wins."""
+    return int(pick(quick, deep, env))
+
+
+def pick(quick: float, deep: float, env: str | None = None) -> float:
+    """Any figure that scales a test's effort (a count, a duration): as examples(), without rounding to int."""
     if env and os.environ.get(env):
-        return int(os.environ[env])
+        return float(os.environ[env])
     return deep if is_deep() else quick

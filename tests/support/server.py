@@ -26,20 +26,27 @@ class Server:
 
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
                  name: str = "sluice", faults: str = "", bare: bool = False):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_dir) / f"{name}-{self.port}-{time.monotonic_ns()}.log"
+        self.log_dir, self.name, self.own_port = Path(log_dir), name, not port
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
         # faults: the test-only launcher installs them on the engine, then runs the real CLI
         launcher = ["-m", "tests.support.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
         if bare:  # as on a bare GPU image: no orjson, xgrammar, gguf, jsonschema_rs or ninja
             launcher = ["-m", "tests.support.bare_serve"]
-        cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--block-size", "16",
-               "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
+        self.env = full
+        self.cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
+                    "--host", "127.0.0.1", "--device", "cpu", "--block-size", "16",
+                    "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
+        self.port_at = self.cmd.index("--host")  # where start() puts --port, before the flags that may override
+        self.start(port or free_port())
+
+    def start(self, port: int) -> None:
+        """Launch the process on `port`."""
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.log_path = self.log_dir / f"{self.name}-{port}-{time.monotonic_ns()}.log"
+        cmd = [*self.cmd[:self.port_at], "--port", str(port), *self.cmd[self.port_at:]]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -48,6 +55,11 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # Another process (a second pytest worker's server) took the free port between the pick and
+                # the bind: start again on a new one, where the test did not ask for this port.
+                if self.own_port and "address already in use" in self.log().lower():
+                    self.start(free_port())
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:

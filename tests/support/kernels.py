@@ -1,0 +1,50 @@
+"""Single kernels built for another instruction set than this machine's extension (the tests that check a Zen 3's
+AVX2 path, or the portable one, on an AVX-512 machine): cached on disk like the extension (sluice/native.py), so a
+variant compiles once per machine, not once per session.
+
+The build folder is keyed by the contents of what it compiles (the kernel's .cpp files, every header of csrc/, the
+binding, the flags and torch's version) and holds its own copy of those sources: ninja records absolute paths, so
+copies make every checkout (worktrees, CI's fresh clone) share one build, and an edit to an unrelated kernel file
+rebuilds nothing. A file lock makes two pytest workers build a variant once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+
+import torch
+
+from sluice import native
+
+
+def build_variant(name: str, units: list[str], binding: str, cflags: list[str], python_module: bool = True):
+    """The extension compiled from csrc/`units` and the `binding` source with `cflags`: a Python module, or with
+    `python_module=False` a library of torch ops (TORCH_LIBRARY: a binding that skips torch/extension.h and
+    pybind11, a third of the compile time), loaded into the process; returns what torch's `load` returns."""
+    from torch.utils.cpp_extension import load
+
+    files = {unit: (native.CSRC / unit).read_bytes() for unit in units}
+    files |= {h.name: h.read_bytes() for h in sorted(native.CSRC.glob("*.h"))}
+    files[f"{name}_binding.cpp"] = binding.encode()
+    digest = hashlib.sha256(repr((sorted(files), cflags, python_module, torch.__version__)).encode())
+    for content in files.values():
+        digest.update(hashlib.sha256(content).digest())
+    key = digest.hexdigest()[:16]
+    folder = native.cache_dir() / f"variant-{name}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also by a killed process
+        for file_name, content in files.items():
+            path = folder / file_name
+            if not path.exists() or path.read_bytes() != content:  # an unchanged copy keeps its mtime for ninja
+                path.write_bytes(content)
+        return load(name=f"{name}_{key}", sources=[str(folder / u) for u in [*units, f"{name}_binding.cpp"]],
+                    extra_cflags=cflags, extra_ldflags=list(native.OPENMP_FLAGS), extra_include_paths=[str(folder)],
+                    build_directory=str(folder), is_python_module=python_module, verbose=False)
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs x86-64-v3 code (AVX2 and FMA)."""
+    return {"avx2", "fma"} <= set(native.cpu_flags().split())
+
