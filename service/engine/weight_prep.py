@@ -9,10 +9,10 @@ import time
 import torch
 from torch import nn
 
+from sluice import native
 from sluice.service.config import ModelConfig
 from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import release_freed_memory
-from sluice import native
 from sluice.service.engine.layers.gguf_linear import QuantizeMethod
 from sluice.service.engine.layers.linear import LinearMethod, PackedMethod, PlainMethod
 from sluice.service.engine.layers.packed_linear import can_prepack

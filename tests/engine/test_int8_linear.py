@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.service.engine.layers import gguf_linear
-from sluice.service.engine.layers.gguf_blocks import dequantize, quantize
-from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufLinear
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
+from sluice.service.engine.layers import gguf_linear
+from sluice.service.engine.layers.gguf_blocks import dequantize, quantize
+from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufLinear
 from tests.support import tiny
 from tests.support.parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
 

@@ -65,7 +65,7 @@ class GgufLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N]."""
         rows = x.reshape(-1, self.in_features).float()
-        if rows.shape[0] <= self.kernel_max_rows:
+        if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows:
             out = self.kernel.int4_linear(rows, self.blocks, self.scale, self.minimum, self.out_features) \
                 if self.packed else self.kernel.gguf_linear(rows, self.blocks, self.type_id)
         else:
