@@ -296,13 +296,15 @@ def test_default_model_under_gguf_serves_the_wheels_blocks_as_stored(smollm2_dir
     assert np.array_equal(model.embed_tokens.blocks.numpy(), _raw_rows(reader, "token_embd.weight"))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
                                                   add_generation_prompt=True, tokenize=False)
-    # The float checkpoint was dequantized from this very file: the same weights, only the activations' int8
-    # rounding in the integer GEMV differs.
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    float_cfg = SluiceConfig()
-    float_cfg.cache.num_kv_blocks = 64
-    expected = LLMEngine(float_cfg).generate([prompt], params)[0].token_ids
-    assert engine.generate([prompt], params)[0].token_ids == expected
+    # The float checkpoint was dequantized from this very file, and --quantization int4 quantizes it back into the
+    # same Q4_1 blocks and Q8_0 embedding: one family of linears, the same kernels, the same tokens.
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    int4_cfg = SluiceConfig()
+    int4_cfg.model.quantization, int4_cfg.cache.num_kv_blocks = "int4", 64
+    int4 = LLMEngine(int4_cfg)
+    assert torch.equal(int4.model.layers[0].mlp.down_proj.stored_rows(), model.layers[0].mlp.down_proj.stored_rows())
+    assert torch.equal(int4.model.embed_tokens.blocks, model.embed_tokens.blocks)
+    assert engine.generate([prompt], params)[0].token_ids == int4.generate([prompt], params)[0].token_ids
 
 
 def test_gguf_needs_a_gguf_file_the_engine_loads(model_dir):
