@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from sluice.service.bench.offline import OfflineRun
+from sluice.service.engine.layers.gguf_blocks import dequantize
 from sluice.service.engine.models.llama import LlamaForCausalLM
 
 
@@ -37,22 +38,23 @@ class Ceiling:
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """A linear's weight [N, K] as plain values, whatever its format."""
-    from sluice.service.engine.layers.gguf_linear import MergedLinear
+    from sluice.service.engine.layers.gguf_linear import GgufLinear, MergedLinear
     from sluice.service.engine.layers.packed_linear import PackedLinear
-    from sluice.service.engine.quantized_linear import QuantizedLinear
 
     if isinstance(linear, MergedLinear):
         return torch.cat([dense_weight(part) for part in linear.parts])
     if isinstance(linear, PackedLinear):
         return linear.dense_weight()
-    if isinstance(linear, QuantizedLinear):
+    if isinstance(linear, GgufLinear):
         return linear.dequantized()
     return linear.weight.detach()
 
 
 def checkpoint_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """The owned model's weights under transformers' names, plain (the inverse of `build`, for a transformers twin)."""
-    state = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+    embed = model.embed_tokens  # GGUF blocks under --quantization: dequantized
+    embedding = embed.weight if hasattr(embed, "weight") else dequantize(embed.blocks, embed.qtype, embed.embedding_dim)
+    state = {"model.embed_tokens.weight": embedding, "model.norm.weight": model.norm.weight,
              "lm_head.weight": dense_weight(model.lm_head)}
 
     def split(prefix: str, linear: nn.Module, parts: list[str], sizes: list[int]) -> None:

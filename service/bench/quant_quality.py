@@ -14,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from sluice.service.engine.layers.linear import QuantizedMethod
-from sluice.service.engine.quantized_linear import QuantizedLinear
+from sluice import native
+from sluice.service.engine.layers.gguf_linear import GgufLinear, QuantizeMethod
 
 TEXT = (
     "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
@@ -58,14 +58,14 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
 def quantized_copy(model: nn.Module, method: str) -> nn.Module:
     """A copy of a transformers model whose linears are the engine's `method` ones (int8, int4), each running its
     few-row kernel whatever the row count."""
-    twin, make = copy.deepcopy(model), QuantizedMethod(method).make
+    twin, make = copy.deepcopy(model), QuantizeMethod(method, native.load()).make
     for name, linear in [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear]:
         parent, _, attr = name.rpartition(".")
         bias = None if linear.bias is None else linear.bias.detach()
         setattr(twin.get_submodule(parent) if parent else twin, attr,
                 make(linear.weight.detach(), bias, [name], [linear.out_features]))
     for module in twin.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, GgufLinear):
             module.kernel_max_rows = 1 << 30
     return twin
 

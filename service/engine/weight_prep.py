@@ -9,15 +9,12 @@ import time
 import torch
 from torch import nn
 
+from sluice import native
 from sluice.service.config import ModelConfig
 from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import release_freed_memory
-from sluice.service.engine.layers.linear import (
-    LinearMethod,
-    PackedMethod,
-    PlainMethod,
-    QuantizedMethod,
-)
+from sluice.service.engine.layers.gguf_linear import QuantizeMethod
+from sluice.service.engine.layers.linear import LinearMethod, PackedMethod, PlainMethod
 from sluice.service.engine.layers.packed_linear import can_prepack
 from sluice.service.engine.models import weights
 from sluice.service.engine.models.llama import LlamaForCausalLM
@@ -30,7 +27,7 @@ def linear_method(config: ModelConfig, device: torch.device, dtype: torch.dtype)
     if config.quantization == "gguf":
         raise ValueError("--quantization gguf serves a .gguf file's blocks as stored: load the model from the file")
     if config.quantization in ("int8", "int4"):
-        return QuantizedMethod(config.quantization)
+        return QuantizeMethod(config.quantization, native.load())
     if config.quantization != "none":
         raise ValueError(f"unknown quantization {config.quantization!r}: one of int8, int4, gguf")
     if config.prepack_weights and can_prepack(device, dtype):

@@ -20,7 +20,6 @@ int64_t parallel_threads() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear, few rows");
   m.def("int4_linear", &int4_linear, "int4 linear (Q4_1 weights, int8 activations), few rows");
   m.def("int4_linear_isa", &int4_linear_isa, "the int4 kernel's instruction set");
   m.def("packed_linear_f32", &packed_linear_f32, "float32 linear on a oneDNN-packed weight, few rows");
@@ -32,11 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", &f32_linear, "float32 linear, few rows");
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");
-  m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored (int8 activations), few rows");
+  m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored, few rows");
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks as stored to float32 rows");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
-  pybind11::class_<LlamaLayerOps::Linear>(m, "QuantizedLinearOp")
-      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>());
+  pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>())
+      .def(pybind11::init<const std::vector<LlamaLayerOps::Linear>&>());
   pybind11::class_<LlamaLayerOps>(m, "LlamaLayerOps")
       .def(pybind11::init<torch::Tensor, double, LlamaLayerOps::Linear, int64_t, int64_t, int64_t,
                           LlamaLayerOps::Linear, torch::Tensor, double, LlamaLayerOps::Linear,

@@ -4,8 +4,9 @@
 // kernel file's compile time (~7 s against ~22 s here). Only bindings.cpp needs it.
 #include <torch/types.h>
 
-// y = x @ dequant(q).T, q int8 [N, K] with one float scale per output row; x float32 [M, K].
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
+// y = x @ W.T for few rows of x float32 [M, K], W in GGUF Q8_0 blocks as stored (uint8 [N, K / 32 * 34]), the
+// activations kept float.
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w);
 
 // y = x @ dequant(q).T for Q4_1 weights (float16 scale d and minimum m per 32 inputs, element = q * d + m) with the
 // activations quantized to int8 per group of 32, as llama.cpp runs Q4_1. Weights packed 16 outputs to a block
@@ -41,19 +42,25 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // strided, the head dim contiguous), cos and sin [T, D]; float32 or bfloat16, bit for bit the eager result.
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin);
 
-// A Llama decoder layer's work around its attention (llama_layer.cpp), on quantized linears, float32:
+// A Llama decoder layer's work around its attention (llama_layer.cpp), on GGUF-block linears, float32:
 // before_attention(hidden [1, T, E], cos, sin [1, T, D]) -> {q [T, H, D], k, v [T, Hkv, D]}, the input norm, the
 // fused q/k/v projection and rotary applied; after_attention(attention [T, H, D], hidden) -> the layer's output
 // [1, T, E]: o projection, residual, post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
 class LlamaLayerOps {
  public:
-  // One quantized linear: kind 4 (int4_linear: a, b, c = packed nibbles, scale, minimum) or 8 (int8_linear: a, b =
-  // q, scale); n outputs.
+  // One linear on GGUF blocks: parts side by side (a GGUF may store q and v in different types), each a GGML type
+  // with its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum), any other type's rows of
+  // blocks in a for gguf_linear; n outputs in all.
   struct Linear {
-    Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n);
+    Linear(int64_t type, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n);
+    explicit Linear(const std::vector<Linear>& parts);  // the parts' outputs concatenated
     torch::Tensor operator()(const torch::Tensor& x) const;
-    int64_t kind;
-    torch::Tensor a, b, c;
+    struct Part {
+      int64_t type;
+      torch::Tensor a, b, c;
+      int64_t n;
+    };
+    std::vector<Part> parts;
     int64_t n;
   };
   LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,

@@ -3,7 +3,7 @@
 // them. Every block unpacks in registers to integer codes q (int8), a scale per 16 inputs and an offset per 32, so
 // that element i = scale[i / 16] * q[i] + offset[i / 32] for every type (Q4_K: scale = d * sc, offset = -dmin * m).
 //
-// gguf_linear (few rows, decoding): each input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as
+// gguf_linear (few rows, decoding; Q8_0 goes to q8_0_linear.cpp): each input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as
 // llama.cpp quantizes activations, so
 //   y[r, n] = sum_g dx[r, g] * (sum_{i in g} scale[i / 16] q[i] qx[r, i]) + offset[g] * dx[r, g] * sum_{i in g} qx[r, i]
 // where the inner sums are exact integer dot products (u8 x s8 -> s32 with the sign trick), one per 16 inputs'
@@ -304,6 +304,7 @@ void check_blocks(const torch::Tensor& w, int64_t type, int64_t K) {
 }  // namespace
 
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
+  if (type == 8) return q8_0_linear(x, w);  // float activations on Q8_0 (q8_0_linear.cpp says why)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
   const int64_t K = x.size(1), N = w.size(0);
   check_blocks(w, type, K);

@@ -1,7 +1,7 @@
 // A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones.
 // At batch 1 a quantized layer's kernels take tens of microseconds and the Python between them (module calls,
 // views, splits, in-place ops) about as much again. This runs the same ops in the same order as
-// lean_layers.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are that path's bit for
+// models/llama.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are that path's bit for
 // bit; the attention itself stays in Python (paged_attention covers every kind of step).
 #include "cpu_ops.h"
 
@@ -9,17 +9,30 @@
 
 namespace {
 
-enum Kind : int64_t { kInt4 = 4, kInt8 = 8 };
+constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row blocks
 
 }  // namespace
 
-LlamaLayerOps::Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n)
-    : kind(kind), a(std::move(a)), b(std::move(b)), c(std::move(c)), n(n) {
-  TORCH_CHECK(kind == kInt4 || kind == kInt8, "LlamaLayerOps: linears are int4 (4) or int8 (8)");
+LlamaLayerOps::Linear::Linear(int64_t type, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n)
+    : parts{{type, std::move(a), std::move(b), std::move(c), n}}, n(n) {
+  TORCH_CHECK(type != kPackedQ4_1 || (parts[0].b.defined() && parts[0].b.numel() > 0),
+              "LlamaLayerOps: a Q4_1 linear comes packed (nibbles, scale, minimum)");
+}
+
+LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {
+  for (const Linear& linear : linears) {
+    parts.insert(parts.end(), linear.parts.begin(), linear.parts.end());
+    n += linear.n;
+  }
+  TORCH_CHECK(!parts.empty(), "LlamaLayerOps: a linear of no parts");
 }
 
 torch::Tensor LlamaLayerOps::Linear::operator()(const torch::Tensor& x) const {
-  return kind == kInt4 ? int4_linear(x, a, b, c, n) : int8_linear(x, a, b);
+  std::vector<torch::Tensor> outs;
+  for (const Part& p : parts) {
+    outs.push_back(p.type == kPackedQ4_1 ? int4_linear(x, p.a, p.b, p.c, p.n) : gguf_linear(x, p.a, p.type));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
 
 LlamaLayerOps::LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,

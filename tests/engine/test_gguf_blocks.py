@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.engine.layers.gguf_blocks import BLOCK_TYPES, GgufBlocks, dequantize
 from sluice.service.engine.layers.gguf_linear import (
-    BLOCK_TYPES,
-    KERNEL_MAX_ROWS,
+    KERNEL_MAX_ROWS_DEFAULT,
     GgufBlockMethod,
-    GgufBlocks,
     GgufEmbedding,
     GgufLinear,
     MergedLinear,
-    dequantize,
 )
 from sluice.service.engine.layers.linear import PlainMethod
 from sluice.service.engine.models import gguf_weights, weights
@@ -69,13 +67,16 @@ def emulated_int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS_DEFAULT])
 def test_integer_gemv_matches_float_matmul(qtype, rows, kernel):
     n, k = 40, 768
     blocks = torch.from_numpy(random_blocks(qtype, n, k, seed=rows))
     weight = reference_dequantize(blocks.numpy(), qtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))  # a fixed draw: ties are rare, not absent
     got = kernel.gguf_linear(x, blocks, BLOCK_TYPES[qtype][0])
+    if qtype == "Q8_0":  # float activations (q8_0_linear.cpp): the float matmul, in another summation order
+        torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-4)
+        return
     # Against the same int8-rounded activations the products are exact integers: only float summation order differs
     # (and, rarely, an activation within an ulp of a rounding tie landing on the other integer: one output in 40).
     exact = emulated_int8_activations(x) @ weight.T
@@ -181,9 +182,13 @@ def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     assert isinstance(second.self_attn.qkv_proj, GgufLinear) and second.self_attn.qkv_proj.out_features == 512
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "in_features")]
     assert all(isinstance(m, (GgufLinear, MergedLinear)) for m in linears)
-    blocks = sum(m.blocks.numel() for m in model.modules() if isinstance(m, GgufLinear)) \
-        - model.lm_head.blocks.numel()
+    buffers = [t for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding)) for t in m.buffers()]
+    assert {t.dtype for t in buffers} <= {torch.uint8, torch.float16}  # no float copy of any weight
+    blocks = sum(t.numel() * t.element_size() for t in buffers) - model.lm_head.blocks.numel()
     assert blocks < path.stat().st_size  # the blocks as they are, nothing dequantized beside them
+    packed = second.mlp.gate_up_proj  # Q4_1: regrouped for the packed kernel, the same bytes
+    assert packed.packed and torch.equal(packed.stored_rows(), torch.cat([
+        torch.from_numpy(np.array(_raw(path, f"blk.1.{name}.weight"))) for name in ("ffn_gate", "ffn_up")]))
 
 
 def greedy(model, prompts, tokens: int = 12) -> list[list[int]]:
@@ -208,7 +213,12 @@ class RoundedActivations(torch.nn.Module):
 
 
 class RoundedActivationsMethod(PlainMethod):
+    """RoundedActivations for the tiny Llama's linears, but plain ones where the file has Q8_0 (float activations)."""
+
     def make(self, weight, bias, parts, sizes, tied=False):
+        layer, _, part = parts[0].partition(".layers.")[2].partition(".")
+        if parts[0] != "lm_head" and LAYER_TYPES[int(layer)][part.rpartition(".")[2]] == "Q8_0":
+            return super().make(weight, bias, parts, sizes, tied)
         return RoundedActivations(weight, bias)
 
 
@@ -217,7 +227,8 @@ def test_tiny_llama_gguf_greedy_equals_the_float_weights(tiny_gguf, native, kern
     """The file's blocks (q/k unpermuted) against the owned model on the dequantized float weights: identical
     greedy tokens. Through torch's dequantize + matmul, against plain float linears; through the integer GEMV
     (every call here has at most 32 rows, the step budget), against float linears on activations rounded as the
-    GEMV rounds them (llama.cpp's arithmetic: plain float linears part ways with it after a few tokens here)."""
+    GEMV rounds them (llama.cpp's arithmetic: plain float linears part ways with it after a few tokens here; Q8_0
+    keeps float activations)."""
     path, config, floats = tiny_gguf
     if not native:
         monkeypatch.setattr(gguf_weights.native, "load", lambda: None)
@@ -226,7 +237,7 @@ def test_tiny_llama_gguf_greedy_equals_the_float_weights(tiny_gguf, native, kern
     assert (ours.layers[0].mlp.gate_up_proj.kernel is not None) == native
     method = (RoundedActivationsMethod if native else PlainMethod)(torch.device("cpu"), torch.float32)
     reference = weights.build(config, floats.get, method, torch.device("cpu"), torch.float32)
-    assert KERNEL_MAX_ROWS >= 32
+    assert KERNEL_MAX_ROWS_DEFAULT >= 32
     assert greedy(ours, PROMPTS) == greedy(reference, PROMPTS)
 
 
@@ -235,6 +246,25 @@ def test_method_describes_the_types_it_served(tiny_gguf):
     method = GgufBlockMethod(torch.float32)
     weights.build(config, gguf_weights.read_tensors(path, config), method, torch.device("cpu"), torch.float32)
     assert method.made == {"Q4_K": 3, "Q5_K": 1, "Q6_K": 2, "Q5_0": 1, "Q8_0": 1, "Q4_0": 1, "Q5_1": 1, "Q4_1": 1}
+
+
+def _raw(path, name: str) -> np.ndarray:
+    import gguf
+
+    return _raw_rows(gguf.GGUFReader(str(path)), name)
+
+
+def test_tiny_llama_gguf_decodes_through_the_fused_layer_as_through_python(tiny_gguf, kernel):
+    """Every block type (K-quants, a q/k/v of mixed types side by side) in csrc/llama_layer.cpp's two calls per
+    layer: the same kernels in the same order as the Python path, so the same greedy tokens."""
+    path, config, _ = tiny_gguf
+    model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
+    assert all(layer._layer_ops is not None for layer in model.layers)
+    assert [layer._layer_ops_rows for layer in model.layers] == [KERNEL_MAX_ROWS_DEFAULT] * 2
+    fused = greedy(model, PROMPTS)
+    for layer in model.layers:
+        layer._layer_ops = None
+    assert greedy(model, PROMPTS) == fused
 
 
 def _raw_rows(reader, name: str) -> np.ndarray:
@@ -256,22 +286,25 @@ def test_default_model_under_gguf_serves_the_wheels_blocks_as_stored(smollm2_dir
     model = engine.model
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the file's 210, q/k/v and gate/up fused
     body = [m for name, m in model.layers.named_modules() if name.rpartition(".")[2] in projections]
-    assert len(body) == 120 and all(isinstance(m, GgufLinear) and m.qtype == "Q4_1" for m in body)
+    assert len(body) == 120 and all(isinstance(m, GgufLinear) and m.qtype == "Q4_1" and m.packed for m in body)
     # The file's Q8_0 embedding, and the tied head reading the very same bytes.
     assert model.lm_head.qtype == "Q8_0" and model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
     reader = gguf.GGUFReader(str(default_gguf()))
     # ffn_down's rows are not permuted by llama.cpp's converter: the bytes are the file's, row for row.
-    assert np.array_equal(model.layers[0].mlp.down_proj.blocks.numpy(), _raw_rows(reader, "blk.0.ffn_down.weight"))
+    assert np.array_equal(model.layers[0].mlp.down_proj.stored_rows().numpy(),
+                          _raw_rows(reader, "blk.0.ffn_down.weight"))
     assert np.array_equal(model.embed_tokens.blocks.numpy(), _raw_rows(reader, "token_embd.weight"))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
                                                   add_generation_prompt=True, tokenize=False)
-    # The float checkpoint was dequantized from this very file: the same weights, only the activations' int8
-    # rounding in the integer GEMV differs.
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    float_cfg = SluiceConfig()
-    float_cfg.cache.num_kv_blocks = 64
-    expected = LLMEngine(float_cfg).generate([prompt], params)[0].token_ids
-    assert engine.generate([prompt], params)[0].token_ids == expected
+    # The float checkpoint was dequantized from this very file, and --quantization int4 quantizes it back into the
+    # same Q4_1 blocks and Q8_0 embedding: one family of linears, the same kernels, the same tokens.
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    int4_cfg = SluiceConfig()
+    int4_cfg.model.quantization, int4_cfg.cache.num_kv_blocks = "int4", 64
+    int4 = LLMEngine(int4_cfg)
+    assert torch.equal(int4.model.layers[0].mlp.down_proj.stored_rows(), model.layers[0].mlp.down_proj.stored_rows())
+    assert torch.equal(int4.model.embed_tokens.blocks, model.embed_tokens.blocks)
+    assert engine.generate([prompt], params)[0].token_ids == int4.generate([prompt], params)[0].token_ids
 
 
 def test_gguf_needs_a_gguf_file_the_engine_loads(model_dir):

@@ -1,5 +1,6 @@
-"""--quantization int4 (Q4_1 layout): quantization, the kernel against plain torch, and the int4 engine against
-transformers on the same dequantized weights (only the weights' precision changes, so the oracle stays exact)."""
+"""--quantization int4 (GGUF Q4_1 blocks, packed 16 rows together for the kernel): quantization, the kernel against
+plain torch, and the int4 engine against transformers on the same dequantized weights (only the weights' precision
+changes, so the oracle stays exact)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,41 @@ import pytest
 import torch
 from torch import nn
 
-import sluice.service.engine.int4_linear as int4
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.int8_linear import Int8Linear
-from sluice.service.engine.int8_linear import dequantize as int8_dequantize
-from sluice.service.engine.int8_linear import quantize_weight as int8_weight
-from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
+from sluice.service.engine.layers.gguf_blocks import dequantize, pack_q4_1, quantize, unpack_q4_1
+from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufEmbedding, GgufLinear, QuantizeMethod
+from sluice.service.engine.layers.linear import PlainLinear
 from tests.support import tiny
 from tests.support.kernels import build_variant, has_avx2
 from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
+
+
+def split(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows uint8 [N, G * 20] → nibbles uint8 [N, G, 16], scale and minimum float16 [N, G]."""
+    b = blocks.reshape(blocks.shape[0], -1, 20)
+    return b[..., 4:], b[..., 0:2].contiguous().view(torch.float16)[..., 0], \
+        b[..., 2:4].contiguous().view(torch.float16)[..., 0]
+
+
+def q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Q4_1 blocks of `weight`, split."""
+    return split(quantize(weight, "Q4_1"))
+
+
+def int4_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> GgufLinear:
+    return GgufLinear(GgufBlocks(quantize(weight, "Q4_1"), "Q4_1", weight.shape[1]), bias, kernel)
 
 
 def test_quantize_rounds_to_within_half_a_step_of_the_stored_scale_and_minimum():
     torch.manual_seed(0)
     w = torch.randn(9, 96) * torch.linspace(0.01, 3, 9)[:, None]
     w[4, 32:64] = 0.5  # a constant group: zero range, every element must come back exactly
-    nibbles, scale, minimum = int4.quantize_weight(w)
+    nibbles, scale, minimum = q4_1(w)
     assert nibbles.dtype == torch.uint8 and nibbles.shape == (9, 3, 16)
     assert scale.dtype == minimum.dtype == torch.float16 and scale.shape == (9, 3)
-    back = int4.dequantize(nibbles, scale, minimum)
+    back = dequantize(quantize(w, "Q4_1"), "Q4_1", 96)
     step = scale.float().repeat_interleave(32, dim=1)
     # half a step, plus the float16 rounding of the stored minimum
     assert ((back - w).abs() <= step / 2 + minimum.float().abs().repeat_interleave(32, dim=1) * 2**-10 + 1e-6).all()
@@ -44,14 +59,14 @@ def test_weights_that_came_from_q4_1_come_back_exactly():
     d = (torch.rand(8, 4) * 0.01 + 1e-3).half().float()
     m = (-torch.rand(8, 4) * 0.1).half().float()
     w = (q.float() * d[..., None] + m[..., None]).reshape(8, 128)
-    assert torch.equal(int4.dequantize(*int4.quantize_weight(w)), w)
+    assert torch.equal(dequantize(quantize(w, "Q4_1"), "Q4_1", 128), w)
 
 
 def test_nibble_order_is_llama_cpp_q4_1s():
     # byte j of a group holds element j in its low nibble and element j + 16 in its high nibble
     first, second = list(range(16)), [15 - j for j in range(16)]
     w = torch.tensor([first + second], dtype=torch.float32)  # minimum 0, scale 1: q == the value
-    nibbles, scale, minimum = int4.quantize_weight(w)
+    nibbles, scale, minimum = q4_1(w)
     assert scale.item() == 1 and minimum.item() == 0
     assert nibbles[0, 0].tolist() == [a | (b << 4) for a, b in zip(first, second, strict=True)]
 
@@ -74,39 +89,40 @@ def w4a8_reference(x: torch.Tensor, nibbles, scale, minimum) -> torch.Tensor:
 
 def test_pack_is_a_permutation_of_the_q4_1_bytes_and_unpack_inverts_it():
     torch.manual_seed(3)
-    nibbles, scale, minimum = int4.quantize_weight(torch.randn(40, 64))  # 40 rows: the last block is padded
-    packed, pscale, pminimum = int4.pack(nibbles, scale, minimum)
+    blocks = quantize(torch.randn(40, 64), "Q4_1")  # 40 rows: the last block is padded
+    nibbles, scale, minimum = split(blocks)
+    packed, pscale, pminimum = pack_q4_1(blocks)
     assert packed.shape == (3, 2, 4, 16, 4) and pscale.shape == pminimum.shape == (3, 2, 16)
     # block 1, group 1, chunk 2, row 5 of the block: bytes 8..11 of row 21's group 1
     assert packed[1, 1, 2, 5].tolist() == nibbles[21, 1, 8:12].tolist()
     assert pscale[1, 1, 5] == scale[21, 1] and pminimum[1, 1, 5] == minimum[21, 1]
     assert (packed[2, :, :, 8:] == 0).all()  # padding rows
-    for a, b in zip(int4.unpack(packed, pscale, pminimum, 40), (nibbles, scale, minimum), strict=True):
-        assert torch.equal(a, b)
+    assert torch.equal(unpack_q4_1(packed, pscale, pminimum, 40), blocks)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 @pytest.mark.parametrize("in_features", [32, 96, 576])
-def test_kernel_computes_the_int8_activation_linear_and_stays_near_the_float_one(kernel, rows, in_features,
-                                                                                monkeypatch):
+def test_kernel_computes_the_int8_activation_linear_and_stays_near_the_float_one(kernel, rows, in_features):
     torch.manual_seed(rows * 1000 + in_features)
     linear = nn.Linear(in_features, 130, bias=True)  # 130 outputs: a padded last block
-    layer = int4.Int4Linear(linear.weight.detach(), linear.bias.detach(), kernel)
+    layer = int4_linear(linear.weight.detach(), linear.bias.detach(), kernel)
+    assert layer.packed and {name for name, _ in layer.named_buffers()} == {"blocks", "scale", "minimum"}
     x = torch.randn(2, rows, in_features)
     x[0, 0, :32] = 0  # an all-zero group: scale 0
     exact = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
-    want = w4a8_reference(x.reshape(-1, in_features), *layer.q4_1()).view_as(exact) + linear.bias
+    want = w4a8_reference(x.reshape(-1, in_features), *q4_1(linear.weight.detach())).view_as(exact) + linear.bias
     with torch.inference_mode():
-        monkeypatch.setattr(int4.Int4Linear, "kernel_max_rows", 10**6)
+        layer.kernel_max_rows = 10**6
         got = layer(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (got - exact).norm() / exact.norm() < 0.05  # int8 activations: a few % off the float linear
-        monkeypatch.setattr(int4.Int4Linear, "kernel_max_rows", 0)  # more rows than the kernel takes: dequantize + GEMM
+        layer.kernel_max_rows = 0  # more rows than the kernel takes: dequantized tiles (unpacked) + GEMM
+        layer.tile_rows = 32  # several tiles, not all on a 16-row boundary of the weight's 130 rows
         torch.testing.assert_close(layer(x), exact, rtol=1e-4, atol=1e-4)
 
 
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
-    packed, scale, minimum = int4.pack(*int4.quantize_weight(torch.randn(16, 64)))
+    packed, scale, minimum = pack_q4_1(quantize(torch.randn(16, 64), "Q4_1"))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernel.int4_linear(torch.randn(2, 48), packed, scale, minimum, 16)
     with pytest.raises(RuntimeError, match="int4_linear"):
@@ -116,7 +132,7 @@ def test_the_kernel_refuses_what_it_cannot_read(kernel):
     with pytest.raises(RuntimeError, match="ceil"):  # 17 outputs need two blocks
         kernel.int4_linear(torch.randn(2, 64), packed, scale, minimum, 17)
     with pytest.raises(ValueError, match="divisible by 32"):
-        int4.quantize_weight(torch.randn(4, 40))
+        quantize(torch.randn(4, 40), "Q4_1")
 
 
 def test_every_instruction_set_computes_the_same_values(kernel):
@@ -124,7 +140,7 @@ def test_every_instruction_set_computes_the_same_values(kernel):
     # kernel agree with this machine's build bit for bit. Each variant is int4_linear.cpp alone behind a torch-op
     # binding, built once per machine (tests/support/kernels.py).
     torch.manual_seed(5)
-    weights = int4.pack(*int4.quantize_weight(torch.randn(48, 576)))
+    weights = pack_q4_1(quantize(torch.randn(48, 576), "Q4_1"))
     x = torch.randn(7, 576)
     want = kernel.int4_linear(x, *weights, 48)
     marches = {"portable": "-march=x86-64"}
@@ -145,14 +161,14 @@ def test_a_fused_projection_computes_each_parts_output(kernel):
     weights = [torch.randn(n, 64) for n in (48, 20, 20)]  # 20 rows: the fused weight's blocks straddle the parts
     x = torch.randn(3, 64)
     with torch.inference_mode():
-        alone = [int4.Int4Linear(w, None, kernel)(x) for w in weights]
-        assert torch.equal(int4.Int4Linear(torch.cat(weights), None, kernel)(x), torch.cat(alone, dim=-1))
+        alone = [int4_linear(w, None, kernel)(x) for w in weights]
+        assert torch.equal(int4_linear(torch.cat(weights), None, kernel)(x), torch.cat(alone, dim=-1))
 
 
-def test_int4_method_serves_the_head_in_int8_and_a_linear_not_in_groups_of_32_in_float32():
-    method = QuantizedMethod("int4")
-    assert isinstance(method.make(torch.randn(8, 64), None, ["model.layers.0.mlp.down_proj"], [8]), int4.Int4Linear)
-    assert isinstance(method.make(torch.randn(8, 64), None, ["lm_head"], [8]), Int8Linear)
+def test_int4_method_serves_the_head_in_q8_0_and_a_linear_not_in_groups_of_32_in_float32(kernel):
+    method = QuantizeMethod("int4", kernel)
+    assert method.make(torch.randn(8, 64), None, ["model.layers.0.mlp.down_proj"], [8]).qtype == "Q4_1"
+    assert method.make(torch.randn(8, 64), None, ["lm_head"], [8]).qtype == "Q8_0"
     assert type(method.make(torch.randn(8, 40), None, ["model.layers.0.mlp.down_proj"], [8])) is PlainLinear
     assert method.made == {"Q4_1": 1, "Q8_0": 1, "F32": 1}
 
@@ -162,18 +178,21 @@ class W4A8Reference(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.q4_1 = int4.quantize_weight(weight)
+        self.q4_1 = q4_1(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return w4a8_reference(x.reshape(-1, x.shape[-1]), *self.q4_1).view(*x.shape[:-1], -1)
 
 
 def _int4_twin(model: nn.Module) -> nn.Module:
-    """A copy of `model` computing what the int4 kernel computes, in plain torch: W4A8Reference linears (the head:
-    float on the int8-dequantized weight)."""
+    """A copy of `model` computing what the int4 kernel computes, in plain torch: W4A8Reference linears (the head and
+    the embedding: float on the Q8_0-dequantized weight)."""
     twin = copy.deepcopy(model)
-    head = twin.get_output_embeddings()
-    head.weight = nn.Parameter(int8_dequantize(*int8_weight(head.weight)), requires_grad=False)
+    head, embed = twin.get_output_embeddings(), twin.get_input_embeddings()
+    head.weight = nn.Parameter(dequantize(quantize(head.weight, "Q8_0"), "Q8_0", head.in_features),
+                               requires_grad=False)
+    embed.weight = nn.Parameter(dequantize(quantize(embed.weight, "Q8_0"), "Q8_0", embed.embedding_dim),
+                                requires_grad=False)
     linears = [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear and m is not head]
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")
@@ -181,7 +200,7 @@ def _int4_twin(model: nn.Module) -> nn.Module:
     return twin
 
 
-# 8: chunked prefill and decode batches of up to 8 rows. Every row runs the kernel (KERNEL_MAX_ROWS is 4096); the
+# 8: chunked prefill and decode batches of up to 8 rows. Every row runs the kernel (Q4_1 takes 4096 rows); the
 # dequantize path for more rows is the float linear (test_kernel_computes_the_int8_activation_linear...).
 @pytest.mark.parametrize("budget", [64, 8])
 def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, budget):
@@ -194,8 +213,10 @@ def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, bu
     cfg.scheduler.max_num_seqs = 16
     engine = LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
     assert engine.dtype == torch.float32
-    assert isinstance(engine.model.lm_head, Int8Linear)
-    assert all(type(m) is int4.Int4Linear for m in engine.model.layers.modules() if hasattr(m, "in_features"))
+    assert engine.model.lm_head.qtype == "Q8_0" and isinstance(engine.model.embed_tokens, GgufEmbedding)
+    assert all(type(m) is GgufLinear and m.qtype == "Q4_1" and m.packed
+               for m in engine.model.layers.modules() if hasattr(m, "in_features"))
+    assert engine.model.layers[0]._layer_ops is not None  # the fused C++ layer path
     layer = engine.model.layers[0]
     # q/k/v and gate/up: one linear each, fused at load
     assert layer.self_attn.qkv_proj.out_features == 128 and layer.mlp.gate_up_proj.out_features == 256

@@ -1,4 +1,4 @@
-"""--quantization int8: the kernel against plain torch, and the int8 engine against transformers on the same
+"""--quantization int8 (GGUF Q8_0 blocks, float activations): the kernel against plain torch, and the int8 engine against transformers on the same
 dequantized weights (so the oracle stays exact: only the weights' precision changed, not the computation)."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import sluice.service.engine.int8_linear as int8
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
+from sluice.service.engine.layers import gguf_linear
+from sluice.service.engine.layers.gguf_blocks import dequantize, quantize
+from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufLinear
 from tests.support import tiny
 from tests.support.parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
 
@@ -21,11 +23,14 @@ def test_quantize_weight_rounds_to_within_half_a_step_per_group():
     torch.manual_seed(0)
     w = torch.randn(33, 96) * torch.linspace(0.01, 3, 33)[:, None]  # very different row ranges
     w[5, 32:64] = 0  # an all-zero group must not divide by zero
-    q, scale = int8.quantize_weight(w)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (33, 3) and scale.dtype == torch.float16
+    blocks = quantize(w, "Q8_0")
+    assert blocks.dtype == torch.uint8 and blocks.shape == (33, 3 * 34)
+    q = blocks.reshape(33, 3, 34)[..., 2:].contiguous().view(torch.int8)
+    scale = blocks.reshape(33, 3, 34)[..., :2].contiguous().view(torch.float16)[..., 0]
+    assert q.abs().max() <= 127
     step = scale.float().repeat_interleave(32, dim=1)
-    assert ((int8.dequantize(q, scale) - w).abs() <= step / 2 + 1e-7).all()
-    assert (q[5, 32:64] == 0).all() and scale[5, 1] == 0
+    assert ((dequantize(blocks, "Q8_0", 96) - w).abs() <= step / 2 + 1e-7).all()
+    assert (q[5, 1] == 0).all() and scale[5, 1] == 0
 
 
 def test_weights_that_came_from_q8_0_come_back_exactly():
@@ -35,21 +40,23 @@ def test_weights_that_came_from_q8_0_come_back_exactly():
     q[..., 0] = 127  # Q8_0 maps each group's largest magnitude to +-127
     d = (torch.rand(8, 4) * 0.01 + 1e-3).half().float()
     w = (q.float() * d[..., None]).reshape(8, 128)
-    assert torch.equal(int8.dequantize(*int8.quantize_weight(w)), w)
+    assert torch.equal(dequantize(quantize(w, "Q8_0"), "Q8_0", 128), w)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 @pytest.mark.parametrize("in_features", [32, 96, 576])  # 96: an odd number of groups
-def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows, in_features, monkeypatch):
+def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows, in_features):
     torch.manual_seed(rows * 1000 + in_features)
     linear = nn.Linear(in_features, 130, bias=True)
-    layer = int8.Int8Linear(linear.weight.detach(), linear.bias.detach(), kernel)
+    w = linear.weight.detach()
+    layer = GgufLinear(GgufBlocks(quantize(w, "Q8_0"), "Q8_0", in_features), linear.bias.detach(), kernel)
+    assert [t.dtype for t in layer.buffers()] == [torch.uint8]  # the blocks only, no float copy
     x = torch.randn(2, rows, in_features)
     want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
     with torch.inference_mode():
-        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 10**6)
-        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
-        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 0)
+        layer.kernel_max_rows = 10**6
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # float activations: the float linear
+        layer.kernel_max_rows = 0
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
 
@@ -66,15 +73,15 @@ def test_the_kernel_runs_on_every_torch_thread(kernel):
 
 
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
-    q, s = int8.quantize_weight(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="int8_linear"):
-        kernel.int8_linear(torch.randn(2, 48), q, s)
-    with pytest.raises(RuntimeError, match="int8_linear"):
-        kernel.int8_linear(torch.randn(2, 64).double(), q, s)
-    with pytest.raises(RuntimeError, match="float16 scale"):
-        kernel.int8_linear(torch.randn(2, 64), q, s.float())
+    blocks = quantize(torch.randn(8, 64), "Q8_0")
+    with pytest.raises(RuntimeError, match="q8_0_linear"):
+        kernel.gguf_linear(torch.randn(2, 48), blocks, 8)
+    with pytest.raises(RuntimeError, match="q8_0_linear"):
+        kernel.gguf_linear(torch.randn(2, 64).double(), blocks, 8)
+    with pytest.raises(RuntimeError, match="q8_0_linear"):
+        kernel.gguf_linear(torch.randn(2, 64), blocks[:, :-1].contiguous(), 8)
     with pytest.raises(ValueError, match="divisible by 32"):
-        int8.quantize_weight(torch.randn(4, 40))
+        quantize(torch.randn(4, 40), "Q8_0")
 
 
 def _dequantized_twin(model: nn.Module) -> nn.Module:
@@ -82,7 +89,11 @@ def _dequantized_twin(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     for module in twin.modules():
         if type(module) is nn.Linear:
-            module.weight = nn.Parameter(int8.dequantize(*int8.quantize_weight(module.weight)), requires_grad=False)
+            module.weight = nn.Parameter(dequantize(quantize(module.weight, "Q8_0"), "Q8_0", module.in_features),
+                                         requires_grad=False)
+    embed = twin.get_input_embeddings()  # kept in Q8_0 too
+    embed.weight = nn.Parameter(dequantize(quantize(embed.weight, "Q8_0"), "Q8_0", embed.embedding_dim),
+                                requires_grad=False)
     return twin
 
 
@@ -108,12 +119,12 @@ def test_int8_needs_cpu_float32_and_a_known_name():
 @pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over the kernel's limit
 def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget, monkeypatch):
     if budget == 8:
-        monkeypatch.setattr(int8.Int8Linear, "kernel_max_rows", 4)
+        monkeypatch.setitem(gguf_linear.KERNEL_MAX_ROWS, "Q8_0", 4)
     reference, ours = build_pair("llama")
     reference = _dequantized_twin(reference)
     engine = int8_engine(ours, budget)
     assert all(type(m) is not nn.Linear for m in engine.model.modules())
-    assert isinstance(engine.model.lm_head, int8.Int8Linear)
+    assert isinstance(engine.model.lm_head, GgufLinear) and engine.model.lm_head.qtype == "Q8_0"
     prompts = mixed_prompts(12)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     got = [c.token_ids for c in engine.generate(prompts, params)]
@@ -122,9 +133,9 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, bud
 
 
 def test_int8_method_quantizes_whole_groups_only():
-    from sluice.service.engine.layers.linear import PlainLinear, QuantizedMethod
+    from sluice.service.engine.layers.gguf_linear import QuantizeMethod
+    from sluice.service.engine.layers.linear import PlainLinear
 
-    method = QuantizedMethod("int8")
-    assert isinstance(method.make(torch.randn(8, 64), None, ["model.layers.0.self_attn.o_proj"], [8]),
-                      int8.Int8Linear)
+    method = QuantizeMethod("int8")
+    assert method.make(torch.randn(8, 64), None, ["model.layers.0.self_attn.o_proj"], [8]).qtype == "Q8_0"
     assert type(method.make(torch.randn(8, 50), None, ["lm_head"], [8])) is PlainLinear  # no whole groups of 32

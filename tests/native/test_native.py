@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from sluice import native
 from sluice.scheduling.sampling_params import SamplingParams
@@ -64,3 +65,24 @@ def test_a_failed_build_is_one_warning_and_no_extension(fresh_load, monkeypatch,
         assert native.load() is None
     assert "native kernels: the build failed (Error building extension" in caplog.text
     assert "every CPU kernel runs its pure-torch fallback" in caplog.text
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_without_a_compiler_quantized_weights_serve_on_dequantized_tiles(model_dir, fresh_load, monkeypatch,
+                                                                          tmp_path, quantization):
+    """int4 / int8 keep their GGUF blocks as stored (Q4_1 not repacked: no kernel to read the packing), dequantize a
+    tile at a time in torch, and skip the C++ layer: the engine still serves."""
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from sluice.service.engine.layers.gguf_linear import GgufLinear
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    config = SluiceConfig()
+    config.model.model, config.model.quantization, config.cache.num_kv_blocks = model_dir, quantization, 64
+    engine = LLMEngine(config)
+    linears = [m for m in engine.model.modules() if isinstance(m, GgufLinear)]
+    assert linears and all(m.kernel is None and not m.packed for m in linears)
+    assert {b.dtype for m in linears for b in m.buffers()} == {torch.uint8}  # the blocks only, no float copy
+    assert all(layer._layer_ops is None for layer in engine.model.layers)
+    outputs = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    assert all(len(t) == GREEDY.max_tokens for t in outputs)

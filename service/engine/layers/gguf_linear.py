@@ -1,137 +1,107 @@
-"""Linears and embeddings on GGUF's own blocks, kept as the file stores them (uint8 rows, no float copy).
+"""Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
+checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K, Q5_K, Q6_K (256). Calls of few rows
-(decoding) run csrc/gguf_linear.cpp's integer GEMV on the blocks in place, the activations rounded to int8 per 32
-inputs as llama.cpp does; larger calls (prefill) dequantize a tile of output rows at a time into a scratch and
-multiply, so no float copy of a weight outlives its call. Without the native build, `dequantize` below (pure
-torch, also the tests' reference) does the tiles for every call.
+Calls of few rows (decoding) run an integer-weight GEMV on the blocks: Q4_1 through csrc/int4_linear.cpp, its
+blocks regrouped 16 output rows together at load (`pack_q4_1`, a permutation: 4-7x faster than reading the rows as
+stored), the activations rounded to int8 per 32 inputs as llama.cpp does; Q8_0 through csrc/q8_0_linear.cpp on
+float activations; every other type through csrc/gguf_linear.cpp on int8 activations. Larger calls (prefill)
+dequantize a tile of output rows at a time into a scratch and multiply. Without the native build, `dequantize`
+(pure torch) does the tiles for every call. A quantized decoder layer hands its linears to csrc/llama_layer.cpp
+(`kernel_op`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from sluice.service.engine.layers.gguf_blocks import (
+    BLOCK_TYPES,
+    GROUP,
+    PACK_ROWS,
+    GgufBlocks,
+    dequantize,
+    pack_q4_1,
+    quantize,
+    unpack_q4_1,
+)
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
-# GGML type name → (type id, elements per block, bytes per block), as gguf.GGML_QUANT_SIZES has them.
-BLOCK_TYPES = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-}
-# One Zen 4 core, a SmolLM2 down_proj (576 x 1536) in Q4_K / Q6_K, Q8_0 gate_proj (1536 x 576): the integer GEMV
-# takes 0.06 / 0.07 / 0.05 ms at 1 row, 0.83 / 0.87 / 0.72 at 32; dequantized tiles + GEMM 0.47 / 0.48 / 0.38 and
-# 1.11 / 1.13 / 1.01.
-KERNEL_MAX_ROWS = 32
+# Rows a call may have for the GEMV, per type (above: dequantized tiles + GEMM). One Zen 4 core, a SmolLM2
+# down_proj (576 x 1536) in Q4_K / Q6_K, Q8_0 gate_proj (1536 x 576): the integer GEMV takes 0.06 / 0.07 / 0.05 ms
+# at 1 row, 0.83 / 0.87 / 0.72 at 32; dequantized tiles + GEMM 0.47 / 0.48 / 0.38 and 1.11 / 1.13 / 1.01. Q8_0 on
+# float activations: the GEMV 77 ms over SmolLM2's linears at 32 rows, 304 at 128, 621 at 256; the tiles 172, 318,
+# 516. Packed Q4_1 takes every prefill chunk: 32 ms at 64 rows, 544 at 1024 against the tiles' 511 and 1456.
+KERNEL_MAX_ROWS = {"Q4_1": 4096, "Q8_0": 128}
+KERNEL_MAX_ROWS_DEFAULT = 32
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 
 
-@dataclass(slots=True)
-class GgufBlocks:
-    """A weight as a GGUF file stores it: `data` uint8 [N, row_bytes], each row its K / QK blocks of `qtype`."""
-
-    data: torch.Tensor
-    qtype: str
-    in_features: int
-
-
-def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., n] bytes → [..., 2n]: the low nibbles, then the high ones."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-
-def _bits32(qh: torch.Tensor) -> torch.Tensor:
-    """[nb, 4] bytes → [nb, 32]: bit j of the little-endian 32-bit word."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((qh[:, :, None] >> shifts) & 1).reshape(-1, 32)
-
-
-def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 bytes → eight 6-bit scales and minimums [nb, 8]."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    scale = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
-    minimum = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
-    return scale.float(), minimum.float()
-
-
-def _dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Blocks [nb, bytes] → float32 [nb, QK]."""
-    if qtype == "Q8_0":
-        return _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
-    if qtype in ("Q4_0", "Q4_1"):
-        q = _nibbles(b[:, 2 if qtype == "Q4_0" else 4:]).float()
-        return _f16(b, 0) * (q - 8) if qtype == "Q4_0" else _f16(b, 0) * q + _f16(b, 2)
-    if qtype in ("Q5_0", "Q5_1"):
-        head = 2 if qtype == "Q5_0" else 4
-        q = (_nibbles(b[:, head + 4:]) | (_bits32(b[:, head:head + 4]) << 4)).float()
-        return _f16(b, 0) * (q - 16) if qtype == "Q5_0" else _f16(b, 0) * q + _f16(b, 2)
-    if qtype in ("Q4_K", "Q5_K"):
-        scale, minimum = _k4_scales(b[:, 4:16])
-        qs = b[:, 48:] if qtype == "Q5_K" else b[:, 16:]
-        q = _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j+1 high
-        if qtype == "Q5_K":
-            q = q | (((b[:, 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1).transpose(1, 2) << 4)
-        d = _f16(b, 0)[:, :, None] * scale[:, :, None]
-        return (d * q.float() - _f16(b, 2)[:, :, None] * minimum[:, :, None]).reshape(-1, 256)
-    if qtype == "Q6_K":
-        ql = _nibbles(b[:, :128].reshape(-1, 2, 64))  # [nb, 2, 128]
-        qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
-        q = (ql | (qh.reshape(-1, 2, 128) << 4)).float() - 32
-        scale = b[:, 192:208].contiguous().view(torch.int8).float() * _f16(b, 208)
-        return (scale.repeat_interleave(16, dim=-1) * q.reshape(-1, 256)).reshape(-1, 256)
-    raise ValueError(f"no dequantization for GGML type {qtype}")
-
-
-def dequantize(data: torch.Tensor, qtype: str, in_features: int, kernel=None) -> torch.Tensor:
-    """Rows of blocks uint8 [N, row_bytes] → float32 [N, in_features]; in C++ where `kernel` is the built ops."""
-    if kernel is not None:
-        return kernel.gguf_dequantize(data, BLOCK_TYPES[qtype][0], in_features)
-    _, _, nbytes = BLOCK_TYPES[qtype]
-    return _dequantize_blocks(data.reshape(-1, nbytes), qtype).reshape(data.shape[0], in_features)
-
-
 class GgufLinear(nn.Module):
-    """y = x W^T + b with W in GGUF blocks as stored; float activations in and out (computed in float32)."""
+    """y = x W^T + b with W in GGUF blocks; float activations in and out (computed in float32). `blocks`: the rows
+    as stored, or for Q4_1 with a kernel (unless `repack` is off: a head sharing the embedding's bytes) the packed
+    nibbles, with `scale` and `minimum`."""
 
-    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None) -> None:
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True) -> None:
         super().__init__()
         _, qk, nbytes = BLOCK_TYPES[blocks.qtype]
         self.in_features, self.out_features = blocks.in_features, blocks.data.shape[0]
         if self.in_features % qk or blocks.data.shape[1] != self.in_features // qk * nbytes:
             raise ValueError(f"{blocks.qtype} rows of {blocks.data.shape[1]} bytes for {self.in_features} inputs")
         self.qtype, self.type_id = blocks.qtype, BLOCK_TYPES[blocks.qtype][0]
-        self.register_buffer("blocks", blocks.data)
+        self.packed = kernel is not None and repack and blocks.qtype == "Q4_1"
+        if self.packed:
+            for name, t in zip(("blocks", "scale", "minimum"), pack_q4_1(blocks.data), strict=True):
+                self.register_buffer(name, t)
+        else:
+            self.register_buffer("blocks", blocks.data)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = kernel  # native.load(), or None: every call dequantizes tiles in torch
-        self.tile_rows = max(16, TILE_ELEMENTS // self.in_features)
+        self.kernel_max_rows = KERNEL_MAX_ROWS.get(self.qtype, KERNEL_MAX_ROWS_DEFAULT) if kernel is not None else 0
+        self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // self.in_features // PACK_ROWS * PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N]."""
         rows = x.reshape(-1, self.in_features).float()
-        if self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernel.gguf_linear(rows, self.blocks, self.type_id)
+        if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows:
+            out = self.kernel.int4_linear(rows, self.blocks, self.scale, self.minimum, self.out_features) \
+                if self.packed else self.kernel.gguf_linear(rows, self.blocks, self.type_id)
         else:
             out = torch.empty(rows.shape[0], self.out_features)
             for n in range(0, self.out_features, self.tile_rows):
-                tile = dequantize(self.blocks[n:n + self.tile_rows], self.qtype, self.in_features, self.kernel)
+                tile = dequantize(self.stored_rows(n, n + self.tile_rows), self.qtype, self.in_features, self.kernel)
                 torch.mm(rows, tile.t(), out=out[:, n:n + tile.shape[0]])
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def stored_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the weight as GGUF stores them (uint8 [rows, row_bytes]), unpacked where packed."""
+        stop = self.out_features if stop is None else min(stop, self.out_features)
+        if not self.packed:
+            return self.blocks[start:stop]
+        first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
+        rows = unpack_q4_1(self.blocks[first:last], self.scale[first:last], self.minimum[first:last],
+                           (last - first) * PACK_ROWS)
+        return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] the blocks stand for (tests and references only)."""
-        return dequantize(self.blocks, self.qtype, self.in_features)
+        return dequantize(self.stored_rows(), self.qtype, self.in_features)
+
+    def kernel_op(self):
+        """This linear as csrc/llama_layer.cpp's LayerLinear, or None (no kernel, or a bias)."""
+        if self.kernel is None or self.bias is not None or (self.qtype == "Q4_1" and not self.packed):
+            return None
+        if self.packed:
+            return self.kernel.LayerLinear(self.type_id, self.blocks, self.scale, self.minimum, self.out_features)
+        empty = torch.empty(0)
+        return self.kernel.LayerLinear(self.type_id, self.blocks, empty, empty, self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = ", integer GEMV" if self.kernel is not None else ""
+        kernel = (", packed int4 GEMV" if self.packed else ", integer GEMV") if self.kernel is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}{kernel}"
 
 
@@ -158,9 +128,19 @@ class MergedLinear(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
 
+    @property
+    def kernel_max_rows(self) -> int:
+        """The fewest rows any part's GEMV takes."""
+        return min(getattr(part, "kernel_max_rows", 0) for part in self.parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The parts' outputs concatenated along the last dim."""
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def kernel_op(self):
+        """The parts as one csrc/llama_layer.cpp LayerLinear, or None where a part has none."""
+        ops = [getattr(part, "kernel_op", lambda: None)() for part in self.parts]
+        return None if None in ops else self.parts[0].kernel.LayerLinear(ops)
 
 
 class GgufBlockMethod(LinearMethod):
@@ -194,8 +174,36 @@ class GgufBlockMethod(LinearMethod):
     def tied_head(self, embed):
         if isinstance(embed, GgufEmbedding):
             self.made[embed.qtype] += 1
-            return GgufLinear(GgufBlocks(embed.blocks, embed.qtype, embed.embedding_dim), None, self.kernel)
+            return GgufLinear(GgufBlocks(embed.blocks, embed.qtype, embed.embedding_dim), None, self.kernel, repack=False)
         return super().tied_head(embed)
 
     def describe(self) -> str:
         return f"{self.name}: {dict(self.made)} (type: linears)"
+
+
+class QuantizeMethod(GgufBlockMethod):
+    """`--quantization int8 | int4`: a float checkpoint's linears quantized at load into GGUF Q8_0 or Q4_1 blocks
+    (int4's head in Q8_0, as llama.cpp keeps it: in 4 bits it alone took SmolLM2's perplexity from 7.10 to 7.52), the
+    embedding in Q8_0 with a tied head reading its bytes; a weight whose input size is not a multiple of 32 stays
+    float32."""
+
+    def __init__(self, name: str, kernel=None) -> None:
+        super().__init__(torch.float32, kernel)
+        self.qtype = {"int8": "Q8_0", "int4": "Q4_1"}[name]
+        self.name = f"{name} ({self.qtype} blocks)"
+
+    def make(self, weight, bias, parts, sizes, tied=False):
+        if weight.shape[1] % GROUP:
+            self.made["F32"] += 1
+            return PlainLinear(weight.float(), None if bias is None else bias.float(), pad=True)
+        qtype = "Q8_0" if parts == ["lm_head"] else self.qtype
+        self.made[qtype] += 1
+        return GgufLinear(GgufBlocks(quantize(weight, qtype), qtype, weight.shape[1]), bias, self.kernel)
+
+    def make_parts(self, weights, biases, parts, device, dtype):
+        return LinearMethod.make_parts(self, weights, biases, parts, device, dtype)
+
+    def embedding(self, weight, device, dtype):
+        if weight.shape[1] % GROUP:
+            return LinearMethod.embedding(self, weight, device, torch.float32)
+        return GgufEmbedding(GgufBlocks(quantize(weight, "Q8_0"), "Q8_0", weight.shape[1]), torch.float32, self.kernel)

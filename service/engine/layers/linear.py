@@ -7,8 +7,8 @@ the checkpoint names of the parts. The method answers with the module serving th
   wins (`decode_kernel_wins`), few-row calls in it. On CUDA, or without a compiler: torch's own linear.
 - `PackedMethod`: oneDNN-prepacked weights read by the packed-layout GEMV (`packed_linear.PackedLinear`); a head
   tied to the embedding stays plain (the embedding needs the plain weight).
-- `Int8Method`, `Int4Method`: GGUF's Q8_0 and Q4_1 layouts (`int8_linear`, `int4_linear`); int4's head is int8.
-- `gguf_linear.GgufBlockMethod`: a .gguf file's blocks as stored (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K), read in place.
+- `gguf_linear.GgufBlockMethod`: a .gguf file's blocks as stored (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K), read in place;
+  `gguf_linear.QuantizeMethod`: a float checkpoint quantized at load into Q8_0 or Q4_1 blocks (int8, int4).
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice import native
-from sluice.service.engine.int4_linear import Int4Linear
-from sluice.service.engine.int8_linear import Int8Linear
 from sluice.service.engine.layers.packed_linear import PackedLinear, pad_rows
-from sluice.service.engine.quantized_linear import GROUP
 
 logger = logging.getLogger("sluice.engine")
 
@@ -150,24 +147,3 @@ class PackedMethod(PlainMethod):
     def describe(self) -> str:
         gemv = {rows: n for rows, n in self.gemv_rows.items() if rows}
         return f"{self.name}, read by the packed-layout GEMV: {gemv or 'none'} (rows: linears)"
-
-
-class QuantizedMethod(LinearMethod):
-    """Weight-only int8 (Q8_0) or int4 (Q4_1, the head int8) linears; a linear whose input is not a multiple of 32
-    stays plain float32."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.kernel, self.made = name, native.load(), Counter()
-
-    def make(self, weight, bias, parts, sizes, tied=False):
-        if weight.shape[1] % GROUP:
-            fmt = "F32"
-        else:
-            fmt = "Q8_0" if self.name == "int8" or parts == ["lm_head"] else "Q4_1"
-        self.made[fmt] += 1
-        cls = {"Q8_0": Int8Linear, "Q4_1": Int4Linear}.get(fmt)
-        return PlainLinear(weight.float(), None if bias is None else bias.float()) if cls is None \
-            else cls(weight, bias, self.kernel)
-
-    def describe(self) -> str:
-        return f"{self.name}: {dict(self.made)} (format: weights)"

@@ -17,7 +17,8 @@ import torch
 
 from sluice import native
 from sluice.service.engine.kv_sizing import format_bytes, model_weight_bytes
-from sluice.service.engine.layers.gguf_linear import BLOCK_TYPES, GgufBlockMethod, GgufBlocks
+from sluice.service.engine.layers.gguf_blocks import BLOCK_TYPES, GgufBlocks
+from sluice.service.engine.layers.gguf_linear import GgufBlockMethod
 from sluice.service.engine.models import weights
 from sluice.service.engine.models.llama import LlamaForCausalLM
 

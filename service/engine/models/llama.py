@@ -4,7 +4,7 @@ One implementation for CPU and CUDA over the layers in `service/engine/layers`: 
 attention, gated MLP, a head tied to the embedding or its own. The runner packs every scheduled token of a step
 into one sequence [T] with explicit positions; the final norm and the head run on the sampled rows only
 (embedding requests read the normed hidden states of their own rows instead: service/engine/pooling.py). Where
-every linear of a layer is quantized (q/k/v and gate/up fused, no bias, no q/k norms), its work before and after
+every linear of a layer is in GGUF blocks with a kernel (no bias, no q/k norms), its work before and after
 the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same ops in the same order as the Python
 path, bit for bit), so at batch 1 the Python between the kernels costs less than the kernels.
 """
@@ -22,7 +22,6 @@ from sluice.service.engine.layers.attention import PagedAttention
 from sluice.service.engine.layers.mlp import GatedMLP
 from sluice.service.engine.layers.norm import RMSNorm
 from sluice.service.engine.layers.rotary import RotaryEmbedding
-from sluice.service.engine.quantized_linear import QuantizedLinear
 
 
 class DecoderLayer(nn.Module):
@@ -48,12 +47,12 @@ class DecoderLayer(nn.Module):
 
 def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes;
-    (None, 0) unless its four linears are quantized ones with a kernel and both norms are float32."""
+    (None, 0) unless its four linears are GGUF-block ones with a kernel (`kernel_op`) and both norms float32."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     ops = native.load()
-    if ops is None or attn.q_norm is not None or not all(isinstance(linear, QuantizedLinear) for linear in linears) \
+    if ops is None or attn.q_norm is not None or not all(hasattr(linear, "kernel_op") for linear in linears) \
             or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
         return None, 0
     kernels = [linear.kernel_op() for linear in linears]

@@ -1,0 +1,132 @@
+"""GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
+Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
+`--quantization int8 | int4` stores), and Q4_1's repacking into csrc/int4_linear.cpp's blocks of 16 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# GGML type name → (type id, elements per block, bytes per block), as gguf.GGML_QUANT_SIZES has them.
+BLOCK_TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}
+@dataclass(slots=True)
+class GgufBlocks:
+    """A weight as a GGUF file stores it: `data` uint8 [N, row_bytes], each row its K / QK blocks of `qtype`."""
+
+    data: torch.Tensor
+    qtype: str
+    in_features: int
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes → [..., 2n]: the low nibbles, then the high ones."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _bits32(qh: torch.Tensor) -> torch.Tensor:
+    """[nb, 4] bytes → [nb, 32]: bit j of the little-endian 32-bit word."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh[:, :, None] >> shifts) & 1).reshape(-1, 32)
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes → eight 6-bit scales and minimums [nb, 8]."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scale = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    minimum = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return scale.float(), minimum.float()
+
+
+def _dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Blocks [nb, bytes] → float32 [nb, QK]."""
+    if qtype == "Q8_0":
+        return _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+    if qtype in ("Q4_0", "Q4_1"):
+        q = _nibbles(b[:, 2 if qtype == "Q4_0" else 4:]).float()
+        return _f16(b, 0) * (q - 8) if qtype == "Q4_0" else _f16(b, 0) * q + _f16(b, 2)
+    if qtype in ("Q5_0", "Q5_1"):
+        head = 2 if qtype == "Q5_0" else 4
+        q = (_nibbles(b[:, head + 4:]) | (_bits32(b[:, head:head + 4]) << 4)).float()
+        return _f16(b, 0) * (q - 16) if qtype == "Q5_0" else _f16(b, 0) * q + _f16(b, 2)
+    if qtype in ("Q4_K", "Q5_K"):
+        scale, minimum = _k4_scales(b[:, 4:16])
+        qs = b[:, 48:] if qtype == "Q5_K" else b[:, 16:]
+        q = _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j+1 high
+        if qtype == "Q5_K":
+            q = q | (((b[:, 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1).transpose(1, 2) << 4)
+        d = _f16(b, 0)[:, :, None] * scale[:, :, None]
+        return (d * q.float() - _f16(b, 2)[:, :, None] * minimum[:, :, None]).reshape(-1, 256)
+    if qtype == "Q6_K":
+        ql = _nibbles(b[:, :128].reshape(-1, 2, 64))  # [nb, 2, 128]
+        qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+        q = (ql | (qh.reshape(-1, 2, 128) << 4)).float() - 32
+        scale = b[:, 192:208].contiguous().view(torch.int8).float() * _f16(b, 208)
+        return (scale.repeat_interleave(16, dim=-1) * q.reshape(-1, 256)).reshape(-1, 256)
+    raise ValueError(f"no dequantization for GGML type {qtype}")
+
+
+def dequantize(data: torch.Tensor, qtype: str, in_features: int, kernel=None) -> torch.Tensor:
+    """Rows of blocks uint8 [N, row_bytes] → float32 [N, in_features]; in C++ where `kernel` is the built ops."""
+    if kernel is not None:
+        return kernel.gguf_dequantize(data, BLOCK_TYPES[qtype][0], in_features)
+    _, _, nbytes = BLOCK_TYPES[qtype]
+    return _dequantize_blocks(data.reshape(-1, nbytes), qtype).reshape(data.shape[0], in_features)
+
+
+GROUP = 32  # inputs per Q8_0 / Q4_1 block
+PACK_ROWS = 16  # output rows per block of csrc/int4_linear.cpp
+
+
+def quantize(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float weight [N, K] → its rows as Q8_0 or Q4_1 blocks, uint8 [N, K / 32 * bytes]. Q8_0: d = max|w| / 127,
+    q = round(w / d); Q4_1: m = min, d = range / 15, q = round((w - m) / d) in 0..15 (byte j: element j in the low
+    nibble, j + 16 in the high one). Each rounded against the float16 values stored, so weights dequantized from
+    these formats (the default model's) come back bit for bit."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"{qtype} blocks need in_features divisible by {GROUP}, not {k}")
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    if qtype == "Q8_0":
+        d = (w.abs().amax(-1) / 127).half()
+        df = d.float()[..., None]
+        q = torch.where(df > 0, torch.round(w / torch.where(df > 0, df, 1.0)), 0.0).clamp_(-127, 127).to(torch.int8)
+        parts = [d[..., None].view(torch.uint8), q.view(torch.uint8)]
+    elif qtype == "Q4_1":
+        low, high = w.amin(-1), w.amax(-1)
+        m, d = low.half(), ((high - low) / 15).half()
+        df, mf = d.float()[..., None], m.float()[..., None]
+        q = torch.where(df > 0, torch.round((w - mf) / df.clamp_min(1e-30)), 0.0).clamp_(0, 15).to(torch.uint8)
+        parts = [d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
+    else:
+        raise ValueError(f"no quantization to {qtype}: Q8_0 or Q4_1")
+    return torch.cat(parts, dim=-1).reshape(n, -1)
+
+
+def pack_q4_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows uint8 [N, G * 20] → int4_linear's blocks of 16 rows (N padded with zero rows): nibbles
+    [N/16, G, 4, 16, 4] (chunk c, row o: bytes 4c..4c+3 of row o's group), scale and minimum float16 [N/16, G, 16]."""
+    n = data.shape[0]
+    blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // 20, 20)
+    nibbles = blocks[..., 4:].reshape(*blocks.shape[:3], 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    scale, minimum = (blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
+                      for at in (0, 2))
+    return nibbles, scale, minimum
+
+
+def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q4_1: the first n rows as Q4_1 blocks, uint8 [n, G * 20]."""
+    packs, groups = nibbles.shape[:2]
+    rows = nibbles.permute(0, 3, 1, 2, 4).reshape(packs, PACK_ROWS, groups, 16)
+    d, m = (t.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2)
+            for t in (scale, minimum))
+    return torch.cat([d, m, rows], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]
