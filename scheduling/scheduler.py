@@ -90,6 +90,14 @@ class Scheduler:
                 expired.append(request)
         return expired
 
+    def cut_at_stop_string(self, request_id: str, num_output_tokens: int, num_dropped: int) -> None:
+        """A stop string found inside a run of verified drafts ends the request after `num_output_tokens`: the
+        `num_dropped` tokens past it leave the request and this step's count of generated tokens."""
+        self._stats.num_generation_tokens -= num_dropped
+        if (request := self.requests.get(request_id)) is not None:  # else it ended this step anyway
+            del request.all_token_ids[request.num_prompt_tokens + num_output_tokens :]
+            self.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests wherever they are (abort, stop string) and free their blocks now."""
         assert status.finished
@@ -421,14 +429,11 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Gauges after the step plus this step's counter increments."""
         s = self._stats
-        s.num_waiting = len(self.waiting)
-        s.num_running = len(self.running)
-        s.num_swapped = len(self.swapped)
-        s.num_free_blocks = self.kv.num_free_blocks
-        s.num_total_blocks = self.kv.num_blocks
+        s.num_waiting, s.num_running, s.num_swapped = len(self.waiting), len(self.running), len(self.swapped)
+        s.num_free_blocks, s.num_total_blocks = self.kv.num_free_blocks, self.kv.num_blocks
         s.kv_cache_usage = self.kv.usage
-        s.num_free_host_blocks = self.kv.swap_space.num_free_blocks
-        s.num_total_host_blocks = self.kv.swap_space.num_blocks
+        host = self.kv.swap_space
+        s.num_free_host_blocks, s.num_total_host_blocks = host.num_free_blocks, host.num_blocks
         queries, hits = self.kv.prefix_cache_queries, self.kv.prefix_cache_hits
         s.prefix_cache_queries = queries - self._prefix_counts_reported[0]
         s.prefix_cache_hits = hits - self._prefix_counts_reported[1]

@@ -340,11 +340,11 @@ class LLMEngine(ConstrainedDecoding):
         num_tokens = len(ro.new_token_ids)
         text = detok.update(ro.new_token_ids, finished=ro.finished) if num_tokens == 1 else _update_until_stop(detok, ro)
         finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
-        cut = len(ro.new_token_ids) < num_tokens  # a stop string inside a run of verified drafts: it ends there
-        if detok.stop_hit is not None and (cut or not finished):
-            if not finished:
-                request = self.scheduler.requests[ro.request_id]
-                del request.all_token_ids[request.num_prompt_tokens + ro.num_output_tokens :]  # none past the stop
+        num_dropped = num_tokens - len(ro.new_token_ids)  # a stop string inside a run of verified drafts ends it
+        if detok.stop_hit is not None and (num_dropped or not finished):
+            if num_dropped:
+                self.scheduler.cut_at_stop_string(ro.request_id, ro.num_output_tokens, num_dropped)
+            elif not finished:
                 self.scheduler.finish_requests([ro.request_id], RequestStatus.FINISHED_STOPPED)
             finished, reason, stop_reason = True, FinishReason.STOP, detok.stop_hit
         if finished:

@@ -33,7 +33,7 @@ def spec_counts(engine) -> dict:
     """Totals of the engine's speculation stats and preemptions, accumulated per step; chunked prefills and
     cross-request prefix hits, counted by spies on the runner and the KV manager."""
     totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "steps": 0, "recompute": 0, "swap": 0, "chunks": 0,
-              "prefix_hits": 0}
+              "prefix_hits": 0, "generated": 0}
 
     def record(stats):
         totals["drafts"] += stats.spec_num_drafts
@@ -41,6 +41,7 @@ def spec_counts(engine) -> dict:
         totals["accepted"] += stats.spec_num_accepted_tokens
         totals["recompute"] += stats.num_preemptions_recompute
         totals["swap"] += stats.num_preemptions_swap
+        totals["generated"] += stats.num_generation_tokens
         totals["steps"] += 1
 
     engine.stat_loggers.append(record)
@@ -122,9 +123,11 @@ def test_stops_and_max_tokens_cut_a_run_where_one_token_steps_stop():
     stop_text = tok_engine.tokenizer.decode(expected[1][20:22])
     for params in (greedy(stop_token_ids=[repeated]), greedy(stop=[stop_text]), greedy(max_tokens=23),
                    greedy(stop=[stop_text], include_stop_str_in_output=True)):
-        off, on, _ = run_both(params)
+        off, on, counts = run_both(params)
         for a, b in zip(off, on, strict=True):
             assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), params
+        # The generated-tokens counter counts what was reported, not the drafts a stop string cut away.
+        assert counts["generated"] == sum(len(r.token_ids) for r in on), params
 
 
 def test_seeded_sampling_with_speculation_is_reproducible():
@@ -145,3 +148,36 @@ def test_requests_with_logprobs_decode_without_drafts():
     assert counts["drafts"] == 0
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
     assert all(len(r.logprobs) == len(r.token_ids) for r in on)
+
+
+def _stop_inside_a_run(engine, prompt) -> tuple[str, int] | None:
+    """A stop string that first completes on the first token of a step emitting several (verified drafts), and
+    how many tokens come before it; None if this prompt's output has no such step."""
+    engine.add_request("probe", prompt, greedy())
+    text, num_before = "", 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            upto = text + engine.tokenizer.decode(out.token_ids[:1])
+            # the shortest tail of the text up to the run's first token that the output has not shown before
+            stop = next((upto[-j:] for j in range(1, len(upto) + 1) if upto[-j:] not in upto[:-1]), "")
+            if len(out.token_ids) > 1 and len(upto) > len(text) and stop and "\ufffd" not in stop:
+                engine.abort_request("probe")
+                return stop, num_before
+            text, num_before = text + out.text, num_before + len(out.token_ids)
+    return None
+
+
+def test_a_stop_string_inside_a_run_of_drafts_cuts_the_run_and_its_count():
+    ours, prompts, _, _ = copying_pair()
+    found = [(i, hit) for i in CYCLING if (hit := _stop_inside_a_run(
+        make_engine(ours, "recompute", num_blocks=128, speculative_method="ngram"), prompts[i])) is not None]
+    assert found, "no prompt's output has a multi-token step to cut"
+    i, (stop, num_before) = found[0]
+    params = greedy(stop=[stop])
+    off = make_engine(ours, "recompute", num_blocks=128).generate([prompts[i]], params)[0]
+    engine = make_engine(ours, "recompute", num_blocks=128, speculative_method="ngram")
+    counts = spec_counts(engine)
+    on = engine.generate([prompts[i]], params)[0]
+    assert len(on.token_ids) == num_before + 1  # the run was cut after its first token
+    assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, off.finish_reason)
+    assert counts["generated"] == len(on.token_ids), counts  # the cut tokens are not counted as generated
