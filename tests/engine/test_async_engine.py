@@ -54,11 +54,16 @@ async def test_stream_runs_to_completion_on_one_worker_thread():
     await eng.shutdown()
 
 
+async def read_all(stream) -> list:
+    """Every output of a stream, closing it after."""
+    async with stream:
+        return [o async for o in stream]
+
+
 async def test_group_streams_all_members():
     eng = await started(FakeEngine())
     stream = await eng.add_requests([("g-0", [1], params(3)), ("g-1", [1], params(4))])
-    async with stream:
-        outs = [o async for o in stream]
+    outs = await read_all(stream)
     assert sum(o.request_id == "g-0" for o in outs) == 3 and sum(o.request_id == "g-1" for o in outs) == 4
     await eng.shutdown()
 
@@ -144,12 +149,7 @@ async def test_slow_consumer_is_cut_off_without_blocking_the_loop():
 async def test_drain_waits_for_in_flight_then_refuses():
     eng = await started(FakeEngine(step_delay=0.01))
     stream = await eng.add_request("a", [1], params(10))
-
-    async def consume():
-        async with stream:
-            return [o async for o in stream]
-
-    task = asyncio.ensure_future(consume())
+    task = asyncio.ensure_future(read_all(stream))
     await eng.drain(timeout=5)
     outs = await task
     assert outs[-1].finish_reason == "length" and len(outs) == 10
@@ -162,12 +162,7 @@ async def test_drain_timeout_aborts_with_error_event():
     fake = FakeEngine(step_delay=0.01)
     eng = await started(fake)
     stream = await eng.add_request("a", [1], params(100_000))
-
-    async def consume():
-        async with stream:
-            return [o async for o in stream]
-
-    task = asyncio.ensure_future(consume())
+    task = asyncio.ensure_future(read_all(stream))
     await eng.drain(timeout=0.2)
     outs = await task
     assert outs[-1].finish_reason == "abort" and "shutting down" in outs[-1].error

@@ -41,7 +41,6 @@ def avx2_kernel():
     return cpu_kernel.DecodeKernel(ops)
 
 
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
