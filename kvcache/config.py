@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from sluice.knobs import knob
 
 AUTO = "auto"
@@ -12,6 +14,7 @@ CUDA_SWAP_SPACE_GIB = 4.0
 # The most an 'auto' KV cache takes on CPU, as vLLM's VLLM_CPU_KVCACHE_SPACE default: a default that leaves a
 # laptop usable. Larger caches are one flag away (--kv-cache-memory, --num-kv-blocks).
 CPU_KV_CACHE_GIB = 4.0
+KV_CACHE_DTYPES = (AUTO, "float16", "bfloat16")
 
 
 def gib_or_auto(value: float | int | str) -> float | str:
@@ -69,6 +72,14 @@ class CacheConfig:
         "first use with the system C compiler; the torch path when none is found).",
         flag="--no-cpu-decode-kernel",
     )
+    kv_cache_dtype: str = knob(
+        AUTO,
+        "Element type the KV cache stores: 'auto' the compute dtype (--dtype); 'float16' or 'bfloat16' halve a "
+        "float32 model's cache (keys and values rounded as they are stored, attention still in float32). float16, "
+        "llama.cpp's default cache type, keeps 3 more mantissa bits than bfloat16 but overflows past 65504; the "
+        "torch attention backend and the C decode kernel read either.",
+        choices=KV_CACHE_DTYPES,
+    )
     attention_backend: str = knob(
         "auto",
         "Paged attention: 'flex' (torch FlexAttention, reads blocks in place; CUDA needs a block size >= 16), "
@@ -89,12 +100,18 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory: {e}") from None
         if memory == 0 and self.num_kv_blocks == 0:
             raise ValueError("kv_cache_memory must be > 0 GiB or 'auto' when num_kv_blocks is 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         try:
             gib_or_auto(self.swap_space)
         except ValueError as e:
             raise ValueError(f"swap_space: {e}") from None
+
+    def cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV tensors are stored in under this compute dtype."""
+        return compute_dtype if self.kv_cache_dtype == AUTO else getattr(torch, self.kv_cache_dtype)
 
     def swap_space_gib(self, device_type: str, preemption_mode: str = "recompute", kv_cache_gib: float = 0) -> float:
         """Host swap pool size in GiB on this device: an explicit value as given, 'auto' resolved (on CPU, a pool

@@ -13,6 +13,7 @@ import torch
 from sluice import native
 
 DTYPES = (torch.float32, torch.bfloat16)
+CACHE_16 = (torch.bfloat16, torch.float16)  # the caches it reads under float32 queries (--kv-cache-dtype)
 
 
 def load() -> DecodeKernel | None:
@@ -30,12 +31,13 @@ class DecodeKernel:
         self.isa: str = ops.paged_decode_isa()  # avx512, avx2 or portable
 
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """float32 or bfloat16 CPU tensors in the layouts the kernel reads, and a head grouping it holds."""
+        """float32 or bfloat16 CPU tensors in the layouts the kernel reads (a 16-bit cache under float32 queries
+        too), and a head grouping it holds."""
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
         return (
             query.device.type == "cpu"
-            and query.dtype == key_cache.dtype
             and query.dtype in DTYPES
+            and (key_cache.dtype == query.dtype or (query.dtype == torch.float32 and key_cache.dtype in CACHE_16))
             and key_cache.is_contiguous()
             and num_heads % num_kv_heads == 0
         )

@@ -31,11 +31,17 @@ FLASH_BLOCK_MULTIPLE = 256
 BACKENDS = ("auto", "torch", "flex", "flash")
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
+def resolve_backend(name: str, device: torch.device, block_size: int, mixed_dtypes: bool = False) -> str:
     """'auto': flash-attn on CUDA when installed and the block size fits it, else FlexAttention on CUDA; on CPU
-    the torch path (SDPA, and the C decode kernel). An explicit choice this device cannot run is a ValueError."""
+    the torch path (SDPA, and the C decode kernel). A cache stored in another dtype than the queries
+    (`mixed_dtypes`) is read by the torch path only. An explicit choice that cannot run here is a ValueError."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    if mixed_dtypes:
+        if name not in ("auto", "torch"):
+            raise ValueError(f"attention backend {name} reads a KV cache of the model's dtype only: use "
+                             "--attention-backend torch or --kv-cache-dtype auto")
+        return "torch"
     flash_fits = flash_attn_varlen_func is not None and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
     if name == "auto":
         if device.type != "cuda":
@@ -174,9 +180,10 @@ def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tab
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache, value_cache, slot_mapping) -> None:
-    """Store the step's new keys/values [num_tokens, num_kv_heads, head_dim] into their slots."""
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    """Store the step's new keys/values [num_tokens, num_kv_heads, head_dim] into their slots (rounded to the
+    cache's dtype where it is narrower)."""
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def paged_attention(
@@ -243,8 +250,10 @@ def _decode_attention(query, key_cache, value_cache, decode: DecodeBatch, scale,
         return _kernel_decode(query, None, None, key_cache, value_cache, decode, None, scale)
     num_kv_heads = key_cache.shape[2]
     # [n, L, Hkv, D] viewed as [n, Hkv, L, D]; strided, but SDPA reads it without another copy.
-    k = key_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache.index_select(0, decode.block_ids).view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    k = key_cache.index_select(0, decode.block_ids).to(query.dtype)
+    v = value_cache.index_select(0, decode.block_ids).to(query.dtype)
+    k = k.view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(n, decode.padded_len, num_kv_heads, head_dim).transpose(1, 2)
     # Grouped heads become the query-length axis, so GQA needs no repeated K/V and the mask broadcasts.
     q = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     mask = decode.masks.get(window, False)
@@ -268,10 +277,12 @@ def _prefill_attention(query, key, value, key_cache, value_cache, seq: PrefillSe
     """One sequence's chunk: query [Q, H, D]; the new key/value [Q, Hkv, D] are already in the cache."""
     if seq.kv_len == seq.q_len:
         k, v = key, value  # no cached context: attend over the new tokens directly, no gather
+        if key_cache.dtype != key.dtype:  # as rounded in the cache, so a later chunk or a prefix hit sees the same
+            k, v = k.to(key_cache.dtype).to(key.dtype), v.to(value_cache.dtype).to(value.dtype)
     else:
         head_shape = key_cache.shape[2:]
-        k = key_cache.index_select(0, seq.block_ids).view(-1, *head_shape)[: seq.kv_len]
-        v = value_cache.index_select(0, seq.block_ids).view(-1, *head_shape)[: seq.kv_len]
+        k = key_cache.index_select(0, seq.block_ids).view(-1, *head_shape)[: seq.kv_len].to(query.dtype)
+        v = value_cache.index_select(0, seq.block_ids).view(-1, *head_shape)[: seq.kv_len].to(query.dtype)
     mask = seq.masks.get(window, False)
     if mask is False:
         mask = seq.masks[window] = _prefill_mask(seq, window, query.device)

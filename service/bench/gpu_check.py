@@ -196,9 +196,11 @@ def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
 
 
 def paged_attention_case(seqs, block_size, device, dtype, seed, window=None, softcap=None, num_heads=8,
-                         num_kv_heads=2, head_dim=64):
+                         num_kv_heads=2, head_dim=64, kv_dtype=None):
     """(context_len, q_len) per sequence, packed: the new q/k/v, a cache full of garbage with the contexts written
-    into shuffled blocks, AttentionMetadata.build's arguments and the dense float64 reference output."""
+    into shuffled blocks, AttentionMetadata.build's arguments and the dense float64 reference output. `kv_dtype`:
+    the cache's dtype where it differs from `dtype` (the reference sees K/V rounded to it)."""
+    kv_dtype = kv_dtype or dtype
     import random
 
     gen = torch.Generator().manual_seed(seed)
@@ -227,9 +229,10 @@ def paged_attention_case(seqs, block_size, device, dtype, seed, window=None, sof
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
     args = ([q for _, q in seqs], [c + q for c, q in seqs], block_tables, torch.tensor(slots, device=device),
             block_size)
-    on = [t.to(device, dtype) for t in (torch.cat(queries), torch.cat(keys), torch.cat(values), kc, vc)]
-    expected = torch.cat([dense_attention(q.to(dtype), k.to(dtype), v.to(dtype), head_dim ** -0.5, window, softcap)
-                          for q, (k, v) in zip(queries, full, strict=True)]).to(device)
+    on = [t.to(device, dtype) for t in (torch.cat(queries), torch.cat(keys), torch.cat(values))]
+    on += [t.to(device, kv_dtype) for t in (kc, vc)]
+    expected = torch.cat([dense_attention(q.to(dtype), k.to(kv_dtype), v.to(kv_dtype), head_dim ** -0.5, window,
+                                          softcap) for q, (k, v) in zip(queries, full, strict=True)]).to(device)
     return (*on, args, expected)
 
 

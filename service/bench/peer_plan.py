@@ -1,7 +1,8 @@
 """What `bench peers` runs: servers per size and weight format, workloads scaled per size, and how long it takes.
 
 Weight formats pair up, Sluice's against llama.cpp's: fp32/F32, bf16/BF16, int4/Q4_1 and Sluice's GGUF blocks as
-stored (`--quantization gguf`, "Q4_K") on the very Q4_K_M file llama.cpp serves. Both get the same KV capacity:
+stored (`--quantization gguf`, "Q4_K") on the very Q4_K_M file llama.cpp serves. Both keep K/V in 16 bits (llama.cpp's
+default f16 cache; Sluice's `--kv-cache-dtype float16` where it computes in float32) and get the same KV capacity:
 llama.cpp at its best runs A and B with 64 slots (no unified KV: with it, every slot scans the whole cache) and C
 with 16 longer slots, a server each; Sluice runs everything on one server holding as many KV tokens as the larger
 of the two. Workload D (repetitive) runs with and without n-gram speculation on both.

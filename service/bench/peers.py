@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -91,25 +92,35 @@ def command(line: Line, launch: Launch, models: dict, server: Path, pythons: dic
                "-c", str(launch.kv_tokens), "--no-kv-unified"]
         return [*cmd, *SPEC_LLAMA.get(line.spec, ())]
     model = models[line.size, "hf"] if line.arch == "llama" else random_checkpoint(line.arch, line.size)
-    return sluice_command(pythons[line.engine], line.fmt, model, models.get((line.size, "Q4_K_M")), launch.kv_tokens,
-                          spec=bool(line.spec))
+    python = pythons[line.engine]
+    return sluice_command(python, line.fmt, model, models.get((line.size, "Q4_K_M")), launch.kv_tokens,
+                          spec=bool(line.spec), kv16="--kv-cache-dtype" in _serve_help(python))
 
 
-def sluice_command(python: str, fmt: str, model: Path, q4k: Path | None, kv_tokens: int, spec: bool = False) -> list[str]:
-    """`sluice serve` for one weight format with `kv_tokens` of KV cache (blocks of 16)."""
+def sluice_command(python: str, fmt: str, model: Path, q4k: Path | None, kv_tokens: int, spec: bool = False,
+                   kv16: bool = True) -> list[str]:
+    """`sluice serve` for one weight format with `kv_tokens` of KV cache (blocks of 16), stored in float16 where
+    `kv16` and the compute dtype is float32, as llama.cpp's default f16 cache whatever its weights (a commit from
+    before --kv-cache-dtype keeps its cache in the compute dtype)."""
     if fmt == "Q4_K":
         model = q4k  # llama.cpp's own Q4_K_M file, its blocks served as stored
     dtype = "bfloat16" if fmt == "bf16" else "float32"
     cmd = [python, "-m", "sluice.service.cli", "serve", "--model", str(model), "--dtype", dtype,
            "--max-model-len", "2048", "--block-size", "16", "--num-kv-blocks", str(kv_tokens // 16)]
     quant = {"int4": "int4", "Q4_K": "gguf"}.get(fmt)
-    return [*cmd, *(["--quantization", quant] if quant else []), *(SPEC_SLUICE if spec else ())]
+    kv = ["--kv-cache-dtype", "float16"] if kv16 and fmt != "bf16" else []
+    return [*cmd, *(["--quantization", quant] if quant else []), *kv, *(SPEC_SLUICE if spec else ())]
+
+
+@functools.cache
+def _serve_help(python: str) -> str:
+    """`sluice serve --help` of that interpreter's Sluice (the flags a baseline commit knows)."""
+    return subprocess.run([python, "-m", "sluice.service.cli", "serve", "--help"], capture_output=True,
+                          text=True).stdout
 
 
 def _has_spec_flag(python: str) -> bool:
-    help_text = subprocess.run([python, "-m", "sluice.service.cli", "serve", "--help"], capture_output=True,
-                               text=True).stdout
-    return "--speculative-method" in help_text
+    return "--speculative-method" in _serve_help(python)
 
 
 def _plan_of(line: Line) -> dict:

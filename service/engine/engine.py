@@ -113,7 +113,7 @@ class LLMEngine(ConstrainedDecoding):
         # Logged before the max_model_len check below, so a refusal shows what the cache was sized to.
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s %s on %s (%s)", self.num_kv_blocks,
                     config.cache.block_size, self.num_kv_blocks * config.cache.block_size,
-                    format_bytes(self.kv_cache_bytes), str(self.dtype).removeprefix("torch."), self.device,
+                    format_bytes(self.kv_cache_bytes), str(self.runner.kv_dtype).removeprefix("torch."), self.device,
                     self.runner.kv_cache_source)
         if sched.preemption_mode == "swap" and not self.runner.num_host_blocks:
             block = format_bytes(self.kv_cache_bytes / self.num_kv_blocks)

@@ -206,10 +206,11 @@ def gpu_kv_budget(
 
 def kv_cache_blocks(
     model, cache: CacheConfig, device: torch.device, shape: KVShape, max_num_batched_tokens: int, max_num_seqs: int,
-    max_model_len: int = 0,
+    max_model_len: int = 0, backend: str | None = None,
 ) -> tuple[int, str]:
     """(number of KV blocks, where the figure came from); ValueError when not even one block fits.
-    `max_model_len`: the configured one (0: the model's own context length), for the CPU 'auto' size."""
+    `max_model_len`: the configured one (0: the model's own context length), for the CPU 'auto' size; `backend`:
+    the resolved attention backend the CUDA profile runs (default: the configured one)."""
     if cache.num_kv_blocks:
         return cache.num_kv_blocks, "--num-kv-blocks"
     memory = gib_or_auto(cache.kv_cache_memory)
@@ -220,7 +221,7 @@ def kv_cache_blocks(
         budget = cpu_auto_budget(cpu_kv_budget(model_weight_bytes(model)), shape, max_num_seqs, context_len)
     elif device.type == "cuda":
         budget = gpu_kv_budget(model, shape, device, cache.gpu_memory_utilization, max_num_batched_tokens,
-                               max_num_seqs, cache.attention_backend)
+                               max_num_seqs, backend or cache.attention_backend)
     else:
         raise ValueError(f"--kv-cache-memory auto is not supported on {device.type}; pass it in GiB")
     num_blocks = budget.num_bytes // shape.block_bytes

@@ -58,15 +58,18 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.block_size = cache_config.block_size
-        self.attention_backend = resolve_backend(cache_config.attention_backend, self.device, self.block_size)
+        self.kv_dtype = cache_config.cache_dtype(dtype)
+        self.attention_backend = resolve_backend(cache_config.attention_backend, self.device, self.block_size,
+                                                 mixed_dtypes=self.kv_dtype != dtype)
         config = model.config.get_text_config()
         num_layers = config.num_hidden_layers
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (num_layers, num_kv_heads, head_dim, self.block_size, dtype)
+        shape = (num_layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype)
         # --num-kv-blocks, else --kv-cache-memory in GiB, else auto (on CUDA after a profile forward): kv_sizing.
         self.num_kv_blocks, self.kv_cache_source = kv_cache_blocks(
-            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs, max_model_len
+            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs, max_model_len,
+            self.attention_backend,
         )
         # Swap 'auto' on CPU with preemption mode swap: a host pool as large as the cache (up to a cap).
         cache_gib = self.num_kv_blocks * KVShape(*shape).block_bytes / GiB
@@ -74,7 +77,7 @@ class ModelRunner:
         self.num_host_blocks = num_blocks_for_budget(swap_gib * GiB, *shape)
         # One block past the pool's: the scratch block padding rows of a decode step write to and read from.
         self.kv = KVTensors(
-            self.num_kv_blocks + 1, num_layers, num_kv_heads, head_dim, self.block_size, dtype, self.device,
+            self.num_kv_blocks + 1, num_layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype, self.device,
             num_host_blocks=self.num_host_blocks,
         )
         self.kv_cache_bytes = self.num_kv_blocks * KVShape(*shape).block_bytes

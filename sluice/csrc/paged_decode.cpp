@@ -3,7 +3,8 @@
 // One query token per sequence. For each of the num_seqs sequences, every query head scores every cached token of
 // its KV head (GQA: H / Hkv query heads share one), takes a softmax and sums the values. Tokens are visited in
 // cache order with all heads of a token together, so each block is read front to back, once per pass.
-// Layouts (float32 or bfloat16, contiguous): q and out [n, H, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+// Layouts (float32 or bfloat16, contiguous; the caches may be bfloat16 or float16 under float32 q): q and out [n, H, D];
+// key_cache, value_cache [num_blocks, block_size, Hkv, D];
 // block_tables [n, table_stride] int64; seq_lens [n] int64.
 // Each sequence's KV heads are work items shared out among `num_threads` OpenMP threads (built with -fopenmp, the
 // runtime torch already loaded): Python threads beside torch's spinning OpenMP workers would fight them for the
@@ -47,7 +48,54 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* The vector path (AVX-512, else AVX2 + FMA): per sequence and KV head, the group's query heads stay in registers
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* IEEE half (--kv-cache-dtype float16, llama.cpp's default cache type) as uint16_t bits, round to nearest even as
+ * torch does: F16C's instructions where the build has them, else the same arithmetic by hand. */
+static inline float f16_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf, NaN */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else { /* zero or subnormal: mantissa x 2^-24, exact in float32 */
+        f = (float)mantissa * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline uint16_t float_to_f16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u); /* inf; NaN stays NaN */
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;                                    /* 65520 and up round to inf */
+    if (ax < 0x38800000u) { /* below half's smallest normal: a multiple of 2^-24, rounded by the FPU */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return sign | (uint16_t)lrintf(a * 16777216.0f);
+    }
+    ax += 0xc8000fffu + ((ax >> 13) & 1u); /* exponent rebiased (-112), mantissa rounded to nearest even */
+    return sign | (uint16_t)(ax >> 13);
+#endif
+}
+
+/* The vector path (AVX-512, else AVX2 + FMA + F16C): per sequence and KV head, the group's query heads stay in registers
  * while each cached K and V row is read once for all of them; scores, softmax and the value sum run VW lanes at a
  * time. The macros below are all that differs between the two widths. */
 #if defined(__AVX512F__)
@@ -75,7 +123,8 @@ static inline vf vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+static inline vf vload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SLUICE_DECODE_SIMD "avx2"
 #define VW 8
@@ -108,6 +157,7 @@ static inline vf vload_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline vf vload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
 #ifdef SLUICE_DECODE_SIMD
@@ -130,7 +180,11 @@ static inline vf vexp(vf x) {
 }
 #endif
 
-/* float32: sluice_paged_decode */
+/* float32 queries and cache: sluice_paged_decode */
+#define Q_T float
+#define Q_LOADV vload_f32
+#define Q_LOAD(x) (x)
+#define Q_STORE(x) (x)
 #define KV_T float
 #define LOADV vload_f32
 #define LOAD(x) (x)
@@ -143,11 +197,43 @@ static inline vf vexp(vf x) {
 #undef STORE
 #undef NAME
 
-/* bfloat16 (as uint16_t bits): sluice_paged_decode_bf16 */
+/* float32 queries over a bfloat16 cache (--kv-cache-dtype bfloat16): sluice_paged_decode_f32_bf16 */
 #define KV_T uint16_t
 #define LOADV vload_bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
+#define NAME(f) f##_f32_bf16
+#include "paged_decode_body.h"
+#undef LOADV
+#undef LOAD
+#undef STORE
+#undef NAME
+
+/* float32 queries over a float16 cache (--kv-cache-dtype float16): sluice_paged_decode_f32_f16 */
+#define LOADV vload_f16
+#define LOAD(x) f16_to_float(x)
+#define STORE(x) float_to_f16(x)
+#define NAME(f) f##_f32_f16
+#include "paged_decode_body.h"
+#undef KV_T
+#undef LOADV
+#undef LOAD
+#undef STORE
+#undef Q_T
+#undef Q_LOADV
+#undef Q_LOAD
+#undef Q_STORE
+#undef NAME
+
+/* bfloat16 queries and cache (as uint16_t bits): sluice_paged_decode_bf16 */
+#define KV_T uint16_t
+#define LOADV vload_bf16
+#define LOAD(x) bf16_to_float(x)
+#define STORE(x) float_to_bf16(x)
+#define Q_T uint16_t
+#define Q_LOADV vload_bf16
+#define Q_LOAD(x) bf16_to_float(x)
+#define Q_STORE(x) float_to_bf16(x)
 #define NAME(f) f##_bf16
 #include "paged_decode_body.h"
 
@@ -201,11 +287,12 @@ torch::Tensor PagedDecodePlan::step(const torch::Tensor& query, const c10::optio
     const int64_t n = seq_lens_.size(0);
     TORCH_CHECK(key.has_value() == slot_mapping_.has_value() && key.has_value() == value.has_value(),
                 "paged decode: new keys and values go with a plan that has their slots");
-    const auto dtype = query.scalar_type();
+    const auto dtype = query.scalar_type(), cache_dtype = key_cache.scalar_type();
     TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "paged decode: float32 or bfloat16, not ", dtype);
-    TORCH_CHECK(query.device().is_cpu() && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype &&
-                    key_cache.is_contiguous() && value_cache.is_contiguous(),
-                "paged decode: query and contiguous caches of one dtype on the CPU");
+    const bool narrower = dtype == torch::kFloat && (cache_dtype == torch::kBFloat16 || cache_dtype == torch::kHalf);
+    TORCH_CHECK(query.device().is_cpu() && value_cache.scalar_type() == cache_dtype &&
+                    (cache_dtype == dtype || narrower) && key_cache.is_contiguous() && value_cache.is_contiguous(),
+                "paged decode: contiguous CPU caches of the query's dtype, or 16-bit ones under float32 queries");
     TORCH_CHECK(query.dim() == 3 && query.size(0) == n && query.size(1) == num_heads_ && query.size(2) == head_dim_,
                 "paged decode: query must be [", n, ", ", num_heads_, ", ", head_dim_, "]");
     TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(1) == block_size_ && key_cache.size(2) == num_kv_heads_ &&
@@ -222,15 +309,19 @@ torch::Tensor PagedDecodePlan::step(const torch::Tensor& query, const c10::optio
     const DecodePlan plan{block_tables_.data_ptr<int64_t>(), block_tables_.size(1), seq_lens_.data_ptr<int64_t>(),
                           slot_mapping_ ? slot_mapping_->data_ptr<int64_t>() : nullptr, n, num_heads_, num_kv_heads_,
                           head_dim_, block_size_, static_cast<float>(scale_), num_threads_};
+    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
     int failed;
-    if (dtype == torch::kFloat) {
+    if (dtype == torch::kBFloat16) {
+        failed = sluice_paged_decode_step_bf16(&plan, bits(q), key ? bits(k) : nullptr, key ? bits(v) : nullptr,
+                                               bits(key_cache), bits(value_cache), bits(out));
+    } else if (cache_dtype != torch::kFloat) {
+        auto step = cache_dtype == torch::kBFloat16 ? sluice_paged_decode_step_f32_bf16 : sluice_paged_decode_step_f32_f16;
+        failed = step(&plan, q.data_ptr<float>(), key ? k.data_ptr<float>() : nullptr,
+                      key ? v.data_ptr<float>() : nullptr, bits(key_cache), bits(value_cache), out.data_ptr<float>());
+    } else {
         failed = sluice_paged_decode_step(&plan, q.data_ptr<float>(), key ? k.data_ptr<float>() : nullptr,
                                           key ? v.data_ptr<float>() : nullptr, key_cache.data_ptr<float>(),
                                           value_cache.data_ptr<float>(), out.data_ptr<float>());
-    } else {
-        auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-        failed = sluice_paged_decode_step_bf16(&plan, bits(q), key ? bits(k) : nullptr, key ? bits(v) : nullptr,
-                                               bits(key_cache), bits(value_cache), bits(out));
     }
     TORCH_CHECK(!failed, "paged decode: out of memory for its score buffer");
     return out;

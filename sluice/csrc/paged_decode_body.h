@@ -1,14 +1,16 @@
-/* The decode kernel's body, included by paged_decode.cpp once per element type: KV_T is the type of q, the caches
- * and out; LOAD(x) reads one as float32, STORE(x) writes a float32 back; NAME(f) names this type's functions.
- * Arithmetic is float32 for every type. */
-static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+/* The decode kernel's body, included by paged_decode.cpp once per pair of element types: Q_T is the type of q,
+ * out and the new K/V rows, KV_T the caches'. Q_LOAD / LOAD read one of each as float32, Q_LOADV / LOADV VW of
+ * them; Q_STORE and STORE write a float32 back as each type; NAME(f) names this pair's functions. Arithmetic is
+ * float32 for every pair. A bfloat16 cache under float32 queries halves the cache and keeps the query and the
+ * output in float32. */
+static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        Q_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
 
-static int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+static int NAME(sluice_paged_decode)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        Q_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
     int failed = 0;
     int64_t max_len = 1, tokens = 0;
@@ -31,12 +33,20 @@ static int NAME(sluice_paged_decode)(const KV_T *q, const KV_T *key_cache, const
 
 /* One layer's decodes: store each sequence's new K and V rows [n, Hkv, D] in their cache slots (key NULL: the
  * caller already stored them, as in a step that mixes decodes and prefills), then attend. */
-int NAME(sluice_paged_decode_step)(const DecodePlan *p, const KV_T *q, const KV_T *key, const KV_T *value,
-                                   KV_T *key_cache, KV_T *value_cache, KV_T *out) {
+int NAME(sluice_paged_decode_step)(const DecodePlan *p, const Q_T *q, const Q_T *key, const Q_T *value,
+                                   KV_T *key_cache, KV_T *value_cache, Q_T *out) {
     const int64_t row = p->num_kv_heads * p->head_dim;
     for (int64_t i = 0; key != NULL && i < p->num_seqs; i++) {
-        memcpy(key_cache + p->slot_mapping[i] * row, key + i * row, (size_t)row * sizeof(KV_T));
-        memcpy(value_cache + p->slot_mapping[i] * row, value + i * row, (size_t)row * sizeof(KV_T));
+        KV_T *k = key_cache + p->slot_mapping[i] * row, *v = value_cache + p->slot_mapping[i] * row;
+        if (sizeof(Q_T) == sizeof(KV_T)) { /* one type: a copy */
+            memcpy(k, key + i * row, (size_t)row * sizeof(KV_T));
+            memcpy(v, value + i * row, (size_t)row * sizeof(KV_T));
+        } else { /* rounded to the cache's type, as torch's cast would */
+            for (int64_t j = 0; j < row; j++) {
+                k[j] = STORE(Q_LOAD(key[i * row + j]));
+                v[j] = STORE(Q_LOAD(value[i * row + j]));
+            }
+        }
     }
     return NAME(sluice_paged_decode)(q, key_cache, value_cache, p->block_tables, p->table_stride, p->seq_lens, out,
                                      p->num_seqs, p->num_heads, p->num_kv_heads, p->head_dim, p->block_size,
@@ -50,13 +60,13 @@ int NAME(sluice_paged_decode_step)(const DecodePlan *p, const KV_T *q, const KV_
 /* One sequence's attention for KV head g with V = D / VW vectors per row and G query heads per KV head; inlined
  * with constant V and G for the common shapes, so the query and accumulator arrays live in registers. */
 static inline __attribute__((always_inline)) void NAME(group_simd)(
-        const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
-        KV_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
+        const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
+        Q_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
         const int64_t V, const int64_t G) {
     const int64_t D = V * VW, head = g * D, block_stride = block_size * token_stride;
     vf qv[8][MAX_D / VW], acc[8][MAX_D / VW];
     for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) qv[h][v] = V_MUL(LOADV(q + (g * G + h) * D + VW * v), V_SET1(scale));
+        for (int64_t v = 0; v < V; v++) qv[h][v] = V_MUL(Q_LOADV(q + (g * G + h) * D + VW * v), V_SET1(scale));
     /* Pass 1: each K row once for the whole group. */
     for (int64_t t = 0; t < len; t++) {
         const KV_T *k = KV_ROW(key_cache, t);
@@ -102,15 +112,15 @@ static inline __attribute__((always_inline)) void NAME(group_simd)(
         const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
         float row[MAX_D];
         for (int64_t v = 0; v < V; v++) V_STOREU(row + VW * v, V_MUL(acc[h][v], V_SET1(inv)));
-        KV_T *o = out + (g * G + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = STORE(row[d]);
+        Q_T *o = out + (g * G + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(row[d]);
     }
 }
 
 /* The vector path for one sequence's KV head g; 0 where its shape is not one it covers (then the portable loop
  * runs). */
-static int NAME(head_simd)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
-                           int64_t len, KV_T *out, int64_t g, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+static int NAME(head_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
+                           int64_t len, Q_T *out, int64_t g, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
                            float scale, float *scores, int64_t max_len) {
     const int64_t G = H / Hkv, token_stride = Hkv * D;
     if (D % VW || D > MAX_D || G > 8) return 0;
@@ -130,9 +140,9 @@ static int NAME(head_simd)(const KV_T *q, const KV_T *key_cache, const KV_T *val
 #endif
 
 /* Every sequence this thread is handed; 1 if its scratch buffers cannot be allocated. */
-static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *value_cache,
+static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        KV_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                        Q_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
     const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
@@ -157,7 +167,7 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
             continue;
 #endif
         const int64_t h0 = g * groups, h1 = h0 + groups; /* the query heads that read KV head g */
-        for (int64_t j = h0 * D; j < h1 * D; j++) qi[j] = LOAD(q[i * H * D + j]);
+        for (int64_t j = h0 * D; j < h1 * D; j++) qi[j] = Q_LOAD(q[i * H * D + j]);
         /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
          * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
         for (int64_t hq = h0; hq < h1; hq++) {
@@ -214,8 +224,8 @@ static int NAME(decode_range)(const KV_T *q, const KV_T *key_cache, const KV_T *
         }
         for (int64_t hq = h0; hq < h1; hq++) {
             const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
-            KV_T *o = out + (i * H + hq) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[hq * D + d] * inv);
+            Q_T *o = out + (i * H + hq) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(acc[hq * D + d] * inv);
         }
     }
     free(scores); free(acc); free(sums); free(qi);

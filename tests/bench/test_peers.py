@@ -121,8 +121,11 @@ def test_commands_carry_format_kv_capacity_and_speculation(tmp_path):
     cmd = sluice_command("py", "Q4_K", hf, q4k, 4096, spec=True)
     assert cmd[cmd.index("--model") + 1] == str(q4k) and cmd[cmd.index("--quantization") + 1] == "gguf"
     assert cmd[cmd.index("--num-kv-blocks") + 1] == "256" and cmd[-4:] == list(peer_plan.SPEC_SLUICE)
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "float16"  # as llama.cpp's f16 cache
     cmd = sluice_command("py", "bf16", hf, q4k, 32768)
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and "--quantization" not in cmd
+    assert "--kv-cache-dtype" not in cmd  # 16 bits already
+    assert "--kv-cache-dtype" not in sluice_command("py", "fp32", hf, q4k, 4096, kv16=False)  # an older baseline
     line = Line("135m", "llama.cpp", "BF16", "ngram k4", (Launch(16, 1024, ("B", "D")),))
     cmd = command(line, line.launches[0], {("135m", "BF16"): tmp_path / "b.gguf"}, tmp_path / "srv", {}, "2")
     assert cmd[cmd.index("--parallel") + 1] == "16" and cmd[cmd.index("-c") + 1] == "16384"

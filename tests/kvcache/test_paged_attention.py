@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import random
 from pathlib import Path
 
@@ -22,12 +23,15 @@ def decode_kernel():
     return kernel
 
 
-@pytest.fixture(scope="module")
-def avx2_kernel():
-    """The decode kernel alone, built for x86-64-v3 (what a Zen 3 runs) on any CPU that has AVX2 and FMA; its class
-    module-local, as the process's own extension has registered PagedDecodePlan already."""
-    if not has_avx2():
-        pytest.skip("no AVX2 and FMA on this CPU")
+# (queries' dtype, cache's dtype): one type, and a bfloat16 cache under float32 queries (--kv-cache-dtype bfloat16)
+DTYPE_PAIRS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16),
+               (torch.float32, torch.float16)]
+DTYPE_IDS = ["float32", "bfloat16", "float32-bf16-cache", "float32-f16-cache"]
+
+
+def decode_variant(isa: str, march: str) -> cpu_kernel.DecodeKernel:
+    """The decode kernel alone, built for `march` on any x86-64 CPU that runs it; its class module-local, as the
+    process's own extension has registered PagedDecodePlan already."""
     if native.load() is None:
         pytest.skip("the native extension cannot be built here (no C++ compiler?)")
     binding = ('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
@@ -36,9 +40,27 @@ def avx2_kernel():
                'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
                'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
     # built once per machine, like the extension itself (tests/support/kernels.py)
-    ops = build_variant("paged_decode_avx2", ["paged_decode.cpp"], binding,
-                        ["-O3", "-march=x86-64-v3", *native.OPENMP_FLAGS])
-    return cpu_kernel.DecodeKernel(ops)
+    ops = build_variant(f"paged_decode_{isa}", ["paged_decode.cpp"], binding, ["-O3", f"-march={march}",
+                                                                              *native.OPENMP_FLAGS])
+    kernel = cpu_kernel.DecodeKernel(ops)
+    assert kernel.isa == isa
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel():
+    """Built for x86-64-v3 (what a Zen 3 runs: AVX2, FMA, F16C) on any CPU that has AVX2 and FMA."""
+    if not has_avx2():
+        pytest.skip("no AVX2 and FMA on this CPU")
+    return decode_variant("avx2", "x86-64-v3")
+
+
+@pytest.fixture(scope="module")
+def portable_kernel():
+    """Built for plain x86-64: the scalar loops, and the float16 conversions written out without F16C."""
+    if platform.machine() != "x86_64":
+        pytest.skip("an x86-64 build")
+    return decode_variant("portable", "x86-64")
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -51,19 +73,61 @@ def test_matches_dense_reference(block_size, mix, heads, decodes):
     assert err < 1e-4
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("decodes", ["torch", "c_kernel"])
+def test_float32_queries_over_a_16_bit_cache_match_the_rounded_reference(block_size, mix, decodes, kv_dtype):
+    """--kv-cache-dtype under a float32 model: K/V rounded where they are stored (a prefill's own new keys too),
+    everything else float32, so the reference on the rounded K/V is met to float32's precision."""
+    kernel = decode_kernel() if decodes == "c_kernel" else None
+    err, out = run_case(MIXES[mix], block_size, kernel=kernel, kv_dtype=kv_dtype)
+    assert out.dtype == torch.float32 and err < 1e-4
+
+
+# Edge values of the 16-bit types: ties, the largest finite halves and what rounds past them, half's subnormals
+# and what underflows, signed zeros, infinities and NaN.
+EDGES = [0.0, -0.0, 1.0, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 65504.0, 65519.0, 65520.0,
+         -7e4, 6.1e-5, 2**-24, 1.5 * 2**-24, 2**-25, 2**-26, -3e-6, 1e-8, 3.0e38, float("inf"), float("-inf"),
+         float("nan")]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("isa", ["native", "portable"])
+def test_the_kernel_rounds_stored_keys_as_torch_does(isa, kv_dtype, request):
+    """A decode step that stores its own K/V converts float32 to the cache's type bit for bit as torch's cast."""
+    kernel = decode_kernel() if isa == "native" else request.getfixturevalue("portable_kernel")
+    n, heads, head_dim = 4, 2, 16
+    values = torch.tensor(EDGES * (n * heads * head_dim // len(EDGES) + 1))[: n * heads * head_dim]
+    key = values.view(n, heads, head_dim)
+    value = -key.flip(0)
+    key_cache = torch.zeros(n, 1, heads, head_dim, dtype=kv_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    tables, lens, slots = torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.long), torch.arange(n)
+    plan = kernel.plan(torch.zeros(n, heads, head_dim), key_cache, tables, lens, slots, 0.25)
+    kernel.decode_step(plan, torch.zeros(n, heads, head_dim), key, value, key_cache, value_cache)
+    for stored, given in ((key_cache, key), (value_cache, value)):
+        want = given.to(kv_dtype).view(torch.int16)
+        got = stored.view(n, heads, head_dim).view(torch.int16)
+        nan = torch.isnan(given)
+        assert torch.equal(got[~nan], want[~nan])
+        assert torch.isnan(stored.view(n, heads, head_dim)[nan]).all()
+
+
 # (query heads, KV heads, head dim): the kernel's specialised shapes (D 64/128 with 1-4 heads per group), its
 # generic AVX-512 loop (D 32 with 8 per group, D 16), and shapes only its portable loop takes (D 80; 9 per group).
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (4, 4, 64), (16, 2, 32), (2, 1, 16), (4, 4, 80),
                                    (18, 2, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_kernel_matches_torch_across_head_shapes(shape, dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_PAIRS, ids=DTYPE_IDS)
+def test_c_kernel_matches_torch_across_head_shapes(shape, dtype, kv_dtype):
     kernel = decode_kernel()
     heads, kv_heads, head_dim = shape
     rng = random.Random(sum(shape))
     seqs = [(rng.randrange(0, 90), 1) for _ in range(6)] + [(0, 1), (15, 1), (16, 1), (17, 1)]
     err_c, out_c = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                            kernel=kernel)
-    err_t, out_t = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+                            kernel=kernel, kv_dtype=kv_dtype)
+    err_t, out_t = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                            kv_dtype=kv_dtype)
     if dtype == torch.float32:
         assert err_c < 1e-4 and err_t < 1e-4
         torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
@@ -72,20 +136,33 @@ def test_c_kernel_matches_torch_across_head_shapes(shape, dtype):
 
 
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (16, 2, 32), (2, 1, 16), (4, 4, 80), (4, 2, 256)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_avx2_build_matches_torch(shape, dtype, avx2_kernel):
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_PAIRS, ids=DTYPE_IDS)
+def test_avx2_build_matches_torch(shape, dtype, kv_dtype, avx2_kernel):
     """The AVX2 path (what a Zen 3 runs), built for x86-64-v3 on any CPU that has AVX2; D 80 takes the portable loop."""
     kernel = avx2_kernel
     assert kernel.isa == "avx2"
     heads, kv_heads, head_dim = shape
     rng = random.Random(sum(shape))
     seqs = [(rng.randrange(0, 90), 1) for _ in range(6)] + [(0, 1), (7, 1), (8, 1), (16, 1)]
-    _, out_c = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, kernel=kernel)
-    err_t, out_t = run_case(seqs, 16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype)
+    _, out_c = run_case(seqs, 16, kernel=kernel, **kw)
+    err_t, out_t = run_case(seqs, 16, **kw)
     if dtype == torch.float32:
         torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(out_c.float(), out_t.float(), rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_PAIRS, ids=DTYPE_IDS)
+def test_portable_build_matches_torch(dtype, kv_dtype, portable_kernel):
+    """The scalar loops every other CPU runs (a grouped and an uneven head shape)."""
+    for heads, kv_heads, head_dim in [(9, 3, 64), (4, 4, 80)]:
+        seqs = [(37, 1), (0, 1), (16, 1), (70, 1)]
+        kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype)
+        _, out_c = run_case(seqs, 16, kernel=portable_kernel, **kw)
+        _, out_t = run_case(seqs, 16, **kw)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+        torch.testing.assert_close(out_c.float(), out_t.float(), **tol)
 
 
 @pytest.mark.parametrize("mix", ["decodes", "mixed"])
@@ -199,3 +276,15 @@ def test_a_plan_refuses_lengths_past_its_block_table():
     plan = kernel.plan(q, cache, tables, torch.tensor([3]), slots, 0.25)
     with pytest.raises(RuntimeError, match="slots"):  # a plan with slots stores new K/V: it needs them
         kernel.decode_step(plan, q, None, None, cache, cache.clone())
+
+
+def test_a_cache_of_another_dtype_resolves_to_the_torch_backend():
+    """FlexAttention and flash-attn read the cache in place in the queries' dtype: 'auto' picks the torch path for
+    a bfloat16 cache under float32 queries, and an explicit other choice is refused with the flags that fix it."""
+    from sluice.kvcache.paged_attention import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, 16, mixed_dtypes=True) == "torch"
+    for name in ("flex", "flash"):
+        with pytest.raises(ValueError, match="--kv-cache-dtype auto"):
+            resolve_backend(name, cpu, 16, mixed_dtypes=True)

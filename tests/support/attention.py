@@ -9,16 +9,18 @@ from sluice.service.bench.gpu_check import paged_attention_case
 
 
 def run_case(seqs, block_size, num_heads=8, num_kv_heads=2, head_dim=16, window=None, softcap=None, seed=0,
-             dtype=torch.float32, kernel=None):
-    """seqs: (context_len, q_len) per sequence, packed in that order. Returns (max error, output)."""
+             dtype=torch.float32, kernel=None, kv_dtype=None):
+    """seqs: (context_len, q_len) per sequence, packed in that order; `kv_dtype` the cache's, where it differs
+    from `dtype`. Returns (max error, output)."""
     q, k, v, key_cache, value_cache, args, expected = paged_attention_case(
-        seqs, block_size, torch.device("cpu"), dtype, seed, window, softcap, num_heads, num_kv_heads, head_dim)
+        seqs, block_size, torch.device("cpu"), dtype, seed, window, softcap, num_heads, num_kv_heads, head_dim,
+        kv_dtype)
     meta = AttentionMetadata.build(*args, kernel)
     out = paged_attention(q, k, v, key_cache, value_cache, meta, head_dim**-0.5, window, softcap)
     # The new K/V must have landed in their slots.
     slots = args[3]
     flat_k, flat_v = (cache.view(-1, num_kv_heads, head_dim) for cache in (key_cache, value_cache))
-    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    assert torch.equal(flat_k[slots], k.to(key_cache.dtype)) and torch.equal(flat_v[slots], v.to(value_cache.dtype))
     return (out.double() - expected).abs().max().item(), out
 
 
