@@ -26,6 +26,8 @@ from sluice.kvcache.transfer import to_device
 if TYPE_CHECKING:
     from sluice.kvcache.decode_kernel import DecodeKernel
 
+# The most query rows of one sequence that the C kernel attends as decodes (verify steps: 1 + up to 16 drafts).
+KERNEL_ROWS_MAX = 17
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256
 BACKENDS = ("auto", "torch", "flex", "flash")
@@ -57,15 +59,16 @@ def resolve_backend(name: str, device: torch.device, block_size: int, mixed_dtyp
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """The q_len == 1 sequences of a step, attended together over their gathered blocks."""
+    """The step's query rows attended one at a time: the q_len == 1 sequences, and with the C kernel the rows of
+    sequences with up to KERNEL_ROWS_MAX of them, each row a decode over its sequence's blocks."""
 
     rows: torch.Tensor | slice  # their token rows in the packed batch
-    block_ids: torch.Tensor  # [n * num_blocks] flattened, padded block tables
-    num_seqs: int
+    block_ids: torch.Tensor  # [n * num_blocks] flattened, padded block tables of the rows' sequences
+    num_rows: int  # n
     padded_len: int  # num_blocks * block_size
-    seq_lens: torch.Tensor  # [n] long, device
+    seq_lens: torch.Tensor  # [n] long, device: the kv length each row sees, itself included
     tables: torch.Tensor  # [n, >= num_blocks] long, rows contiguous: the block tables the C kernel reads
-    kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU fp32 or bf16), if built
+    kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
     plans: dict = field(default_factory=dict)  # (stores K/V, dtype, heads, kv heads, dim, scale) -> DecodePlan
 
@@ -130,14 +133,18 @@ class AttentionMetadata:
                 decode=None, prefills=[], backend=backend,
                 flex_groups=flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size),
             )
-        decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
-        decode = (_plan_decode(decode_idx, cu_q, seq_lens, block_tables, block_size, decode_kernel,
+        # With the C kernel, a few query rows of one sequence (a verify step's drafts, a chunk's short tail) are
+        # decodes too, each seeing the cache up to its own position: the kernel reads the blocks in place, where
+        # the prefill path gathers the whole context for one SDPA call.
+        rows_max = KERNEL_ROWS_MAX if decode_kernel is not None and backend == "torch" else 1
+        decode_idx = [i for i, n in enumerate(query_lens) if n <= rows_max]
+        decode = (_plan_decode(decode_idx, cu_q, query_lens, seq_lens, block_tables, block_size, decode_kernel,
                                seq_lens_tensor if len(decode_idx) == len(query_lens) else None)
                   if decode_idx else None)
         prefills = [
             PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
             for i, n in enumerate(query_lens)
-            if n > 1
+            if n > rows_max
         ]
         return cls(
             slot_mapping=slot_mapping,
@@ -154,27 +161,33 @@ class AttentionMetadata:
         )
 
 
-def _plan_decode(idx: list[int], cu_q: list[int], seq_lens: list[int], block_tables, block_size,
-                 kernel: DecodeKernel | None, seq_lens_tensor: torch.Tensor | None) -> DecodeBatch:
-    """Gather indices for all decodes at once; rows stay a slice when the decodes are packed contiguously."""
+def _plan_decode(idx: list[int], cu_q: list[int], query_lens: list[int], seq_lens: list[int], block_tables,
+                 block_size, kernel: DecodeKernel | None, seq_lens_tensor: torch.Tensor | None) -> DecodeBatch:
+    """Gather indices for all decode rows at once (row j of a sequence with q rows and kv length L sees L - q + j
+    + 1 tokens); rows stay a slice when the decodes are packed contiguously."""
     device = block_tables.device
-    first, last = cu_q[idx[0]], cu_q[idx[-1]]
-    rows = slice(first, last + 1) if last - first == len(idx) - 1 else to_device(
-        [cu_q[i] for i in idx], torch.long, device
-    )
-    num_blocks = -(-max(seq_lens[i] for i in idx) // block_size)
-    seq_index = slice(idx[0], idx[-1] + 1) if isinstance(rows, slice) else to_device(idx, torch.long, device)
+    row_ids = [cu_q[i] + j for i in idx for j in range(query_lens[i])]
+    seq_of_row = [i for i in idx for _ in range(query_lens[i])]
+    lens = [seq_lens[i] - query_lens[i] + j + 1 for i in idx for j in range(query_lens[i])]
+    first, last = row_ids[0], row_ids[-1]
+    contiguous = last - first == len(row_ids) - 1
+    rows = slice(first, last + 1) if contiguous else to_device(row_ids, torch.long, device)
+    num_blocks = -(-max(lens) // block_size)
+    if len(seq_of_row) == len(idx):  # one row per sequence
+        seq_index = slice(idx[0], idx[-1] + 1) if contiguous else to_device(idx, torch.long, device)
+    else:
+        seq_index = to_device(seq_of_row, torch.long, device)
     tables = block_tables[seq_index, :num_blocks]
-    lens = [seq_lens[i] for i in idx]
     block_ids = tables.reshape(-1).long()
-    in_place = seq_lens_tensor is not None and block_tables.dtype == torch.long  # every row decodes
+    # every sequence is one decode row: the persistent buffers' tables and lengths are read in place
+    in_place = seq_lens_tensor is not None and block_tables.dtype == torch.long and len(row_ids) == len(idx)
     return DecodeBatch(
         rows=rows,
         block_ids=block_ids,
-        num_seqs=len(idx),
+        num_rows=len(row_ids),
         padded_len=num_blocks * block_size,
         seq_lens=to_device(lens, torch.long, device) if seq_lens_tensor is None else seq_lens_tensor,
-        tables=block_tables if in_place else block_ids.view(len(idx), num_blocks),
+        tables=block_tables if in_place else block_ids.view(len(row_ids), num_blocks),
         kernel=kernel,
     )
 
@@ -200,7 +213,7 @@ def paged_attention(
     """Write the new K/V into the cache, then attend: query [T, H, D] → output [T, H, D]."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     decode = meta.decode
-    if meta.backend == "torch" and decode is not None and decode.num_seqs == query.shape[0] and not meta.prefills \
+    if meta.backend == "torch" and decode is not None and decode.num_rows == query.shape[0] and not meta.prefills \
             and _kernel_runs(decode.kernel, query, key_cache, sliding_window, softcap):
         return _kernel_decode(query, key, value, key_cache, value_cache, decode, meta.slot_mapping, scale)
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -211,7 +224,7 @@ def paged_attention(
         return _flash_attention(query, key_cache, value_cache, meta, scale, sliding_window, softcap)
     num_tokens = query.shape[0]
     prefills = meta.prefills
-    if decode is not None and not prefills and decode.num_seqs == num_tokens:
+    if decode is not None and not prefills and decode.num_rows == num_tokens:
         return _decode_attention(query, key_cache, value_cache, decode, scale, sliding_window, softcap)
     if decode is None and len(prefills) == 1 and prefills[0].q_len == num_tokens:
         return _prefill_attention(query, key, value, key_cache, value_cache, prefills[0], scale, sliding_window, softcap)

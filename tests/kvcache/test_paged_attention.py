@@ -288,3 +288,21 @@ def test_a_cache_of_another_dtype_resolves_to_the_torch_backend():
     for name in ("flex", "flash"):
         with pytest.raises(ValueError, match="--kv-cache-dtype auto"):
             resolve_backend(name, cpu, 16, mixed_dtypes=True)
+
+
+def test_a_few_rows_of_one_sequence_are_decodes_for_the_kernel():
+    """A verify step's 1 + d rows (and a chunk's short tail) run on the C kernel, row j seeing the cache up to its
+    own position; longer chunks, and every chunk without the kernel, take the prefill path."""
+    from sluice.kvcache.paged_attention import KERNEL_ROWS_MAX
+
+    kernel = decode_kernel()
+    tables = torch.arange(80, dtype=torch.int32).view(2, 40)
+    slots = torch.arange(5 + KERNEL_ROWS_MAX + 1)
+    meta = AttentionMetadata.build([5, KERNEL_ROWS_MAX + 1], [600, 300], tables, slots, 16, kernel)
+    assert meta.decode.num_rows == 5 and meta.decode.rows == slice(0, 5)
+    assert meta.decode.seq_lens.tolist() == [596, 597, 598, 599, 600]
+    assert [(p.start, p.q_len) for p in meta.prefills] == [(5, KERNEL_ROWS_MAX + 1)]
+    plain = AttentionMetadata.build([5, KERNEL_ROWS_MAX + 1], [600, 300], tables, slots, 16, None)
+    assert plain.decode is None and len(plain.prefills) == 2
+    err, _ = run_case([(600, 5), (0, 3), (37, 1)], 16, num_heads=9, num_kv_heads=3, head_dim=64, kernel=kernel)
+    assert err < 1e-4
