@@ -43,14 +43,6 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def linear_names(config) -> list[str]:
-    """The checkpoint names of every linear of a Llama-family model of this config (transformers' names)."""
-    names = [f"model.layers.{i}.{part}" for i in range(config.num_hidden_layers)
-             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    return [*names, "lm_head"]
-
-
 def _sliding_window(config, layer: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
