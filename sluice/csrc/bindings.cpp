@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
   pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>())
+      .def(pybind11::init<torch::Tensor, int64_t, int64_t, int64_t, int64_t>())
       .def(pybind11::init<const std::vector<LlamaLayerOps::Linear>&>());
   pybind11::class_<LlamaLayerOps>(m, "LlamaLayerOps")
       .def(pybind11::init<torch::Tensor, double, LlamaLayerOps::Linear, int64_t, int64_t, int64_t,

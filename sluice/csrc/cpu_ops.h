@@ -53,12 +53,15 @@ class LlamaLayerOps {
   // blocks in a for gguf_linear; n outputs in all.
   struct Linear {
     Linear(int64_t type, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n);
+    // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).
+    Linear(torch::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n);
     explicit Linear(const std::vector<Linear>& parts);  // the parts' outputs concatenated
     torch::Tensor operator()(const torch::Tensor& x) const;
     struct Part {
       int64_t type;
       torch::Tensor a, b, c;
       int64_t n;
+      int64_t ptr = 0, block = 0, k_rows = 0;  // the packed float layout's
     };
     std::vector<Part> parts;
     int64_t n;

@@ -1,6 +1,7 @@
 // A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones.
-// At batch 1 a quantized layer's kernels take tens of microseconds and the Python between them (module calls,
-// views, splits, in-place ops) about as much again. This runs the same ops in the same order as
+// At batch 1 a layer's kernels (GGUF blocks, or float weights packed for oneDNN) take tens of microseconds and the
+// Python between them (module calls, views, splits, in-place ops) a large share again. This runs the same ops in
+// the same order as
 // models/llama.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are that path's bit for
 // bit; the attention itself stays in Python (paged_attention covers every kind of step).
 #include "cpu_ops.h"
@@ -10,6 +11,7 @@
 namespace {
 
 constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row blocks
+constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' type) in oneDNN's packed layout
 
 }  // namespace
 
@@ -17,6 +19,11 @@ LlamaLayerOps::Linear::Linear(int64_t type, torch::Tensor a, torch::Tensor b, to
     : parts{{type, std::move(a), std::move(b), std::move(c), n}}, n(n) {
   TORCH_CHECK(type != kPackedQ4_1 || (parts[0].b.defined() && parts[0].b.numel() > 0),
               "LlamaLayerOps: a Q4_1 linear comes packed (nibbles, scale, minimum)");
+}
+
+LlamaLayerOps::Linear::Linear(torch::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n)
+    : parts{{kPackedFloat, std::move(packed), torch::Tensor(), torch::Tensor(), n, ptr, block, k_rows}}, n(n) {
+  TORCH_CHECK(ptr != 0 && block > 0 && k_rows > 0, "LlamaLayerOps: a packed float linear needs its layout");
 }
 
 LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {
@@ -30,7 +37,12 @@ LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {
 torch::Tensor LlamaLayerOps::Linear::operator()(const torch::Tensor& x) const {
   std::vector<torch::Tensor> outs;
   for (const Part& p : parts) {
-    outs.push_back(p.type == kPackedQ4_1 ? int4_linear(x, p.a, p.b, p.c, p.n) : gguf_linear(x, p.a, p.type));
+    if (p.type == kPackedFloat) {
+      outs.push_back(x.scalar_type() == at::kBFloat16 ? packed_linear_bf16(x, p.ptr, p.n, p.block, p.k_rows)
+                                                      : packed_linear_f32(x, p.ptr, p.n, p.block, p.k_rows));
+    } else {
+      outs.push_back(p.type == kPackedQ4_1 ? int4_linear(x, p.a, p.b, p.c, p.n) : gguf_linear(x, p.a, p.type));
+    }
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
@@ -47,8 +59,9 @@ LlamaLayerOps::LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear 
 
 std::vector<torch::Tensor> LlamaLayerOps::before_attention(const torch::Tensor& hidden, const torch::Tensor& cos,
                                                            const torch::Tensor& sin) const {
-  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.scalar_type() == at::kFloat,
-              "before_attention: hidden float32 [1, T, E]");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 &&
+                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "before_attention: hidden float32 or bfloat16 [1, T, E]");
   const int64_t tokens = hidden.size(1), D = head_dim_;
   const torch::Tensor x = rms_norm(hidden, input_norm_, input_eps_);
   const torch::Tensor qkv = qkv_(x.view({tokens, -1}));

@@ -198,13 +198,13 @@ def test_weights_load_straight_from_safetensors(tmp_path, monkeypatch):
         assert torch.equal(state[name], tensor), name
 
 
-def twin_engines(quantization: str) -> list[LLMEngine]:
-    """Two float32 engines on copies of one tiny Llama, chunked prefill mixing prefills and decodes in steps."""
+def twin_engines(quantization: str, dtype: str = "float32") -> list[LLMEngine]:
+    """Two engines on copies of one tiny Llama, chunked prefill mixing prefills and decodes in steps."""
     _, model = build_pair("llama")
     engines = []
     for _ in range(2):
         cfg = SluiceConfig()
-        cfg.model.dtype, cfg.model.quantization = "float32", quantization
+        cfg.model.dtype, cfg.model.quantization = dtype, quantization
         cfg.cache.num_kv_blocks, cfg.scheduler.max_num_batched_tokens = 64, 24
         engines.append(LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=tiny.tokenizer()))
     return engines
@@ -225,7 +225,39 @@ def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, qu
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
 
 
-def test_layers_with_float_linears_keep_the_python_path():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepacked_float_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, dtype):
+    # Float weights packed for oneDNN's GEMV take the same C++ layer object at decode sizes: same tokens, same
+    # logprobs as the Python path.
+    from sluice.service.engine.layers.packed_linear import PackedLinear
+
+    engines = twin_engines("none", dtype)
+    cpp, python = (engine.model.layers for engine in engines)
+    linears = [m for m in engines[0].model.layers.modules() if isinstance(m, PackedLinear)]
+    if not linears or not all(m.gemv_layout for m in linears):
+        pytest.skip(f"no prepacked {dtype} GEMV layout on this CPU")
+    assert all(layer._layer_ops is not None for layer in cpp)
+    for layer in python:
+        layer._layer_ops = None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    got, want = (engine.generate(mixed_prompts(8), params) for engine in engines)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_layers_with_plain_float_linears_keep_the_python_path():
     _, model = build_pair("llama")
-    owned = prepare_weights(model, ModelConfig(), CPU, torch.float32)
+    owned = prepare_weights(model, ModelConfig(prepack_weights=False), CPU, torch.float32)
     assert all(layer._layer_ops is None for layer in owned.layers)
+
+
+
+def test_a_copied_layer_builds_its_own_cpp_object():
+    """The C++ object points into its linears' packed weights: a deep copy (which repacks) must not share it."""
+    packed = prepare_weights(build_pair("llama")[1], ModelConfig(), CPU, torch.float32)
+    if packed.layers[0]._layer_ops is None:
+        pytest.skip("no prepacked float32 GEMV layout on this CPU")
+    copied = copy.deepcopy(packed)
+    for old, new in zip(packed.layers, copied.layers, strict=True):
+        assert new._layer_ops is not None and new._layer_ops is not old._layer_ops
+        assert new.mlp.down_proj.packed_ptr != old.mlp.down_proj.packed_ptr

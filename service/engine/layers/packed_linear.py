@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sluice import native
 from sluice.service.engine import packed_gemv
 
 PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
@@ -72,6 +73,19 @@ class PackedLinear(nn.Module):
         rows, m = pad_rows(x, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
         return out[:m].view(*x.shape[:-1], self.out_features)
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """The most rows kernel_op's linear takes (the GEMV's)."""
+        return self.gemv_max_rows
+
+    def kernel_op(self):
+        """This linear as csrc/llama_layer.cpp's LayerLinear on the packed layout, or None (no GEMV layout, or a
+        bias)."""
+        ops = native.load()
+        if ops is None or not self.gemv_layout or self.bias is not None:
+            return None
+        return ops.LayerLinear(self.packed, self.packed_ptr, *self.gemv_layout, self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The plain weight [N, K] (a copy)."""

@@ -4,13 +4,15 @@ One implementation for CPU and CUDA over the layers in `service/engine/layers`: 
 attention, gated MLP, a head tied to the embedding or its own. The runner packs every scheduled token of a step
 into one sequence [T] with explicit positions; the final norm and the head run on the sampled rows only
 (embedding requests read the normed hidden states of their own rows instead: service/engine/pooling.py). Where
-every linear of a layer is in GGUF blocks with a kernel (no bias, no q/k norms), its work before and after
-the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same ops in the same order as the Python
-path, bit for bit), so at batch 1 the Python between the kernels costs less than the kernels.
+every linear of a layer has a C++ kernel (GGUF blocks, or float weights packed for oneDNN's GEMV; no bias, no q/k
+norms), its work before and after the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same
+ops in the same order as the Python path, bit for bit), so at batch 1 the Python between the kernels costs less
+than the kernels.
 """
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
@@ -34,11 +36,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
         self._layer_ops, self._layer_ops_rows = _layer_ops(self)
 
+    def __deepcopy__(self, memo: dict) -> DecoderLayer:
+        # The C++ layer object holds its linears' weights (pointers into packed layouts): a copy builds its own.
+        parts = (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+        return DecoderLayer(*(copy.deepcopy(part, memo) for part in parts))
+
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [T, E] → [T, E]; the attention reads its cache from the forward context."""
         ops = self._layer_ops
-        if ops is not None and hidden.shape[0] <= self._layer_ops_rows and hidden.dtype == torch.float32 \
-                and hidden.device.type == "cpu" and get_forward_context().lora is None:  # adapter rows: Python path
+        if ops is not None and hidden.shape[0] <= self._layer_ops_rows and hidden.device.type == "cpu" \
+                and get_forward_context().lora is None:  # adapter rows: Python path
             q, k, v = ops.before_attention(hidden[None], cos[None], sin[None])
             return ops.after_attention(self.self_attn.attend(q, k, v), hidden[None])[0]
         hidden = self.self_attn(self.input_layernorm(hidden), cos, sin).add_(hidden)
@@ -47,13 +54,14 @@ class DecoderLayer(nn.Module):
 
 def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes;
-    (None, 0) unless its four linears are GGUF-block ones with a kernel (`kernel_op`) and both norms float32."""
+    (None, 0) unless its four linears have a C++ kernel (`kernel_op`: GGUF blocks, or float weights packed for
+    oneDNN's GEMV) and both norms are in the activations' dtype (float32 for GGUF blocks)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     ops = native.load()
     if ops is None or attn.q_norm is not None or not all(hasattr(linear, "kernel_op") for linear in linears) \
-            or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+            or any(n.weight.device.type != "cpu" or n.weight.dtype != activation_dtype(linears[0]) for n in norms):
         return None, 0
     kernels = [linear.kernel_op() for linear in linears]
     if None in kernels:
@@ -62,6 +70,12 @@ def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
                                   attn.num_kv_heads, attn.head_dim, kernels[1], norms[1].weight,
                                   norms[1].variance_epsilon, *kernels[2:])
     return layer_ops, min(linear.kernel_max_rows for linear in linears)
+
+
+def activation_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype a C++-kernel linear computes in: its packed float weight's, float32 for GGUF blocks."""
+    packed = getattr(linear, "packed", None)
+    return packed.dtype if isinstance(packed, torch.Tensor) and packed.is_floating_point() else torch.float32
 
 
 class LlamaForCausalLM(nn.Module):
