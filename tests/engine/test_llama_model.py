@@ -214,7 +214,11 @@ def twin_engines(quantization: str, dtype: str = "float32") -> list[LLMEngine]:
 def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, quantization):
     # csrc/llama_layer.cpp runs a quantized layer's norms, projections, rotary and MLP in two calls; it must give
     # the Python path's results exactly: the second engine runs without the C++ object.
-    engines = twin_engines(quantization)
+    assert_cpp_layers_match_python(twin_engines(quantization))
+
+
+def assert_cpp_layers_match_python(engines: list[LLMEngine]) -> None:
+    """The first engine runs its layers' C++ objects, the second the Python path: same tokens, same logprobs."""
     cpp, python = (engine.model.layers for engine in engines)
     assert all(layer._layer_ops is not None for layer in cpp)
     for layer in python:
@@ -232,17 +236,10 @@ def test_prepacked_float_layers_run_in_cpp_around_the_attention_bit_for_bit(kern
     from sluice.service.engine.layers.packed_linear import PackedLinear
 
     engines = twin_engines("none", dtype)
-    cpp, python = (engine.model.layers for engine in engines)
     linears = [m for m in engines[0].model.layers.modules() if isinstance(m, PackedLinear)]
     if not linears or not all(m.gemv_layout for m in linears):
         pytest.skip(f"no prepacked {dtype} GEMV layout on this CPU")
-    assert all(layer._layer_ops is not None for layer in cpp)
-    for layer in python:
-        layer._layer_ops = None
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    got, want = (engine.generate(mixed_prompts(8), params) for engine in engines)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert_cpp_layers_match_python(engines)
 
 
 def test_layers_with_plain_float_linears_keep_the_python_path():
