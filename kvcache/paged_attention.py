@@ -171,16 +171,17 @@ def _plan_decode(idx: list[int], cu_q: list[int], query_lens: list[int], seq_len
     lens = [seq_lens[i] - query_lens[i] + j + 1 for i in idx for j in range(query_lens[i])]
     first, last = row_ids[0], row_ids[-1]
     contiguous = last - first == len(row_ids) - 1
+    one_row_each = len(row_ids) == len(idx)
     rows = slice(first, last + 1) if contiguous else to_device(row_ids, torch.long, device)
     num_blocks = -(-max(lens) // block_size)
-    if len(seq_of_row) == len(idx):  # one row per sequence
+    if one_row_each:
         seq_index = slice(idx[0], idx[-1] + 1) if contiguous else to_device(idx, torch.long, device)
     else:
         seq_index = to_device(seq_of_row, torch.long, device)
     tables = block_tables[seq_index, :num_blocks]
     block_ids = tables.reshape(-1).long()
     # every sequence is one decode row: the persistent buffers' tables and lengths are read in place
-    in_place = seq_lens_tensor is not None and block_tables.dtype == torch.long and len(row_ids) == len(idx)
+    in_place = seq_lens_tensor is not None and block_tables.dtype == torch.long and one_row_each
     return DecodeBatch(
         rows=rows,
         block_ids=block_ids,

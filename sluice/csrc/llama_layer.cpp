@@ -1,9 +1,8 @@
 // A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones.
 // At batch 1 a layer's kernels (GGUF blocks, or float weights packed for oneDNN) take tens of microseconds and the
 // Python between them (module calls, views, splits, in-place ops) a large share again. This runs the same ops in
-// the same order as
-// models/llama.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are that path's bit for
-// bit; the attention itself stays in Python (paged_attention covers every kind of step).
+// the same order as models/llama.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are
+// that path's bit for bit; the attention itself stays in Python (paged_attention covers every kind of step).
 #include "cpu_ops.h"
 
 #include <ATen/ATen.h>

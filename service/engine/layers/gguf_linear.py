@@ -60,6 +60,7 @@ class GgufLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = kernel  # native.load(), or None: every call dequantizes tiles in torch
         self.kernel_max_rows = KERNEL_MAX_ROWS.get(self.qtype, KERNEL_MAX_ROWS_DEFAULT) if kernel is not None else 0
+        self.kernel_dtype = torch.float32  # what kernel_op's linear computes in
         self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // self.in_features // PACK_ROWS * PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +123,8 @@ class GgufEmbedding(nn.Module):
 
 class MergedLinear(nn.Module):
     """Linears of one input side by side whose formats differ (a GGUF may store q and v in different types)."""
+
+    kernel_dtype = torch.float32  # a GGUF file's linears compute in float32, as GgufLinear
 
     def __init__(self, parts: list[nn.Module]) -> None:
         super().__init__()

@@ -79,6 +79,11 @@ class PackedLinear(nn.Module):
         """The most rows kernel_op's linear takes (the GEMV's)."""
         return self.gemv_max_rows
 
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        """What kernel_op's linear computes in: the packed weight's dtype."""
+        return self.packed.dtype
+
     def kernel_op(self):
         """This linear as csrc/llama_layer.cpp's LayerLinear on the packed layout, or None (no GEMV layout, or a
         bias)."""

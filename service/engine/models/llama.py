@@ -55,13 +55,13 @@ class DecoderLayer(nn.Module):
 def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes;
     (None, 0) unless its four linears have a C++ kernel (`kernel_op`: GGUF blocks, or float weights packed for
-    oneDNN's GEMV) and both norms are in the activations' dtype (float32 for GGUF blocks)."""
+    oneDNN's GEMV) and both norms are in the dtype those compute in (`kernel_dtype`)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     ops = native.load()
     if ops is None or attn.q_norm is not None or not all(hasattr(linear, "kernel_op") for linear in linears) \
-            or any(n.weight.device.type != "cpu" or n.weight.dtype != activation_dtype(linears[0]) for n in norms):
+            or any(n.weight.device.type != "cpu" or n.weight.dtype != linears[0].kernel_dtype for n in norms):
         return None, 0
     kernels = [linear.kernel_op() for linear in linears]
     if None in kernels:
@@ -70,12 +70,6 @@ def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
                                   attn.num_kv_heads, attn.head_dim, kernels[1], norms[1].weight,
                                   norms[1].variance_epsilon, *kernels[2:])
     return layer_ops, min(linear.kernel_max_rows for linear in linears)
-
-
-def activation_dtype(linear: nn.Module) -> torch.dtype:
-    """The dtype a C++-kernel linear computes in: its packed float weight's, float32 for GGUF blocks."""
-    packed = getattr(linear, "packed", None)
-    return packed.dtype if isinstance(packed, torch.Tensor) and packed.is_floating_point() else torch.float32
 
 
 class LlamaForCausalLM(nn.Module):
