@@ -12,8 +12,7 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.cli import build_parser
 from sluice.service.config import SluiceConfig, config_from_args
 from sluice.service.engine.engine import LLMEngine
-from tests.support import tiny
-from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
+from tests.support.parity import MAX_NEW, build_pair, make_engine, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +24,11 @@ def llama():
 
 def engine(model, kv_cache_dtype: str, *, blocks=400, budget=2048, seqs=16, mode="recompute", prefix=True,
            kernel=True, memory=None) -> LLMEngine:
-    cfg = SluiceConfig()
-    cfg.model.device, cfg.model.dtype = "cpu", "float32"
-    cfg.cache.kv_cache_dtype = kv_cache_dtype
-    cfg.cache.num_kv_blocks = blocks if memory is None else 0
-    cfg.cache.kv_cache_memory = "auto" if memory is None else memory
-    cfg.cache.swap_space = 0.01
-    cfg.cache.enable_prefix_caching = prefix
-    cfg.cache.cpu_decode_kernel = kernel
-    cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs = budget, seqs
-    cfg.scheduler.preemption_mode = mode
-    return LLMEngine(cfg, model=copy.deepcopy(model), tokenizer=tiny.tokenizer())
+    """make_engine on a copy of `model` with this cache dtype (and `memory` GiB of cache instead of `blocks`)."""
+    cache = dict(kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=prefix, cpu_decode_kernel=kernel)
+    if memory is not None:
+        cache.update(num_kv_blocks=0, kv_cache_memory=memory)
+    return make_engine(copy.deepcopy(model), mode, blocks, budget=budget, cache=cache, max_num_seqs=seqs)
 
 
 SIXTEEN = ["float16", "bfloat16"]

@@ -63,7 +63,9 @@ def mixed_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
     return parity_prompts(VOCAB, n, seed)
 
 
-def make_engine(model, mode: str, num_blocks: int, block_size: int = 16, budget: int = 64, **sched):
+def make_engine(model, mode: str, num_blocks: int, block_size: int = 16, budget: int = 64, cache: dict | None = None,
+                **sched):
+    """A float32 CPU engine on `model`; `cache` and `sched` override CacheConfig and SchedulerConfig fields."""
     cfg = SluiceConfig()
     cfg.model.device, cfg.model.dtype = "cpu", "float32"
     cfg.cache.block_size = block_size
@@ -72,6 +74,8 @@ def make_engine(model, mode: str, num_blocks: int, block_size: int = 16, budget:
     cfg.scheduler.max_num_batched_tokens = budget
     cfg.scheduler.max_num_seqs = 16
     cfg.scheduler.preemption_mode = mode
+    for k, v in (cache or {}).items():
+        setattr(cfg.cache, k, v)
     for k, v in sched.items():
         setattr(cfg.scheduler, k, v)
     return LLMEngine(cfg, model=model, tokenizer=tiny.tokenizer())
