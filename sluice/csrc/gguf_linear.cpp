@@ -25,6 +25,9 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+// Weight rows a pass of every input row block walks: their bytes stay in L1/L2 (16 rows of a 2,048-input Q4_K
+// weight: 18 KiB) while each block of input rows reads them again.
+constexpr int64_t kTileRows = 16;
 
 inline float f16(const uint8_t* p) {
   uint16_t bits;
@@ -81,16 +84,17 @@ struct Q4_1 {
   }
 };
 
-// Each bit of a byte spread to a byte of its own, as 16 (bit 0 to the lowest byte): the fifth bits of eight
-// Q5 elements in one lookup, where a shift per element would keep the loop from vectorizing.
-struct BitSpread {
-  uint64_t of[256];
-  constexpr BitSpread() : of() {
-    for (int v = 0; v < 256; ++v)
-      for (int i = 0; i < 8; ++i) of[v] |= static_cast<uint64_t>(((v >> i) & 1) << 4) << (8 * i);
-  }
-};
-constexpr BitSpread kBitSpread;
+#ifdef SLUICE_AVX2
+// Bit j of the 32-bit `bits` as byte j of a vector: 0xFF where set, 0 where clear (each byte picks its source
+// byte of `bits` by shuffle, then tests its own bit).
+inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+#endif
 
 // Q5_0 and Q5_1: the fifth bit of element j is bit j of the 32-bit qh.
 template <bool kMin>
@@ -98,8 +102,14 @@ struct Q5 {
   static constexpr int kQK = 32, kBytes = kMin ? 24 : 22;
   static void unpack(const uint8_t* b, Unpacked<32>& u) {
     const int head = kMin ? 4 : 2;
-    uint8_t high[32];
-    for (int i = 0; i < 4; ++i) std::memcpy(high + 8 * i, &kBitSpread.of[b[head + i]], 8);
+    uint32_t qh;
+    std::memcpy(&qh, b + head, 4);
+    alignas(32) uint8_t high[32];
+#ifdef SLUICE_AVX2
+    _mm256_store_si256(reinterpret_cast<__m256i*>(high), _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16)));
+#else
+    for (int j = 0; j < 32; ++j) high[j] = static_cast<uint8_t>(((qh >> j) & 1) << 4);
+#endif
     unpack_nibbles(b + head + 4, high, kMin ? 0 : 16, u.q);
     u.scale[0] = u.scale[1] = f16(b);
     u.offset[0] = kMin ? f16(b + 2) : 0.f;
@@ -135,6 +145,21 @@ struct QK4 {
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + (kFive ? 48 : 16);
     for (int j = 0; j < 4; ++j) {
+#ifdef SLUICE_AVX2
+      // 32 bytes: elements 64j + l in the low nibbles, 64j + 32 + l in the high ones (the fifth bits in qh's bits
+      // 2j and 2j + 1); 16-bit shifts are safe, the masks drop what crosses into the next byte.
+      const __m256i mask = _mm256_set1_epi8(15);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      if (kFive) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, 2 * j), 4), sixteen));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, 2 * j + 1), 4), sixteen));
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.q + 64 * j), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.q + 64 * j + 32), hi);
+#else
       for (int l = 0; l < 32; ++l) {
         int lo = qs[32 * j + l] & 15, hi = qs[32 * j + l] >> 4;
         if (kFive) {
@@ -144,6 +169,7 @@ struct QK4 {
         u.q[64 * j + l] = static_cast<int8_t>(lo);
         u.q[64 * j + 32 + l] = static_cast<int8_t>(hi);
       }
+#endif
     }
     for (int s = 0; s < 8; ++s) {
       int sc, m;
@@ -163,12 +189,29 @@ struct Q6_K {
       const uint8_t* ql = b + 64 * n;
       const uint8_t* qh = b + 128 + 32 * n;
       int8_t* q = u.q + 128 * n;
+#ifdef SLUICE_AVX2
+      // Four runs of 32: the low then high nibbles of ql's two halves, each with two bits of qh (bits 2k, 2k + 1
+      // for run k) as bits 4-5. 16-bit shifts are safe, the masks drop what crosses into the next byte.
+      const __m256i mask = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+      const __m256i runs[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, mask), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(l1, mask), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), mask), _mm256_and_si256(h, top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), mask),
+                          _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};
+      for (int k = 0; k < 4; ++k)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * k), _mm256_sub_epi8(runs[k], bias));
+#else
       for (int l = 0; l < 32; ++l) {
         q[l] = static_cast<int8_t>(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
         q[l + 32] = static_cast<int8_t>(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
         q[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
         q[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
       }
+#endif
     }
     for (int s = 0; s < 16; ++s) u.scale[s] = d * static_cast<float>(sc[s]);
     for (int s = 0; s < 8; ++s) u.offset[s] = 0.f;
@@ -270,7 +313,15 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0,
     for (int64_t b = 0; b < K / F::kQK; ++b) {
       F::unpack(w + n * row_bytes + b * F::kBytes, u);
       float* o = out + n * K + b * F::kQK;
+#ifdef SLUICE_AVX2
+      for (int i = 0; i < F::kQK; i += 8) {
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + i));
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(q, _mm256_set1_ps(u.scale[i / 16]), _mm256_set1_ps(u.offset[i / 32])));
+      }
+#else
       for (int i = 0; i < F::kQK; ++i) o[i] = u.scale[i / 16] * static_cast<float>(u.q[i]) + u.offset[i / 32];
+#endif
     }
   }
 }
@@ -317,10 +368,13 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
   const int64_t row_bytes = w.size(1);
   with_format(type, [&](auto f) {
     using F = decltype(f);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
-        rows_dot<F, rows>(qx, K, wp, row_bytes, n0, n1, m, yp + m * N, N);
-      });
+    at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
+      for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
+        const int64_t t1 = std::min(n1, t0 + kTileRows);
+        sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
+          rows_dot<F, rows>(qx, K, wp, row_bytes, t0, t1, m, yp + m * N, N);
+        });
+      }
     });
   });
   return y;

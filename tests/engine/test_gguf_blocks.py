@@ -19,6 +19,7 @@ from sluice.service.engine.layers.gguf_linear import (
 from sluice.service.engine.layers.linear import PlainMethod
 from sluice.service.engine.models import gguf_weights, weights
 from tests.support import tiny
+from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import make_engine
 
 TYPES = list(BLOCK_TYPES)
@@ -84,6 +85,25 @@ def test_integer_gemv_matches_float_matmul(qtype, rows, kernel):
     assert ((got - exact).abs() > 1e-5 * scale).sum() <= max(1, got.numel() // 40)
     # Against float activations: the int8 rounding (at most half a step of max|x| / 127 per element).
     assert (got - x @ weight.T).abs().max() <= 0.01 * scale
+
+
+def test_every_instruction_set_unpacks_and_multiplies_the_same(kernel):
+    # The AVX2 build (a Zen 3) runs the same vector code as an AVX-512 build, its integer sums through
+    # maddubs instead of VNNI (no product pair reaches int16's limit): the same bits. The portable loops unpack
+    # the same codes and sum the floats in another order.
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    for isa in variant_isas():
+        variant = integer_kernels(isa)
+        for qtype in TYPES:
+            blocks = torch.from_numpy(random_blocks(qtype, 24, 512, seed=3))
+            type_id = BLOCK_TYPES[qtype][0]
+            want = reference_dequantize(blocks.numpy(), qtype)
+            torch.testing.assert_close(variant.gguf_dequantize(blocks, type_id, 512), want, rtol=2e-7, atol=1e-9)
+            got, native = variant.gguf_linear(x, blocks, type_id), kernel.gguf_linear(x, blocks, type_id)
+            if isa == "avx2":
+                assert torch.equal(got, native), qtype
+            else:
+                torch.testing.assert_close(got, native, rtol=1e-5, atol=1e-5 * native.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])

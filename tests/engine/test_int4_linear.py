@@ -17,7 +17,7 @@ from sluice.service.engine.layers.gguf_blocks import dequantize, pack_q4_1, quan
 from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufEmbedding, GgufLinear, QuantizeMethod
 from sluice.service.engine.layers.linear import PlainLinear
 from tests.support import tiny
-from tests.support.kernels import build_variant, has_avx2
+from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
 
 
@@ -137,21 +137,14 @@ def test_the_kernel_refuses_what_it_cannot_read(kernel):
 
 def test_every_instruction_set_computes_the_same_values(kernel):
     # The integer sums are exact and the float steps run in one order, so AVX2 and portable builds of the
-    # kernel agree with this machine's build bit for bit. Each variant is int4_linear.cpp alone behind a torch-op
-    # binding, built once per machine (tests/support/kernels.py).
+    # kernel agree with this machine's build bit for bit. Each variant is the integer kernels alone behind a
+    # torch-op binding, built once per machine (tests/support/kernels.py).
     torch.manual_seed(5)
     weights = pack_q4_1(quantize(torch.randn(48, 576), "Q4_1"))
     x = torch.randn(7, 576)
     want = kernel.int4_linear(x, *weights, 48)
-    marches = {"portable": "-march=x86-64"}
-    if has_avx2():
-        marches["avx2"] = "-march=x86-64-v3"
-    for isa, march in marches.items():
-        binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
-                   f'TORCH_LIBRARY(sluice_test_int4_{isa}, m) {{ m.def("int4_linear", &int4_linear); '
-                   'm.def("isa", &int4_linear_isa); }\n')
-        build_variant(f"int4_{isa}", ["int4_linear.cpp"], binding, ["-O3", march], python_module=False)
-        variant = getattr(torch.ops, f"sluice_test_int4_{isa}")
+    for isa in variant_isas():
+        variant = integer_kernels(isa)
         assert variant.isa() == isa
         assert torch.equal(variant.int4_linear(x, *weights, 48), want), isa
 

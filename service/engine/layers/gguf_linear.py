@@ -29,11 +29,11 @@ from sluice.service.engine.layers.gguf_blocks import (
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
-# Rows a call may have for the GEMV, per type (above: dequantized tiles + GEMM). One Zen 4 core, a SmolLM2
-# down_proj (576 x 1536) in Q4_K / Q6_K, Q8_0 gate_proj (1536 x 576): the integer GEMV takes 0.06 / 0.07 / 0.05 ms
-# at 1 row, 0.83 / 0.87 / 0.72 at 32; dequantized tiles + GEMM 0.47 / 0.48 / 0.38 and 1.11 / 1.13 / 1.01. Q8_0 on
-# float activations: the GEMV 77 ms over SmolLM2's linears at 32 rows, 304 at 128, 621 at 256; the tiles 172, 318,
-# 516. Packed Q4_1 takes every prefill chunk: 32 ms at 64 rows, 544 at 1024 against the tiles' 511 and 1456.
+# Rows a call may have for the GEMV, per type (above: dequantized tiles + GEMM). The GEMV unpacks every weight block
+# once per four input rows, the tiles once per call, so the tiles win past a crossover that lies between 32 and 64
+# rows for the K-quants and Q5_0 at SmolLM2's and 1.7B's shapes on Zen 4 (docs/performance.md). Q8_0 runs on float
+# activations, where the GEMV wins to 128 rows; packed Q4_1 takes every prefill chunk (its kernel reads 16 output
+# rows' blocks together).
 KERNEL_MAX_ROWS = {"Q4_1": 4096, "Q8_0": 128}
 KERNEL_MAX_ROWS_DEFAULT = 32
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
