@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -43,32 +44,54 @@ def token_of(tok, text: str) -> int:
 
 
 class Canary:
-    """A greedy stream whose token arrival times are recorded."""
+    """A greedy stream, started again whenever it ends, whose token arrival times are recorded: one for the module,
+    in a thread with its own event loop, so each probe's "before" rate is the last WINDOW it already ran."""
 
     def __init__(self, url: str):
-        self.url, self.times = url, []
-        self.task = asyncio.ensure_future(self._run())
+        self.url, self.times, self.error = url, [], None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
+        self.thread.start()
 
     async def _run(self) -> None:
         body = {"model": MODEL, "prompt": "Count from one to one thousand: one, two,", "max_tokens": 1500,
                 "temperature": 0, "ignore_eos": True, "stream": True}
-        async with aiohttp.ClientSession() as s, s.post(self.url + C, json=body) as r:
-            assert r.status == 200
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    self.times.append(time.monotonic())
+        try:
+            async with aiohttp.ClientSession() as s:
+                while not self.stopping.is_set():
+                    async with s.post(self.url + C, json=body) as r:
+                        assert r.status == 200, r.status
+                        async for line in r.content:
+                            if self.stopping.is_set():
+                                return  # leaving the request closes it: the server aborts the stream
+                            if line.startswith(b"data: {"):
+                                self.times.append(time.monotonic())
+        except Exception as e:  # reported by rate(), in the test that reads it
+            self.error = e
 
-    async def started(self, tokens: int = 4) -> None:
-        while len(self.times) < tokens:
-            assert not self.task.done(), self.task
-            await asyncio.sleep(0.01)
+    def wait_started(self) -> None:
+        """Block until the stream has run for a WINDOW, so the first probe has a rate to compare with."""
+        deadline = time.monotonic() + 60
+        while len(self.times) < 4:
+            assert self.error is None and time.monotonic() < deadline, self.error
+            time.sleep(0.01)
+        time.sleep(WINDOW)
 
     def rate(self, t0: float, t1: float) -> float:
-        return sum(t0 <= t < t1 for t in self.times) / (t1 - t0)
+        assert self.error is None and self.thread.is_alive(), self.error
+        return sum(t0 <= t < t1 for t in list(self.times)) / (t1 - t0)
 
-    async def stop(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def canary(smol_server):
+    c = Canary(smol_server.url)
+    c.wait_started()
+    yield c
+    c.stop()
 
 
 async def call(url: str, path: str, body, stream: bool = False) -> tuple[int, object]:
@@ -84,23 +107,16 @@ async def call(url: str, path: str, body, stream: bool = False) -> tuple[int, ob
     return r.status, json.loads(raw)
 
 
-async def measure(url: str, name: str, send, baseline: float | None = None,
+async def measure(canary: Canary, name: str, send, baseline: float | None = None,
                   limit: float = PROBE_LIMIT) -> tuple[object, float]:
-    """Run `send()` beside a canary; check the bound, the status class and the canary's rate against its own
-    rate just before the probe (or `baseline`): a machine whose pace drifts cannot fail it."""
-    canary = Canary(url)
-    try:
-        await canary.started()
-        t0 = time.monotonic()
-        await asyncio.sleep(WINDOW)
-        before = canary.rate(t0, time.monotonic())
-        t0 = time.monotonic()
-        result = await asyncio.wait_for(send(), limit)
-        elapsed = time.monotonic() - t0
-        await asyncio.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
-        rate = canary.rate(t0, max(time.monotonic(), t0 + WINDOW))
-    finally:
-        await canary.stop()
+    """Run `send()` beside the canary; check the bound, the status class and the canary's rate against its own
+    rate over the WINDOW just before the probe (or `baseline`): a machine whose pace drifts cannot fail it."""
+    t0 = time.monotonic()
+    before = canary.rate(t0 - WINDOW, t0)
+    result = await asyncio.wait_for(send(), limit)
+    elapsed = time.monotonic() - t0
+    await asyncio.sleep(max(0.0, t0 + WINDOW - time.monotonic()))
+    rate = canary.rate(t0, max(time.monotonic(), t0 + WINDOW))
     baseline = before if baseline is None else baseline
     statuses = [r[0] for r in result] if isinstance(result, list) else [result[0]]
     FIGURES.append({"probe": name, "statuses": sorted(set(statuses)), "seconds": round(elapsed, 2),
@@ -133,18 +149,18 @@ def nested(depth: int) -> dict:
     return node
 
 
-async def test_long_string_schema_compiles_fast(smol_server):
+async def test_long_string_schema_compiles_fast(smol_server, canary):
     # The first constrained request starts the compile workers (a one-time ~2.5 s of a niced child importing
     # xgrammar): started here, outside the measured probes, as a server that has served one schema would be.
     status, out = await call(smol_server.url, H, chat("Hi", response_format={"type": "json_object"}))
     assert status == 200, out
     body = chat("Say hi", **schema_format({"type": "string", "minLength": 8000, "maxLength": 8000}))
-    (status, out), elapsed = await measure(smol_server.url, "minLength 8000 schema",
+    (status, out), elapsed = await measure(canary, "minLength 8000 schema",
                                            lambda: call(smol_server.url, H, body))
     assert status in (200, 400), out
 
 
-async def test_abandoned_compiles_do_not_hold_up_the_next_request(smol_server):
+async def test_abandoned_compiles_do_not_hold_up_the_next_request(smol_server, canary):
     url = smol_server.url
 
     async def send():
@@ -156,24 +172,24 @@ async def test_abandoned_compiles_do_not_hold_up_the_next_request(smol_server):
         await asyncio.gather(*hostile, return_exceptions=True)
         return await call(url, H, chat("Give me a JSON object", response_format={"type": "json_object"}))
 
-    (status, out), elapsed = await measure(url, "6 abandoned compiles, then json_object", send)
+    (status, out), elapsed = await measure(canary, "6 abandoned compiles, then json_object", send)
     assert status == 200, out
 
 
-async def test_ambiguous_grammar_cannot_stall_the_step(smol_server, tok):
+async def test_ambiguous_grammar_cannot_stall_the_step(smol_server, tok, canary):
     x = token_of(tok, "x")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 130, "allowed_token_ids": [x],
             "guided_grammar": 'root ::= a* "b"\na ::= "x"* | "x"* "x"*'}
-    (status, out), _ = await measure(smol_server.url, "ambiguous EBNF + allowed_token_ids",
+    (status, out), _ = await measure(canary, "ambiguous EBNF + allowed_token_ids",
                                      lambda: call(smol_server.url, C, body))
     assert status in (200, 400, 422), out
 
 
-async def test_ambiguous_regex_cannot_stall_the_step(smol_server, tok):
+async def test_ambiguous_regex_cannot_stall_the_step(smol_server, tok, canary):
     x = token_of(tok, "x")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 130, "logit_bias": {str(x): 100},
             "guided_regex": "(x*|x*x*)*b"}
-    (status, out), _ = await measure(smol_server.url, "ambiguous regex + logit_bias",
+    (status, out), _ = await measure(canary, "ambiguous regex + logit_bias",
                                      lambda: call(smol_server.url, C, body))
     assert status in (200, 400, 422), out
 
@@ -185,7 +201,7 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-async def test_large_choice_lists_are_bounded_in_memory(smol_server):
+async def test_large_choice_lists_are_bounded_in_memory(smol_server, canary):
     url, before = smol_server.url, rss_mib(smol_server.proc.pid)
 
     async def send():
@@ -196,21 +212,21 @@ async def test_large_choice_lists_are_bounded_in_memory(smol_server):
                                                   PROBE_LIMIT))
         return results
 
-    results, _ = await measure(url, "20 different 64 KB choice lists", send, limit=20 * PROBE_LIMIT)
+    results, _ = await measure(canary, "20 different 64 KB choice lists", send, limit=20 * PROBE_LIMIT)
     grown = rss_mib(smol_server.proc.pid) - before
     FIGURES[-1]["rss_growth_mib"] = round(grown)
     assert all(s in (200, 400, 413) for s, _ in results), results
     assert grown < 400, grown
 
 
-async def test_whole_vocabulary_allowed_ids_cost_no_more_than_the_batch(smol_server, tok):
+async def test_whole_vocabulary_allowed_ids_cost_no_more_than_the_batch(smol_server, tok, canary):
     url = smol_server.url
     body = {"model": MODEL, "prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 8}
     allowed = [t % len(tok) for t in range(65536)]  # every id, some twice
-    (status, out), plain = await measure(url, "n=16 x 4 prompts", lambda: call(url, C, body), baseline=0.0)
+    (status, out), plain = await measure(canary, "n=16 x 4 prompts", lambda: call(url, C, body), baseline=0.0)
     assert status == 200, out
     baseline = FIGURES[-1]["canary_tok_s"]
-    (status, out), listed = await measure(url, "n=16 x 4 prompts + 65,536 allowed_token_ids",
+    (status, out), listed = await measure(canary, "n=16 x 4 prompts + 65,536 allowed_token_ids",
                                           lambda: call(url, C, {**body, "allowed_token_ids": allowed}),
                                           baseline=baseline)
     assert status == 200, out
@@ -222,19 +238,19 @@ async def test_whole_vocabulary_allowed_ids_cost_no_more_than_the_batch(smol_ser
     (C, {"model": MODEL, "prompt": "word " * 200_000, "max_tokens": 4}, 400),
     (H, chat("word " * 200_000), 400),
 ], ids=["tokenize", "completion", "chat"])
-async def test_megabyte_text_stays_off_the_event_loop(smol_server, path, body, want):
-    (status, out), _ = await measure(smol_server.url, f"1 MB {path}", lambda: call(smol_server.url, path, body))
+async def test_megabyte_text_stays_off_the_event_loop(smol_server, path, body, want, canary):
+    (status, out), _ = await measure(canary, f"1 MB {path}", lambda: call(smol_server.url, path, body))
     assert status == want, out
 
 
-async def test_many_large_tools_stay_off_the_event_loop(smol_server):
+async def test_many_large_tools_stay_off_the_event_loop(smol_server, canary):
     props = {f"p{i}": {"type": "string", "description": "d" * 30} for i in range(100)}
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object",
                                                                               "properties": props}}}
              for i in range(128)]
     body = chat("Call something", tools=tools)
     assert 700_000 < len(json.dumps(body)) < 1_000_000
-    (status, out), _ = await measure(smol_server.url, "128 tools, ~900 KB", lambda: call(smol_server.url, H, body))
+    (status, out), _ = await measure(canary, "128 tools, ~900 KB", lambda: call(smol_server.url, H, body))
     assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
 
 
@@ -245,17 +261,17 @@ async def test_many_large_tools_stay_off_the_event_loop(smol_server):
     {"model": MODEL, "messages": [{"role": "user", "content": deep_list(200)}]},
     b'{"model": "tiny", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
 ], ids=["response_format", "tool parameters", "guided_json 300", "content", "5000 brackets"])
-async def test_deep_nesting_is_a_400(smol_server, body):
-    (status, out), _ = await measure(smol_server.url, "deep nesting", lambda: call(smol_server.url, H, body))
+async def test_deep_nesting_is_a_400(smol_server, body, canary):
+    (status, out), _ = await measure(canary, "deep nesting", lambda: call(smol_server.url, H, body))
     assert status == 400, out
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
-async def test_forced_call_pushed_to_brackets_is_not_a_500(smol_server, tok, stream):
+async def test_forced_call_pushed_to_brackets_is_not_a_500(smol_server, tok, stream, canary):
     bias = {str(t): 100 for t in tok.encode("[[[[", add_special_tokens=False)}
     body = chat("Weather in Paris?", tools=[WEATHER], tool_choice="required", logit_bias=bias, max_tokens=100,
                 stream=stream)
-    (status, out), _ = await measure(smol_server.url, f"forced call pushed to [[ ({'stream' if stream else 'json'})",
+    (status, out), _ = await measure(canary, f"forced call pushed to [[ ({'stream' if stream else 'json'})",
                                      lambda: call(smol_server.url, H, body, stream))
     assert status < 500, out
     if stream and status == 200:
@@ -266,15 +282,15 @@ async def test_forced_call_pushed_to_brackets_is_not_a_500(smol_server, tok, str
     {"guided_grammar": "root ::= a\na ::= a"},
     {"guided_regex": "[^\\s\\S]"},
 ], ids=["grammar accepting nothing", "regex matching nothing"])
-async def test_impossible_constraints_are_refused(smol_server, extra):
-    (status, out), _ = await measure(smol_server.url, f"impossible: {next(iter(extra.values()))}",
+async def test_impossible_constraints_are_refused(smol_server, extra, canary):
+    (status, out), _ = await measure(canary, f"impossible: {next(iter(extra.values()))}",
                                      lambda: call(smol_server.url, H, chat("x", **extra)))
     assert status == 400, out
 
 
-async def test_choice_outside_allowed_ids_ends_with_an_error(smol_server, tok):
+async def test_choice_outside_allowed_ids_ends_with_an_error(smol_server, tok, canary):
     body = chat("x", guided_choice=["yes", "no"], allowed_token_ids=[token_of(tok, "x")])
-    (status, out), _ = await measure(smol_server.url, "choice outside allowed_token_ids",
+    (status, out), _ = await measure(canary, "choice outside allowed_token_ids",
                                      lambda: call(smol_server.url, H, body))
     assert 400 <= status < 500, out
 
@@ -285,17 +301,17 @@ async def test_choice_outside_allowed_ids_ends_with_an_error(smol_server, tok):
     {"type": "object", "not": {"required": ["a"]}},
     {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
 ], ids=["$ref URL", "contains", "not", "if"])
-async def test_unsupported_schema_keywords_are_refused(smol_server, schema):
+async def test_unsupported_schema_keywords_are_refused(smol_server, schema, canary):
     keyword = next(k for k in schema if k != "type")
-    (status, out), _ = await measure(smol_server.url, f"schema keyword {keyword}",
+    (status, out), _ = await measure(canary, f"schema keyword {keyword}",
                                      lambda: call(smol_server.url, H, chat("x", **schema_format(schema))))
     assert status == 400 and out["error"]["param"], out
 
 
-async def test_forced_calls_cut_by_the_length_limit_come_back_as_calls(smol_server):
+async def test_forced_calls_cut_by_the_length_limit_come_back_as_calls(smol_server, canary):
     body = chat("What is the weather in Paris, London and Rome?", tools=[WEATHER], tool_choice="required",
                 max_tokens=120, stream=True)
-    (status, events), _ = await measure(smol_server.url, "required tool call, max_tokens 120 (stream)",
+    (status, events), _ = await measure(canary, "required tool call, max_tokens 120 (stream)",
                                         lambda: call(smol_server.url, H, body, True))
     assert status == 200
     deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
@@ -304,8 +320,8 @@ async def test_forced_calls_cut_by_the_length_limit_come_back_as_calls(smol_serv
     assert not "".join(d.get("content") or "" for d in deltas).lstrip().startswith(("{", "[")), deltas
 
 
-async def test_server_is_idle_and_well_after_the_probes(smol_server):
-    await asyncio.sleep(0.5)
+async def test_server_is_idle_and_well_after_the_probes(smol_server, canary):
+    canary.stop()
     await wait_idle(smol_server)
     status, out = await call(smol_server.url, C, {"model": MODEL, "prompt": "Hello", "max_tokens": 3,
                                                   "ignore_eos": True})
