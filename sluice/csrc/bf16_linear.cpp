@@ -62,13 +62,13 @@ bool bf16_linear_is_native() {
 #endif
 }
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
               "bf16_linear: bfloat16 x and contiguous bfloat16 w");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());

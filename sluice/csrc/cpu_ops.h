@@ -1,46 +1,49 @@
 // The CPU ops of the one extension built from csrc/*.cpp (see sluice/native.py); bindings.cpp exports them.
 #pragma once
-// torch/types.h, not torch/extension.h: the latter pulls in the whole C++ frontend and pybind11, tripling each
-// kernel file's compile time (~7 s against ~22 s here). Only bindings.cpp needs it.
-#include <torch/types.h>
+// ATen's tensor and the two factories the kernels call, not torch/types.h (all of ATen's operators: twice the
+// compile time of a kernel file) nor torch/extension.h (the C++ frontend and pybind11: six times). Only
+// bindings.cpp includes the latter.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 // y = x @ W.T for few rows of x float32 [M, K], W in GGUF Q8_0 blocks as stored (uint8 [N, K / 32 * 34]), the
 // activations kept float.
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
 
 // y = x @ dequant(q).T for Q4_1 weights (float16 scale d and minimum m per 32 inputs, element = q * d + m) with the
 // activations quantized to int8 per group of 32, as llama.cpp runs Q4_1. Weights packed 16 outputs to a block
 // (int4_linear.cpp says how): qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], scale and minimum float16
 // [ceil(N / 16), K / 32, 16]. x float32 [M, K], K a multiple of 32; y float32 [M, N].
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
-                          const torch::Tensor& minimum, int64_t N);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                          const at::Tensor& minimum, int64_t N);
 // The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
 std::string int4_linear_isa();
 
 // y = x @ w.T in float32 for few rows, on the plain weight (AVX2 where built for it, else scalar).
-torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w);
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w);
 
 // y = x @ w.T in bfloat16 (float32 accumulation) for few rows; AVX512_BF16 where built for it, else scalar.
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // Whether bf16_linear was built with AVX512_BF16 (the only case where it beats torch's own bf16 linear).
 bool bf16_linear_is_native();
 
 // y = x @ W.T for few rows, W in oneDNN's prepacked layout at weight_ptr (packed_linear.cpp says which): N outputs
 // in blocks of `block` columns, k_rows (K as oneDNN padded it) per block. fp32 with AVX-512 or AVX2 (else
 // scalar); bf16 only where built with AVX512_BF16.
-torch::Tensor packed_linear_f32(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block, int64_t k_rows);
-torch::Tensor packed_linear_bf16(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block, int64_t k_rows);
+at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
                                  int64_t k_rows);
 bool packed_linear_bf16_is_native();
 // The fp32 kernel's column chunk: a packed block must be a multiple of it (bf16 blocks: of 64).
 int64_t packed_linear_f32_chunk();
 
 // transformers' Llama RMSNorm, one pass per row: weight * (x / sqrt(mean(x^2) + eps)); float32 or bfloat16.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotary position embedding in place, as transformers' Llama applies it: q [T, H, D] and k [T, Hkv, D] (heads may be
 // strided, the head dim contiguous), cos and sin [T, D]; float32 or bfloat16, bit for bit the eager result.
-void rotary_embedding_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin);
+void rotary_embedding_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 
 // A Llama decoder layer's work around its attention (llama_layer.cpp), on GGUF-block linears, float32:
 // before_attention(hidden [1, T, E], cos, sin [1, T, D]) -> {q [T, H, D], k, v [T, Hkv, D]}, the input norm, the
@@ -52,33 +55,33 @@ class LlamaLayerOps {
   // with its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum), any other type's rows of
   // blocks in a for gguf_linear; n outputs in all.
   struct Linear {
-    Linear(int64_t type, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n);
+    Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).
-    Linear(torch::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n);
+    Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n);
     explicit Linear(const std::vector<Linear>& parts);  // the parts' outputs concatenated
-    torch::Tensor operator()(const torch::Tensor& x) const;
+    at::Tensor operator()(const at::Tensor& x) const;
     struct Part {
       int64_t type;
-      torch::Tensor a, b, c;
+      at::Tensor a, b, c;
       int64_t n;
       int64_t ptr = 0, block = 0, k_rows = 0;  // the packed float layout's
     };
     std::vector<Part> parts;
     int64_t n;
   };
-  LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, Linear o, torch::Tensor post_norm, double post_eps, Linear gate_up, Linear down);
-  std::vector<torch::Tensor> before_attention(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                              const torch::Tensor& sin) const;
-  torch::Tensor after_attention(const torch::Tensor& attended, const torch::Tensor& hidden) const;
+  LlamaLayerOps(at::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
+                int64_t head_dim, Linear o, at::Tensor post_norm, double post_eps, Linear gate_up, Linear down);
+  std::vector<at::Tensor> before_attention(const at::Tensor& hidden, const at::Tensor& cos,
+                                              const at::Tensor& sin) const;
+  at::Tensor after_attention(const at::Tensor& attended, const at::Tensor& hidden) const;
 
  private:
-  torch::Tensor input_norm_;
+  at::Tensor input_norm_;
   double input_eps_;
   Linear qkv_;
   int64_t heads_, kv_heads_, head_dim_;
   Linear o_;
-  torch::Tensor post_norm_;
+  at::Tensor post_norm_;
   double post_eps_;
   Linear gate_up_, down_;
 };
@@ -90,16 +93,16 @@ class LlamaLayerOps {
 // the new rows, then attends: -> out [n, H, D]; float32 or bfloat16, float32 arithmetic.
 class PagedDecodePlan {
  public:
-  PagedDecodePlan(torch::Tensor block_tables, torch::Tensor seq_lens, c10::optional<torch::Tensor> slot_mapping,
+  PagedDecodePlan(at::Tensor block_tables, at::Tensor seq_lens, c10::optional<at::Tensor> slot_mapping,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double scale,
                   int64_t num_threads);
-  torch::Tensor step(const torch::Tensor& query, const c10::optional<torch::Tensor>& key,
-                     const c10::optional<torch::Tensor>& value, torch::Tensor key_cache,
-                     torch::Tensor value_cache) const;
+  at::Tensor step(const at::Tensor& query, const c10::optional<at::Tensor>& key,
+                     const c10::optional<at::Tensor>& value, at::Tensor key_cache,
+                     at::Tensor value_cache) const;
 
  private:
-  torch::Tensor block_tables_, seq_lens_;
-  c10::optional<torch::Tensor> slot_mapping_;
+  at::Tensor block_tables_, seq_lens_;
+  c10::optional<at::Tensor> slot_mapping_;
   int64_t num_heads_, num_kv_heads_, head_dim_, block_size_;
   double scale_;
   int64_t num_threads_;
@@ -109,8 +112,8 @@ std::string paged_decode_isa();
 // Linears on GGUF blocks as the file stores them (gguf_linear.cpp): w uint8 [N, row_bytes] of GGML type `type`
 // (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). gguf_linear: y = x @ W.T for few rows of x
 // float32 [M, K], activations quantized to int8 per 32; gguf_dequantize: W as float32 [N, K].
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type);
-torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t K);
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type);
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K);
 
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

@@ -53,13 +53,13 @@ void rows_dot(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1,
 
 }  // namespace
 
-torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "f32_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "f32_linear: float32 x and contiguous float32 w");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -342,7 +342,7 @@ void with_format(int64_t type, Fn&& fn) {
   }
 }
 
-void check_blocks(const torch::Tensor& w, int64_t type, int64_t K) {
+void check_blocks(const at::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf_linear: blocks uint8 [N, row_bytes], contiguous");
   with_format(type, [&](auto f) {
@@ -354,15 +354,15 @@ void check_blocks(const torch::Tensor& w, int64_t type, int64_t K) {
 
 }  // namespace
 
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   if (type == 8) return q8_0_linear(x, w);  // float activations on Q8_0 (q8_0_linear.cpp says why)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
   const int64_t K = x.size(1), N = w.size(0);
   check_blocks(w, type, K);
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
@@ -380,10 +380,10 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& w, int64_
   return y;
 }
 
-torch::Tensor gguf_dequantize(const torch::Tensor& w, int64_t type, int64_t K) {
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   check_blocks(w, type, K);
   const int64_t N = w.size(0), row_bytes = w.size(1);
-  torch::Tensor out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  at::Tensor out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   with_format(type, [&](auto f) {

@@ -173,23 +173,23 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
 
 }  // namespace
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& scale,
-                          const torch::Tensor& minimum, int64_t N) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                          const at::Tensor& minimum, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x float32 [M, K]");
   const int64_t K = x.size(1), G = K / kGroup, blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK(K % kGroup == 0, "int4_linear: K must be a multiple of 32");
   TORCH_CHECK(N > 0 && qs.scalar_type() == at::kByte && qs.dim() == 5 && qs.size(0) == blocks && qs.size(1) == G &&
                   qs.size(2) == 4 && qs.size(3) == kBlock && qs.size(4) == 4 && qs.is_contiguous(),
               "int4_linear: qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], contiguous");
-  for (const torch::Tensor* t : {&scale, &minimum}) {
+  for (const at::Tensor* t : {&scale, &minimum}) {
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == blocks && t->size(1) == G &&
                     t->size(2) == kBlock && t->is_contiguous(),
                 "int4_linear: scale and minimum float16 [ceil(N / 16), K / 32, 16], contiguous");
   }
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());

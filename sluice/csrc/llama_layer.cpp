@@ -5,7 +5,9 @@
 // that path's bit for bit; the attention itself stays in Python (paged_attention covers every kind of step).
 #include "cpu_ops.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/silu.h>
 
 namespace {
 
@@ -14,14 +16,14 @@ constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' t
 
 }  // namespace
 
-LlamaLayerOps::Linear::Linear(int64_t type, torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t n)
+LlamaLayerOps::Linear::Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n)
     : parts{{type, std::move(a), std::move(b), std::move(c), n}}, n(n) {
   TORCH_CHECK(type != kPackedQ4_1 || (parts[0].b.defined() && parts[0].b.numel() > 0),
               "LlamaLayerOps: a Q4_1 linear comes packed (nibbles, scale, minimum)");
 }
 
-LlamaLayerOps::Linear::Linear(torch::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n)
-    : parts{{kPackedFloat, std::move(packed), torch::Tensor(), torch::Tensor(), n, ptr, block, k_rows}}, n(n) {
+LlamaLayerOps::Linear::Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n)
+    : parts{{kPackedFloat, std::move(packed), at::Tensor(), at::Tensor(), n, ptr, block, k_rows}}, n(n) {
   TORCH_CHECK(ptr != 0 && block > 0 && k_rows > 0, "LlamaLayerOps: a packed float linear needs its layout");
 }
 
@@ -33,8 +35,8 @@ LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {
   TORCH_CHECK(!parts.empty(), "LlamaLayerOps: a linear of no parts");
 }
 
-torch::Tensor LlamaLayerOps::Linear::operator()(const torch::Tensor& x) const {
-  std::vector<torch::Tensor> outs;
+at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
+  std::vector<at::Tensor> outs;
   for (const Part& p : parts) {
     if (p.type == kPackedFloat) {
       outs.push_back(x.scalar_type() == at::kBFloat16 ? packed_linear_bf16(x, p.ptr, p.n, p.block, p.k_rows)
@@ -46,8 +48,8 @@ torch::Tensor LlamaLayerOps::Linear::operator()(const torch::Tensor& x) const {
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
 
-LlamaLayerOps::LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, Linear o, torch::Tensor post_norm, double post_eps, Linear gate_up,
+LlamaLayerOps::LlamaLayerOps(at::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, Linear o, at::Tensor post_norm, double post_eps, Linear gate_up,
                              Linear down)
     : input_norm_(std::move(input_norm)), input_eps_(input_eps), qkv_(std::move(qkv)), heads_(heads),
       kv_heads_(kv_heads), head_dim_(head_dim), o_(std::move(o)), post_norm_(std::move(post_norm)),
@@ -56,28 +58,28 @@ LlamaLayerOps::LlamaLayerOps(torch::Tensor input_norm, double input_eps, Linear 
   TORCH_CHECK(gate_up_.n % 2 == 0, "LlamaLayerOps: gate and up have one size");
 }
 
-std::vector<torch::Tensor> LlamaLayerOps::before_attention(const torch::Tensor& hidden, const torch::Tensor& cos,
-                                                           const torch::Tensor& sin) const {
+std::vector<at::Tensor> LlamaLayerOps::before_attention(const at::Tensor& hidden, const at::Tensor& cos,
+                                                           const at::Tensor& sin) const {
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "before_attention: hidden float32 or bfloat16 [1, T, E]");
   const int64_t tokens = hidden.size(1), D = head_dim_;
-  const torch::Tensor x = rms_norm(hidden, input_norm_, input_eps_);
-  const torch::Tensor qkv = qkv_(x.view({tokens, -1}));
-  torch::Tensor q = qkv.narrow(1, 0, heads_ * D).view({tokens, heads_, D});
-  torch::Tensor k = qkv.narrow(1, heads_ * D, kv_heads_ * D).view({tokens, kv_heads_, D});
-  torch::Tensor v = qkv.narrow(1, (heads_ + kv_heads_) * D, kv_heads_ * D).view({tokens, kv_heads_, D});
+  const at::Tensor x = rms_norm(hidden, input_norm_, input_eps_);
+  const at::Tensor qkv = qkv_(x.view({tokens, -1}));
+  at::Tensor q = qkv.narrow(1, 0, heads_ * D).view({tokens, heads_, D});
+  at::Tensor k = qkv.narrow(1, heads_ * D, kv_heads_ * D).view({tokens, kv_heads_, D});
+  at::Tensor v = qkv.narrow(1, (heads_ + kv_heads_) * D, kv_heads_ * D).view({tokens, kv_heads_, D});
   rotary_embedding_(q, k, cos.select(0, 0), sin.select(0, 0));
   return {q, k, v};
 }
 
-torch::Tensor LlamaLayerOps::after_attention(const torch::Tensor& attended, const torch::Tensor& hidden) const {
+at::Tensor LlamaLayerOps::after_attention(const at::Tensor& attended, const at::Tensor& hidden) const {
   const int64_t tokens = hidden.size(1);
   // The residual adds go in place on the fresh outputs, as in Python: o(attn) + h, then down(...) + that.
-  torch::Tensor h = o_(attended.reshape({tokens, -1})).add_(hidden.view({tokens, -1}));
-  const torch::Tensor gate_up = gate_up_(rms_norm(h, post_norm_, post_eps_));
+  at::Tensor h = o_(attended.reshape({tokens, -1})).add_(hidden.view({tokens, -1}));
+  const at::Tensor gate_up = gate_up_(rms_norm(h, post_norm_, post_eps_));
   const int64_t inner = gate_up_.n / 2;
-  torch::Tensor gate = gate_up.narrow(1, 0, inner);
+  at::Tensor gate = gate_up.narrow(1, 0, inner);
   at::silu_(gate);
   gate.mul_(gate_up.narrow(1, inner, inner));
   return down_(gate.contiguous()).add_(h).view({1, tokens, -1});

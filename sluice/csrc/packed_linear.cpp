@@ -8,6 +8,7 @@
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -140,16 +141,16 @@ bool packed_linear_bf16_is_native() {
 #endif
 }
 
-torch::Tensor packed_linear_bf16(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
                                  int64_t k_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "packed_linear_bf16: bfloat16 x [M, K]");
 #ifdef SLUICE_PACKED_BF16
   TORCH_CHECK(block % 64 == 0, "packed_linear_bf16: block ", block, " is not a multiple of 64");
   TORCH_CHECK(k_rows >= x.size(1) && k_rows % 2 == 0, "packed_linear_bf16: k_rows ", k_rows, " for K ", x.size(1));
   // The pairs run over K rounded up to even; an odd K reads a zero after each row's last input.
-  const torch::Tensor xc = x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x.contiguous();
+  const at::Tensor xc = x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x.contiguous();
   const int64_t M = xc.size(0), Kp = xc.size(1);  // the pairs of x; a block holds k_rows / 2 pair rows
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_ptr);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -165,14 +166,14 @@ torch::Tensor packed_linear_bf16(const torch::Tensor& x, int64_t weight_ptr, int
 #endif
 }
 
-torch::Tensor packed_linear_f32(const torch::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
                                 int64_t k_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_f32: float32 x [M, K]");
   TORCH_CHECK(block % (4 * kLanes) == 0, "packed_linear_f32: block ", block, " is not a multiple of ", 4 * kLanes);
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   TORCH_CHECK(k_rows >= K, "packed_linear_f32: k_rows ", k_rows, " for K ", K);
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = reinterpret_cast<const float*>(weight_ptr);
   float* yp = y.data_ptr<float>();

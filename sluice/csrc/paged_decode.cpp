@@ -249,15 +249,15 @@ std::string paged_decode_isa() {
 
 namespace {
 
-void check_index(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kLong && t.is_contiguous(),
+void check_index(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
                 "paged decode: ", name, " must be a contiguous int64 CPU tensor");
 }
 
 }  // namespace
 
-PagedDecodePlan::PagedDecodePlan(torch::Tensor block_tables, torch::Tensor seq_lens,
-                                 c10::optional<torch::Tensor> slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+PagedDecodePlan::PagedDecodePlan(at::Tensor block_tables, at::Tensor seq_lens,
+                                 c10::optional<at::Tensor> slot_mapping, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t block_size, double scale, int64_t num_threads)
     : block_tables_(std::move(block_tables)), seq_lens_(std::move(seq_lens)), slot_mapping_(std::move(slot_mapping)),
       num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size),
@@ -281,15 +281,15 @@ PagedDecodePlan::PagedDecodePlan(torch::Tensor block_tables, torch::Tensor seq_l
     }
 }
 
-torch::Tensor PagedDecodePlan::step(const torch::Tensor& query, const c10::optional<torch::Tensor>& key,
-                                    const c10::optional<torch::Tensor>& value, torch::Tensor key_cache,
-                                    torch::Tensor value_cache) const {
+at::Tensor PagedDecodePlan::step(const at::Tensor& query, const c10::optional<at::Tensor>& key,
+                                    const c10::optional<at::Tensor>& value, at::Tensor key_cache,
+                                    at::Tensor value_cache) const {
     const int64_t n = seq_lens_.size(0);
     TORCH_CHECK(key.has_value() == slot_mapping_.has_value() && key.has_value() == value.has_value(),
                 "paged decode: new keys and values go with a plan that has their slots");
     const auto dtype = query.scalar_type(), cache_dtype = key_cache.scalar_type();
-    TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "paged decode: float32 or bfloat16, not ", dtype);
-    const bool narrower = dtype == torch::kFloat && (cache_dtype == torch::kBFloat16 || cache_dtype == torch::kHalf);
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged decode: float32 or bfloat16, not ", dtype);
+    const bool narrower = dtype == at::kFloat && (cache_dtype == at::kBFloat16 || cache_dtype == at::kHalf);
     TORCH_CHECK(query.device().is_cpu() && value_cache.scalar_type() == cache_dtype &&
                     (cache_dtype == dtype || narrower) && key_cache.is_contiguous() && value_cache.is_contiguous(),
                 "paged decode: contiguous CPU caches of the query's dtype, or 16-bit ones under float32 queries");
@@ -298,24 +298,24 @@ torch::Tensor PagedDecodePlan::step(const torch::Tensor& query, const c10::optio
     TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(1) == block_size_ && key_cache.size(2) == num_kv_heads_ &&
                     key_cache.size(3) == head_dim_ && value_cache.sizes() == key_cache.sizes(),
                 "paged decode: caches must be [blocks, ", block_size_, ", ", num_kv_heads_, ", ", head_dim_, "]");
-    const torch::Tensor q = query.contiguous();
-    torch::Tensor k, v;
+    const at::Tensor q = query.contiguous();
+    at::Tensor k, v;
     if (key) {
         k = key->contiguous(), v = value->contiguous();
         TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k.numel() == n * num_kv_heads_ * head_dim_ &&
                         v.numel() == k.numel(), "paged decode: new keys and values [n, Hkv, D] of the query's dtype");
     }
-    torch::Tensor out = torch::empty_like(q);
+    at::Tensor out = at::empty_like(q);
     const DecodePlan plan{block_tables_.data_ptr<int64_t>(), block_tables_.size(1), seq_lens_.data_ptr<int64_t>(),
                           slot_mapping_ ? slot_mapping_->data_ptr<int64_t>() : nullptr, n, num_heads_, num_kv_heads_,
                           head_dim_, block_size_, static_cast<float>(scale_), num_threads_};
-    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
     int failed;
-    if (dtype == torch::kBFloat16) {
+    if (dtype == at::kBFloat16) {
         failed = sluice_paged_decode_step_bf16(&plan, bits(q), key ? bits(k) : nullptr, key ? bits(v) : nullptr,
                                                bits(key_cache), bits(value_cache), bits(out));
-    } else if (cache_dtype != torch::kFloat) {
-        auto step = cache_dtype == torch::kBFloat16 ? sluice_paged_decode_step_f32_bf16 : sluice_paged_decode_step_f32_f16;
+    } else if (cache_dtype != at::kFloat) {
+        auto step = cache_dtype == at::kBFloat16 ? sluice_paged_decode_step_f32_bf16 : sluice_paged_decode_step_f32_f16;
         failed = step(&plan, q.data_ptr<float>(), key ? k.data_ptr<float>() : nullptr,
                       key ? v.data_ptr<float>() : nullptr, bits(key_cache), bits(value_cache), out.data_ptr<float>());
     } else {

@@ -69,15 +69,15 @@ void rows_dot(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n
 
 }  // namespace
 
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q8_0_linear: x float32 [M, K]");
   const int64_t K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % kGroup == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / kGroup * kBytes &&
                   w.is_contiguous(),
               "q8_0_linear: blocks uint8 [N, K / 32 * 34], contiguous");
-  const torch::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
-  torch::Tensor y = torch::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

@@ -47,14 +47,14 @@ void rms_norm_bf16(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* o
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
               "rms_norm: x and weight both float32 or both bfloat16");
   const int64_t H = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous(), "rms_norm: weight [H]");
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor out = torch::empty_like(xc);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
   const int64_t rows = H ? xc.numel() / H : 0;
   const float e = static_cast<float>(eps);
   // Threads only for prefill-sized inputs: a decode batch's norm is microseconds of work, less than a fork and join.

@@ -27,7 +27,7 @@ __attribute__((optimize("fp-contract=off"))) void rotate_heads(T* x, int64_t hea
 }
 
 template <typename T>
-void rotary(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = q.size(0), half = q.size(2) / 2;
   T* qp = q.data_ptr<T>();
   T* kp = k.data_ptr<T>();
@@ -46,7 +46,7 @@ void rotary(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const 
 
 }  // namespace
 
-void rotary_embedding_(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_embedding_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rotary_embedding_: float32 or bfloat16");
   TORCH_CHECK(k.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype,
