@@ -16,7 +16,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
 // (int4_linear.cpp says how): qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], scale and minimum float16
 // [ceil(N / 16), K / 32, 16]. x float32 [M, K], K a multiple of 32; y float32 [M, N].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                          const at::Tensor& minimum, int64_t N);
+                       const at::Tensor& minimum, int64_t N);
 // The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
 std::string int4_linear_isa();
 
@@ -33,7 +33,7 @@ bool bf16_linear_is_native();
 // scalar); bf16 only where built with AVX512_BF16.
 at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block, int64_t k_rows);
 at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
-                                 int64_t k_rows);
+                              int64_t k_rows);
 bool packed_linear_bf16_is_native();
 // The fp32 kernel's column chunk: a packed block must be a multiple of it (bf16 blocks: of 64).
 int64_t packed_linear_f32_chunk();
@@ -72,7 +72,7 @@ class LlamaLayerOps {
   LlamaLayerOps(at::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
                 int64_t head_dim, Linear o, at::Tensor post_norm, double post_eps, Linear gate_up, Linear down);
   std::vector<at::Tensor> before_attention(const at::Tensor& hidden, const at::Tensor& cos,
-                                              const at::Tensor& sin) const;
+                                           const at::Tensor& sin) const;
   at::Tensor after_attention(const at::Tensor& attended, const at::Tensor& hidden) const;
 
  private:
@@ -97,8 +97,8 @@ class PagedDecodePlan {
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double scale,
                   int64_t num_threads);
   at::Tensor step(const at::Tensor& query, const c10::optional<at::Tensor>& key,
-                     const c10::optional<at::Tensor>& value, at::Tensor key_cache,
-                     at::Tensor value_cache) const;
+                  const c10::optional<at::Tensor>& value, at::Tensor key_cache,
+                  at::Tensor value_cache) const;
 
  private:
   at::Tensor block_tables_, seq_lens_;

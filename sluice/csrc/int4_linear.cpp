@@ -174,7 +174,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
 }  // namespace
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                          const at::Tensor& minimum, int64_t N) {
+                       const at::Tensor& minimum, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x float32 [M, K]");
   const int64_t K = x.size(1), G = K / kGroup, blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK(K % kGroup == 0, "int4_linear: K must be a multiple of 32");

@@ -59,7 +59,7 @@ LlamaLayerOps::LlamaLayerOps(at::Tensor input_norm, double input_eps, Linear qkv
 }
 
 std::vector<at::Tensor> LlamaLayerOps::before_attention(const at::Tensor& hidden, const at::Tensor& cos,
-                                                           const at::Tensor& sin) const {
+                                                        const at::Tensor& sin) const {
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
               "before_attention: hidden float32 or bfloat16 [1, T, E]");

@@ -142,7 +142,7 @@ bool packed_linear_bf16_is_native() {
 }
 
 at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
-                                 int64_t k_rows) {
+                              int64_t k_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "packed_linear_bf16: bfloat16 x [M, K]");
 #ifdef SLUICE_PACKED_BF16
   TORCH_CHECK(block % 64 == 0, "packed_linear_bf16: block ", block, " is not a multiple of 64");
@@ -167,7 +167,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N
 }
 
 at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
-                                int64_t k_rows) {
+                             int64_t k_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_f32: float32 x [M, K]");
   TORCH_CHECK(block % (4 * kLanes) == 0, "packed_linear_f32: block ", block, " is not a multiple of ", 4 * kLanes);
   const at::Tensor xc = x.contiguous();

@@ -282,8 +282,8 @@ PagedDecodePlan::PagedDecodePlan(at::Tensor block_tables, at::Tensor seq_lens,
 }
 
 at::Tensor PagedDecodePlan::step(const at::Tensor& query, const c10::optional<at::Tensor>& key,
-                                    const c10::optional<at::Tensor>& value, at::Tensor key_cache,
-                                    at::Tensor value_cache) const {
+                                 const c10::optional<at::Tensor>& value, at::Tensor key_cache,
+                                 at::Tensor value_cache) const {
     const int64_t n = seq_lens_.size(0);
     TORCH_CHECK(key.has_value() == slot_mapping_.has_value() && key.has_value() == value.has_value(),
                 "paged decode: new keys and values go with a plan that has their slots");
