@@ -13,7 +13,7 @@ from sluice import native
 from sluice.kvcache import decode_kernel as cpu_kernel
 from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
 from tests.support.attention import MIXES, run_case
-from tests.support.kernels import build_variant, has_avx2
+from tests.support.kernels import MARCHES, build_variant, has_avx2
 
 
 def decode_kernel():
@@ -29,9 +29,9 @@ DTYPE_PAIRS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, to
 DTYPE_IDS = ["float32", "bfloat16", "float32-bf16-cache", "float32-f16-cache"]
 
 
-def decode_variant(isa: str, march: str) -> cpu_kernel.DecodeKernel:
-    """The decode kernel alone, built for `march` on any x86-64 CPU that runs it; its class module-local, as the
-    process's own extension has registered PagedDecodePlan already."""
+def decode_variant(isa: str) -> cpu_kernel.DecodeKernel:
+    """The decode kernel alone, built for `isa` (a key of MARCHES) on any x86-64 CPU that runs it; its class
+    module-local, as the process's own extension has registered PagedDecodePlan already."""
     if native.load() is None:
         pytest.skip("the native extension cannot be built here (no C++ compiler?)")
     binding = ('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
@@ -40,8 +40,8 @@ def decode_variant(isa: str, march: str) -> cpu_kernel.DecodeKernel:
                'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
                'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
     # built once per machine, like the extension itself (tests/support/kernels.py)
-    ops = build_variant(f"paged_decode_{isa}", ["paged_decode.cpp"], binding, ["-O3", f"-march={march}",
-                                                                              *native.OPENMP_FLAGS])
+    ops = build_variant(f"paged_decode_{isa}", ["paged_decode.cpp"], binding,
+                        ["-O3", MARCHES[isa], *native.OPENMP_FLAGS])
     kernel = cpu_kernel.DecodeKernel(ops)
     assert kernel.isa == isa
     return kernel
@@ -52,7 +52,7 @@ def avx2_kernel():
     """Built for x86-64-v3 (what a Zen 3 runs: AVX2, FMA, F16C) on any CPU that has AVX2 and FMA."""
     if not has_avx2():
         pytest.skip("no AVX2 and FMA on this CPU")
-    return decode_variant("avx2", "x86-64-v3")
+    return decode_variant("avx2")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def portable_kernel():
     """Built for plain x86-64: the scalar loops, and the float16 conversions written out without F16C."""
     if platform.machine() != "x86_64":
         pytest.skip("an x86-64 build")
-    return decode_variant("portable", "x86-64")
+    return decode_variant("portable")
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import platform
 
 import torch
 
@@ -68,5 +69,7 @@ def integer_kernels(isa: str):
 
 
 def variant_isas() -> list[str]:
-    """The keys of MARCHES this CPU can run."""
+    """The keys of MARCHES this CPU can run (none off x86-64)."""
+    if platform.machine() != "x86_64":
+        return []
     return ["portable", "avx2"] if has_avx2() else ["portable"]
