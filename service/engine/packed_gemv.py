@@ -1,9 +1,9 @@
 """The few-row GEMV that reads oneDNN's prepacked weights in place (csrc/packed_linear.cpp).
 
 oneDNN packs a linear's weight once for its own GEMM; its GEMV on that layout streamed SmolLM2's fp32 weights at
-~20 GB/s on 2 Zen 4 cores, and bf16 ones at ~14. The layout it picks here is blocks of 64 output columns, each
-K rows of 64 floats (bf16: K/2 rows of 64 input pairs): a block is one contiguous stream whose columns a GEMV can
-keep in registers over all of K. Reading that layout, decode-sized calls stream the weights at ~31 GB/s (fp32)
+~20 GB/s on 2 Zen 4 cores, and bf16 ones at ~14. The layout it picks is blocks of 64 output columns, each
+K rows of 64 floats (bf16: K/2 rows of 64 input pairs; on CPUs with AMX, 32 columns): a block is one contiguous
+stream whose columns a GEMV can keep in registers over all of K. Reading that layout, decode-sized calls stream the weights at ~31 GB/s (fp32)
 and ~42 GB/s (bf16) while larger calls keep oneDNN's GEMM on the same bytes: one copy serves both. The layout is
 oneDNN's choice (it may differ by CPU and version), so it is checked weight by weight against the plain values
 before the GEMV may read it; a weight whose layout does not match stays on oneDNN alone.
@@ -12,15 +12,14 @@ before the GEMV may read it; a weight whose layout does not match stays on oneDN
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from sluice import native
+from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
 
-# Over SmolLM2's linears on 2 Zen 4 cores, GEMV against oneDNN on the same packed weights:
-# fp32 18.1 vs 25.9 ms at 1 row, 16.7 vs 23.3 at 4, 32.5 vs 33.6 at 16, 56.4 vs 53.6 at 32;
-# bf16 6.4 vs 18.9 ms at 1 row, 6.4 vs 12.6 at 4, 14.2 vs 23.1 at 16, 24.2 vs 29.7 at 32.
-MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+DTYPES = (torch.float32, torch.bfloat16)
 SAMPLES = 2048  # weight elements compared with the packed bytes per candidate layout
 
 
@@ -40,12 +39,12 @@ def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] |
     """(column block, padded K) of `packed` when its layout is one the GEMV reads (and this CPU runs it), else None."""
     ops = native.load()
     dtype = weight.dtype
-    if ops is None or dtype not in MAX_ROWS or not hasattr(torch.ops.mkldnn, "data_ptr"):
+    if ops is None or dtype not in DTYPES or not hasattr(torch.ops.mkldnn, "data_ptr"):
         return None
     if dtype == torch.bfloat16 and not bf16_native():
         return None
     n_out, k_in = weight.shape
-    chunk = 64 if dtype == torch.bfloat16 else ops.packed_linear_f32_chunk()
+    chunk = 32 if dtype == torch.bfloat16 else ops.packed_linear_f32_chunk()
     raw = packed_bytes(packed).view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
     plain = weight.detach().contiguous().view(raw.dtype)
     generator = torch.Generator().manual_seed(0)
@@ -70,3 +69,16 @@ def gemv(x: torch.Tensor, packed_ptr: int, out_features: int, layout: tuple[int,
     ops = native.load()
     run = ops.packed_linear_f32 if x.dtype == torch.float32 else ops.packed_linear_bf16
     return run(x, packed_ptr, out_features, *layout)
+
+
+@functools.cache
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows a call may have to take the GEMV here (0: oneDNN always wins), timed once per dtype."""
+    weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    layout = gemv_layout(packed, weight)
+    if layout is None:
+        return 0
+    ptr, n = torch.ops.mkldnn.data_ptr(packed), weight.shape[0]
+    return crossover(lambda x: gemv(x, ptr, n, layout),
+                     lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), weight.shape[1], dtype)

@@ -82,15 +82,17 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;
 #endif
 
+// Calls chunk_rows(block, column in block, first row, rows, valid columns) over every `width` columns of every
+// block and every kRows rows.
 template <typename Fn>
-void for_each_block(int64_t M, int64_t N, int64_t B, Fn&& chunk_rows) {
+void for_each_block(int64_t M, int64_t N, int64_t B, int64_t width, Fn&& chunk_rows) {
   const int64_t blocks = (N + B - 1) / B;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t m = 0; m < M; m += kRows) {
-        for (int64_t c = 0; c < B; c += 4 * kLanes) {
+        for (int64_t c = 0; c < B; c += width) {
           const int64_t n = b * B + c;
-          if (n < N) chunk_rows(b, c, m, std::min(kRows, M - m), std::min(4 * kLanes, N - n));
+          if (n < N) chunk_rows(b, c, m, std::min(kRows, M - m), std::min(width, N - n));
         }
       }
     }
@@ -98,33 +100,31 @@ void for_each_block(int64_t M, int64_t N, int64_t B, Fn&& chunk_rows) {
 }
 
 #ifdef SLUICE_PACKED_BF16
-// Columns [c, c + 64) of one bf16 block (a pair row holds 2B values) for R input rows: 16 columns per vector, each
-// lane the dot product of one input pair with one column's pair (vdpbf16ps), accumulated in float32.
-template <int R>
+// Columns [c, c + 16 V) of one bf16 block (a pair row holds 2B values) for R input rows: 16 columns per vector,
+// each lane the dot product of one input pair with one column's pair (vdpbf16ps), accumulated in float32. V is 4
+// for oneDNN's 64-column blocks (AVX-512 machines), 2 for its 32-column ones (AMX machines).
+template <int R, int V>
 void bf16_chunk(const uint16_t* x, int64_t Kp, const uint16_t* w, int64_t B, uint16_t* y, int64_t ldy,
                 int64_t valid) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r) for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r) for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < Kp / 2; ++p) {
     const uint16_t* wp = w + p * 2 * B;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    __m512bh wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wp + 32 * v);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * Kp + 2 * p, sizeof(pair));
       const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xr, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xr, w3);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xr, wv[v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    uint16_t out[64];
-    for (int v = 0; v < 4; ++v) {
+    uint16_t out[16 * V];
+    for (int v = 0; v < V; ++v) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
     }
-    std::memcpy(y + r * ldy, out, sizeof(uint16_t) * std::min<int64_t>(valid, 64));
+    std::memcpy(y + r * ldy, out, sizeof(uint16_t) * std::min<int64_t>(valid, 16 * V));
   }
 }
 #endif
@@ -145,7 +145,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N
                               int64_t k_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "packed_linear_bf16: bfloat16 x [M, K]");
 #ifdef SLUICE_PACKED_BF16
-  TORCH_CHECK(block % 64 == 0, "packed_linear_bf16: block ", block, " is not a multiple of 64");
+  TORCH_CHECK(block % 32 == 0, "packed_linear_bf16: block ", block, " is not a multiple of 32");
   TORCH_CHECK(k_rows >= x.size(1) && k_rows % 2 == 0, "packed_linear_bf16: k_rows ", k_rows, " for K ", x.size(1));
   // The pairs run over K rounded up to even; an odd K reads a zero after each row's last input.
   const at::Tensor xc = x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x.contiguous();
@@ -154,11 +154,15 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_ptr);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  for_each_block(M, N, block, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+  const int64_t width = block % 64 ? 32 : 64;
+  for_each_block(M, N, block, width, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
     const uint16_t* w = wp + b * block * k_rows + 2 * c;
     uint16_t* out = yp + m * N + b * block + c;
     const uint16_t* xm = xp + m * Kp;
-    sluice::with_rows(rows, [&](auto r) { bf16_chunk<r>(xm, Kp, w, block, out, N, valid); });
+    sluice::with_rows(rows, [&](auto r) {
+      if (width == 64) bf16_chunk<r, 4>(xm, Kp, w, block, out, N, valid);
+      else bf16_chunk<r, 2>(xm, Kp, w, block, out, N, valid);
+    });
   });
   return y;
 #else
@@ -177,7 +181,7 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
   const float* xp = xc.data_ptr<float>();
   const float* wp = reinterpret_cast<const float*>(weight_ptr);
   float* yp = y.data_ptr<float>();
-  for_each_block(M, N, block, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+  for_each_block(M, N, block, 4 * kLanes, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
     const float* w = wp + b * block * k_rows + c;
     float* out = yp + m * N + b * block + c;
     const float* xm = xp + m * K;

@@ -64,12 +64,14 @@ def test_f32_decode_linear_takes_the_kernel_up_to_its_limit_and_onednn_on_the_pl
         a.load_state_dict(b.state_dict())
     model = nn.Sequential(*(PlainLinear(m.weight.detach(), None if m.bias is None else m.bias.detach(), pad=True,
                                         decode_kernel=True) for m in model))
+    limit = 16  # whatever this CPU measured (decode_kernel_max_rows), the routing is the same
+    for layer in model:
+        layer.kernel_rows = limit
     calls, onednn = [], []
     _recording_ops(monkeypatch, kernel, calls)
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(decode.torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: onednn.append(x.shape[0]) or real(x, *a), raising=False)
-    limit = decode.DECODE_KERNEL_MAX_ROWS
     with torch.inference_mode():
         for rows in (1, 3, limit, limit + 1, 100):
             x = torch.randn(2, rows, 64)
@@ -85,11 +87,12 @@ def test_bf16_decode_linear_takes_the_kernel_up_to_its_limit_and_torch_above(nat
     plain = nn.Linear(64, 48, dtype=torch.bfloat16)
     model = [PlainLinear(plain.weight.detach(), plain.bias.detach(), pad=True, decode_kernel=True)]
     padded_only = PlainLinear(plain.weight.detach(), plain.bias.detach(), pad=True)
+    limit = model[0].kernel_rows = 16
     calls = []
     _recording_ops(monkeypatch, native, calls)
     with torch.inference_mode():
-        for rows in (1, decode.DECODE_KERNEL_MAX_ROWS, decode.DECODE_KERNEL_MAX_ROWS + 1):
+        for rows in (1, limit, limit + 1):
             x = torch.randn(1, rows, 64).bfloat16()
             want = padded_only(x)
             torch.testing.assert_close(model[0](x).float(), want.float(), rtol=2**-7, atol=2e-2)
-    assert calls == [("bf16_linear", 1), ("bf16_linear", decode.DECODE_KERNEL_MAX_ROWS)]  # above the limit: torch's path
+    assert calls == [("bf16_linear", 1), ("bf16_linear", limit)]  # above the limit: torch's path

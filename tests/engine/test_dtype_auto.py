@@ -44,6 +44,11 @@ def test_no_cpuinfo_asks_torch(tmp_path, monkeypatch):
     assert native_bf16_flags(tmp_path / "absent") == []
 
 
+def gemv_log(rows: int) -> str:
+    """What the start-up log says of packed linears whose GEMV takes up to `rows` rows (as measured here)."""
+    return f"read by the packed-layout GEMV: {{{rows}:" if rows else "read by the packed-layout GEMV: none"
+
+
 def fake_cpu(monkeypatch, flags: list[str]):
     monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: list(flags))
 
@@ -98,7 +103,7 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
     assert plain and all(m.pad and m.decode_kernel == bf16_native for m in plain)  # the tied head, or every linear
     if bf16_native:
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert "read by the packed-layout GEMV: {32:" in caplog.text
+        assert gemv_log(packed_gemv.max_rows(torch.bfloat16)) in caplog.text
     else:
         assert "model path: Sluice's own Llama-family forward; linears plain" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -106,6 +111,7 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
 
 
 def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path_factory, monkeypatch, caplog):
+    from sluice.service.engine import packed_gemv
     from sluice.service.engine.layers.packed_linear import can_prepack
 
     fake_cpu(monkeypatch, [])
@@ -115,7 +121,7 @@ def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
     if native.load() is not None and packed(eng):
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert "read by the packed-layout GEMV: {16:" in caplog.text
+        assert gemv_log(packed_gemv.max_rows(torch.float32)) in caplog.text
 
 
 def test_fp32_engine_without_prepacking_runs_plain_weights(tmp_path_factory, monkeypatch):

@@ -33,6 +33,7 @@ def test_packed_linear_matches_the_plain_one_on_both_paths(kernel, dtype, out_fe
     plain.load_state_dict(linear.state_dict())
     packed = PackedLinear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
     assert packed.gemv_layout is not None  # oneDNN's layout here, K padded or not, is one the GEMV reads
+    packed.gemv_max_rows = 32  # the GEMV's numerics at every row count, whatever this CPU measured
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 9, packed.gemv_max_rows, packed.gemv_max_rows + 1, 70):
             x = torch.randn(2, rows, in_features).to(dtype)
@@ -48,7 +49,7 @@ def test_decode_sized_calls_take_the_gemv_and_larger_ones_onednn(kernel, dtype, 
     monkeypatch.setattr(packed_gemv, "gemv", lambda x, *a: gemv_rows.append(x.shape[0]) or real_gemv(x, *a))
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: onednn_rows.append(x.shape[0]) or real_onednn(x, *a), raising=False)
-    limit = packed_gemv.MAX_ROWS[dtype]
+    limit = linear.gemv_max_rows = 16  # the routing, whatever packed_gemv.max_rows measured here
     with torch.inference_mode():
         for rows in (1, limit, limit + 1, 100):
             linear(torch.randn(rows, 64).to(dtype))
@@ -61,7 +62,8 @@ def test_a_layout_that_does_not_match_the_weight_is_refused(kernel, dtype):
     torch.manual_seed(0)
     weight = torch.randn(128, 64).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    assert packed_gemv.gemv_layout(packed, weight) == (64, 64)
+    block, k_rows = packed_gemv.gemv_layout(packed, weight)
+    assert block in (32, 64) and k_rows == 64  # 32-column bf16 blocks where oneDNN packs for AMX
     assert packed_gemv.gemv_layout(packed, weight.flip(0)) is None  # other values: the GEMV would read garbage
     assert packed_gemv.gemv_layout(packed, weight.to(torch.float16)) is None  # no GEMV for this dtype
 
@@ -74,3 +76,34 @@ def test_no_gemv_without_the_cpu_ops(monkeypatch):
     x = torch.randn(1, 64)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x), plain(x))
+
+
+def test_crossover_keeps_the_rows_up_to_the_first_step_the_kernel_loses():
+    from sluice.service.engine.layers import crossover
+
+    def run(kernel_ms, gemm_ms):
+        def timer(call):
+            kind, rows = call()
+            return kernel_ms(rows) if kind == "kernel" else gemm_ms(rows)
+        return crossover.crossover(lambda x: ("kernel", x.shape[0]), lambda x: ("gemm", x.shape[0]), 8,
+                                   torch.float32, timer=timer)
+
+    assert run(lambda r: 1.0 * r, lambda r: 6.0) == 4  # 1, 2, 4 rows win; 8 loses
+    assert run(lambda r: 1.0 * r, lambda r: 0.5) == 0  # oneDNN wins from one row: the GEMV is never taken
+    assert run(lambda r: 0.1, lambda r: 1.0) == crossover.ROW_STEPS[-1]
+    assert run(lambda r: 1.0 if r != 2 else 9.0, lambda r: 2.0) == 1  # a later win past a loss does not count
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
+    from sluice.service.engine.layers.crossover import ROW_STEPS
+    from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_max_rows
+
+    limit = packed_gemv.max_rows(dtype)
+    assert limit in (0, *ROW_STEPS) and packed_gemv.max_rows(dtype) == limit  # measured once
+    assert packed_of(nn.Linear(64, 128, bias=False).to(dtype)).gemv_max_rows == limit
+    plain = decode_kernel_max_rows(dtype)
+    assert plain in (0, *ROW_STEPS)
+    weight = torch.randn(8, 64).to(dtype)
+    assert PlainLinear(weight, None, pad=True, decode_kernel=True).kernel_rows == plain
+    assert PlainLinear(weight, None, pad=True).kernel_rows == 0

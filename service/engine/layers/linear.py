@@ -13,6 +13,7 @@ the checkpoint names of the parts. The method answers with the module serving th
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -22,14 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice import native
+from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
 from sluice.service.engine.layers.packed_linear import PackedLinear, pad_rows
 
 logger = logging.getLogger("sluice.engine")
-
-# Over SmolLM2's linears on 2 Zen 4 cores, the plain-layout GEMV against oneDNN on the plain weight:
-# fp32 19.0 vs 30.9 ms at 1 row, 23.3 vs 37.4 at 4, 47.8 vs 54.9 at 16;
-# bf16 10.4 vs 28.7 ms at 1 row, 32.6 vs 38.9 at 16, 58.5 vs 48.8 at 32.
-DECODE_KERNEL_MAX_ROWS = 16
 
 
 def onednn_linear_available() -> bool:
@@ -44,14 +41,28 @@ def decode_kernel_wins(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16:
         return ops.bf16_linear_is_native()  # the scalar fallback loses to oneDNN's bf16 path
-    return dtype == torch.float32 and onednn_linear_available()  # above 16 rows fp32 needs oneDNN on the plain weight
+    return dtype == torch.float32 and onednn_linear_available()  # more rows in fp32 need oneDNN on the plain weight
+
+
+@functools.cache
+def decode_kernel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows a call may have to take the plain-layout C++ GEMV here (0: never), timed once per dtype."""
+    if not decode_kernel_wins(dtype):
+        return 0
+    ops = native.load()
+    weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if dtype == torch.float32:
+        return crossover(lambda x: ops.f32_linear(x, weight),
+                         lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), weight.shape[1],
+                         dtype)
+    return crossover(lambda x: ops.bf16_linear(x, weight), lambda x: F.linear(x, weight), weight.shape[1], dtype)
 
 
 class PlainLinear(nn.Module):
     """y = x W^T + b on the plain weight [N, K]. On CPU (`pad`): row counts padded to `padded_rows` (oneDNN builds
     and caches a kernel per input shape: unpadded, a server's RSS grows by hundreds of MiB as step sizes vary). With
-    `decode_kernel`: calls of up to 16 rows in the C++ GEMV for the dtype, larger fp32 ones in oneDNN on the plain
-    weight (torch's fp32 linear calls MKL's sgemm, which re-lays-out the weight on every call: 1.2-1.6x slower)."""
+    `decode_kernel`: calls of up to `kernel_rows` rows (decode_kernel_max_rows) in the C++ GEMV for the dtype, larger
+    fp32 ones in oneDNN on the plain weight (torch's fp32 linear calls MKL's sgemm, which re-lays-out the weight on every call: 1.2-1.6x slower)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad: bool = False,
                  decode_kernel: bool = False) -> None:
@@ -60,13 +71,14 @@ class PlainLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.pad, self.decode_kernel = pad, decode_kernel
+        self.kernel_rows = decode_kernel_max_rows(weight.dtype) if decode_kernel else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N]."""
         if not self.pad:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
-        if self.decode_kernel and rows.shape[0] <= DECODE_KERNEL_MAX_ROWS and x.dtype == self.weight.dtype:
+        if rows.shape[0] <= self.kernel_rows and x.dtype == self.weight.dtype:
             ops = native.load()
             out = ops.f32_linear(rows, self.weight) if x.dtype == torch.float32 else ops.bf16_linear(rows, self.weight)
             if self.bias is not None:
@@ -80,7 +92,7 @@ class PlainLinear(nn.Module):
         return out[:m].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = ", C++ GEMV for few rows" if self.decode_kernel else ""
+        kernel = f", C++ GEMV up to {self.kernel_rows} rows" if self.kernel_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{kernel}"
 
 
@@ -123,7 +135,8 @@ class PlainMethod(LinearMethod):
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.pad = device.type == "cpu"
         self.decode_kernel = self.pad and decode_kernel_wins(dtype)
-        self.name = "plain" + (f" (C++ GEMV up to {DECODE_KERNEL_MAX_ROWS} rows)" if self.decode_kernel else "")
+        rows = decode_kernel_max_rows(dtype) if self.decode_kernel else 0
+        self.name = "plain" + (f" (C++ GEMV up to {rows} rows)" if rows else "")
 
     def make(self, weight, bias, parts, sizes, tied=False):
         return PlainLinear(weight, bias, self.pad, self.decode_kernel)

@@ -46,7 +46,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """An nn.Linear whose weight is kept only in oneDNN's blocked layout (inference only).
 
-    Calls of up to packed_gemv.MAX_ROWS rows read that layout in the C++ GEMV where gemv_layout recognised it;
+    Calls of up to packed_gemv.max_rows rows read that layout in the C++ GEMV where gemv_layout recognised it;
     larger ones (and every call where it did not) run oneDNN's own GEMM.
     """
 
@@ -59,7 +59,7 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.gemv_layout = packed_gemv.gemv_layout(self.packed, weight)
-        self.gemv_max_rows = packed_gemv.MAX_ROWS[weight.dtype] if self.gemv_layout else 0
+        self.gemv_max_rows = packed_gemv.max_rows(weight.dtype) if self.gemv_layout else 0
         self.packed_ptr = torch.ops.mkldnn.data_ptr(self.packed) if self.gemv_layout else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""Where a few-row C++ kernel stops beating oneDNN's GEMM, timed once on this CPU.
+
+The GEMVs stream each weight once per block of input rows; oneDNN's GEMM pays a fixed cost per call but computes
+many rows at the rate of the CPU's matrix units. Where the two cross depends on the CPU, not only its flags: on
+2 Zen 4 cores the packed GEMV won up to 16 fp32 and 32 bf16 rows, on 2 Sapphire Rapids cores (bf16 on AMX tiles)
+oneDNN won from 4 rows in both dtypes. So the limit is measured, on one weight the size of a small model's
+linear, the first time a layer asks.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+ROW_STEPS = (1, 2, 4, 8, 16, 32)
+PROBE_SHAPE = (2048, 2048)  # out, in: 8-16 MiB, past the L2 caches, as a model's linears are
+ROUNDS = 3
+
+
+def best_time(call: Callable[[], object], rounds: int = ROUNDS) -> float:
+    """The shortest of `rounds` timed calls, after one untimed call (first-call allocations, oneDNN's kernel)."""
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def crossover(kernel: Callable[[torch.Tensor], object], gemm: Callable[[torch.Tensor], object], in_features: int,
+              dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] = best_time) -> int:
+    """The largest count of ROW_STEPS up to which `kernel(x)` beat `gemm(x)` at every step (0: never), x [rows,
+    in_features] random in `dtype`."""
+    limit = 0
+    generator = torch.Generator().manual_seed(0)
+    for rows in ROW_STEPS:
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        if timer(functools.partial(kernel, x)) >= timer(functools.partial(gemm, x)):
+            break
+        limit = rows
+    return limit
