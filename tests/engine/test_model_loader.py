@@ -79,18 +79,18 @@ def test_missing_paths_fail_clearly(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_download_convert_cache_and_generate(tmp_path):
+def test_default_model_download_convert_cache_and_generate(smollm2_dir):
+    # The session's copy: on a fresh machine (CI) the fixture's first call is the download and conversion.
     from transformers import AutoModelForCausalLM
 
-    path = ensure_default_model(tmp_path)
-    assert path == tmp_path / DEFAULT_MODEL_NAME
-    assert (path / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [DEFAULT_MODEL_NAME]  # no staging leftovers
+    path, cache = smollm2_dir, smollm2_dir.parent
+    assert path.name == DEFAULT_MODEL_NAME and (path / "model.safetensors").is_file()
+    assert not [p.name for p in cache.iterdir() if p.name.startswith(".download-")]  # no staging leftovers
     start = time.perf_counter()
-    assert ensure_default_model(tmp_path) == path
+    assert ensure_default_model(cache) == path
     assert time.perf_counter() - start < 1.0
 
-    model, tokenizer = load_model("default", "cpu", "float32", cache_dir=tmp_path)
+    model, tokenizer = load_model("default", "cpu", "float32", cache_dir=cache)
     assert tokenizer.eos_token == "<|im_end|>" and eos_token_ids(model, tokenizer) == [2]
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False

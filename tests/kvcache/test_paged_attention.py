@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,20 +30,39 @@ DTYPE_PAIRS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, to
 DTYPE_IDS = ["float32", "bfloat16", "float32-bf16-cache", "float32-f16-cache"]
 
 
+class VariantOps:
+    """The extension interface DecodeKernel reads (paged_decode_isa, PagedDecodePlan(...).step), over a build of
+    the kernel alone as torch ops: a TORCH_LIBRARY binding skips torch/extension.h and pybind11 (half the compile),
+    and a plan is rebuilt each step (cheap beside the attention)."""
+
+    def __init__(self, lib, path: str) -> None:
+        self.lib, self.__file__ = lib, path
+
+    def paged_decode_isa(self) -> str:
+        return self.lib.paged_decode_isa()
+
+    def PagedDecodePlan(self, *plan):  # noqa: N802 (the extension's class name)
+        lib = self.lib
+        return SimpleNamespace(step=lambda *args: lib.plan_step(*plan, *args))
+
+
 def decode_variant(isa: str) -> cpu_kernel.DecodeKernel:
-    """The decode kernel alone, built for `isa` (a key of MARCHES) on any x86-64 CPU that runs it; its class
-    module-local, as the process's own extension has registered PagedDecodePlan already."""
+    """The decode kernel alone, built for `isa` (a key of MARCHES) on any x86-64 CPU that runs it."""
     if native.load() is None:
         pytest.skip("the native extension cannot be built here (no C++ compiler?)")
-    binding = ('#include <torch/extension.h>\n#include "cpu_ops.h"\n'
-               'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_isa", &paged_decode_isa);\n'
-               'pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan", pybind11::module_local()).def(pybind11::init<torch::Tensor, '
-               'torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double, '
-               'int64_t>()).def("step", &PagedDecodePlan::step); }\n')
+    binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
+               'static at::Tensor plan_step(at::Tensor block_tables, at::Tensor seq_lens, '
+               'std::optional<at::Tensor> slots, int64_t heads, int64_t kv_heads, int64_t head_dim, '
+               'int64_t block_size, double scale, int64_t threads, const at::Tensor& query, '
+               'const std::optional<at::Tensor>& key, const std::optional<at::Tensor>& value, at::Tensor key_cache, '
+               'at::Tensor value_cache) {\n  return PagedDecodePlan(block_tables, seq_lens, slots, heads, kv_heads, '
+               'head_dim, block_size, scale, threads).step(query, key, value, key_cache, value_cache);\n}\n'
+               f'TORCH_LIBRARY(sluice_test_paged_{isa}, m) {{ m.def("paged_decode_isa", &paged_decode_isa); '
+               'm.def("plan_step", &plan_step); }\n')
     # built once per machine, like the extension itself (tests/support/kernels.py)
-    ops = build_variant(f"paged_decode_{isa}", ["paged_decode.cpp"], binding,
-                        ["-O3", MARCHES[isa], *native.OPENMP_FLAGS])
-    kernel = cpu_kernel.DecodeKernel(ops)
+    build_variant(f"paged_decode_{isa}", ["paged_decode.cpp"], binding, ["-O3", MARCHES[isa], *native.OPENMP_FLAGS],
+                  python_module=False)
+    kernel = cpu_kernel.DecodeKernel(VariantOps(getattr(torch.ops, f"sluice_test_paged_{isa}"), f"paged_decode_{isa}"))
     assert kernel.isa == isa
     return kernel
 
