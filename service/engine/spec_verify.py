@@ -24,7 +24,14 @@ import torch
 
 from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ScheduledRequest
-from sluice.service.engine.sampler import draw, filtered_logits, mask_stop_tokens, read_back, seeded_uniform
+from sluice.service.engine.sampler import (
+    draw,
+    filtered_logits,
+    greedy_ids,
+    mask_stop_tokens,
+    read_back,
+    seeded_uniform,
+)
 
 _ACCEPT_STREAM = 0x5BEC_DEC0_DE00_0001  # xor-ed into a request's seed for its accept tests
 
@@ -49,7 +56,7 @@ def verify(logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[Sc
     already through the logit processors; `rows` is expand_rows(requests)."""
     device = logits.device
     x = mask_stop_tokens(logits, rows)
-    parts = [x.argmax(dim=-1).double()]
+    parts = [greedy_ids(x).double()]
     random_rows = [i for i, r in enumerate(rows) if not r.sampling_params.greedy]
     if random_rows:
         index = to_device(random_rows, torch.long, device)

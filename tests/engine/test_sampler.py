@@ -9,7 +9,7 @@ import torch
 
 from sluice.scheduling.output import ScheduledRequest
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.sampler import row_seed, sample
+from sluice.service.engine.sampler import greedy_ids, row_seed, sample
 
 V = 50
 
@@ -31,6 +31,17 @@ def logits_from_probs(probs: list[float]) -> torch.Tensor:
 def draw_support(params: dict, probs: list[float], n: int = 2000) -> set[int]:
     logits = logits_from_probs(probs).repeat(n, 1)
     return set(sample(logits, [req(**params)] * n).token_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_ids_pick_the_first_maximum_as_argmax(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(64, 1031) * 0.05).round(decimals=1).to(dtype)  # values on a coarse grid: many ties
+    x[3, 7] = float("nan")  # argmax counts NaN as the maximum
+    x[4] = float("-inf")
+    x[5] = 0.0
+    assert torch.equal(greedy_ids(x), x.argmax(dim=-1))
+    assert greedy_ids(x)[5] == 0 and greedy_ids(x)[3] == 7
 
 
 def test_greedy_is_argmax():
