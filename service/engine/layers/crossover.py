@@ -2,9 +2,9 @@
 
 The GEMVs stream each weight once per block of input rows; oneDNN's GEMM pays a fixed cost per call but computes
 many rows at the rate of the CPU's matrix units. Where the two cross depends on the CPU, not only its flags: on
-2 Zen 4 cores the packed GEMV won up to 16 fp32 and 32 bf16 rows, on 2 Sapphire Rapids cores (bf16 on AMX tiles)
-oneDNN won from 4 rows in both dtypes. So the limit is measured, on one weight the size of a small model's
-linear, the first time a layer asks.
+a Zen 4 the packed GEMV won up to 16-32 rows, on a Xeon with AMX oneDNN won from 4 (docs/performance.md, "Weight
+formats on CPU"). So the limit is measured, on one weight the size of a small model's linear, the first time a
+layer asks.
 """
 
 from __future__ import annotations

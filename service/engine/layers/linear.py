@@ -62,7 +62,8 @@ class PlainLinear(nn.Module):
     """y = x W^T + b on the plain weight [N, K]. On CPU (`pad`): row counts padded to `padded_rows` (oneDNN builds
     and caches a kernel per input shape: unpadded, a server's RSS grows by hundreds of MiB as step sizes vary). With
     `decode_kernel`: calls of up to `kernel_rows` rows (decode_kernel_max_rows) in the C++ GEMV for the dtype, larger
-    fp32 ones in oneDNN on the plain weight (torch's fp32 linear calls MKL's sgemm, which re-lays-out the weight on every call: 1.2-1.6x slower)."""
+    fp32 ones in oneDNN on the plain weight (torch's fp32 linear calls MKL's sgemm, which re-lays-out the weight on
+    every call: 1.2-1.6x slower)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pad: bool = False,
                  decode_kernel: bool = False) -> None:
