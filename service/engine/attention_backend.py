@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 
 from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
 
@@ -84,8 +83,9 @@ def sluice_paged_attention(
 
 def register() -> str:
     """Register the backend with transformers (idempotent); returns the attn_implementation name."""
+    # Imported here: transformers' modeling stack takes ~2.5 s to import, and only a model on transformers'
+    # forward (the fallback path) needs it; Sluice's own forward calls paged_attention itself.
+    from transformers import AttentionInterface
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, sluice_paged_attention)
     return ATTN_IMPLEMENTATION
-
-
-register()
