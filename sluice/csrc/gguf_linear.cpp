@@ -28,10 +28,6 @@ constexpr int64_t kGroup = 32;
 // Weight rows a pass of every input row block walks: their bytes stay in L1/L2 (16 rows of a 2,048-input Q4_K
 // weight: 18 KiB) while each block of input rows reads them again.
 constexpr int64_t kTileRows = 16;
-// How far ahead of the block being unpacked its weight stream is prefetched. Unpacking is compute enough that the
-// hardware prefetchers fall behind on some CPUs: a Q4_K GEMV over weights past the caches read 6.4 GB/s on 2
-// Xeon cores that stream 23 GB/s. Rows are contiguous, so the distance runs on into the next row.
-constexpr int64_t kPrefetchBytes = 2048;
 
 inline float f16(const uint8_t* p) {
   uint16_t bits;
@@ -268,10 +264,7 @@ void rows_dot(const QuantizedRows& x, int64_t K, const uint8_t* w, int64_t row_b
 #endif
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = row + b * F::kBytes;
-      // A hint, never a fault: past the weight's end it is dropped.
-      for (int64_t at = 0; at < F::kBytes; at += 64) {
-        __builtin_prefetch(block + kPrefetchBytes + at);
-      }
+      sluice::prefetch(block + sluice::kPrefetchBytes, F::kBytes);
       F::unpack(block, u);
       for (int s = 0; s < kGroups; ++s) {
         const int64_t g = b * kGroups + s;

@@ -77,7 +77,6 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;                // outputs per block
 constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes
-constexpr int64_t kPrefetchBytes = 2048;       // how far ahead in the code stream rows_dot prefetches
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 // One input row quantized per group: int8 values, scale and float sum per group.
@@ -120,11 +119,10 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
     for (int r = 0; r < Rows; ++r)
       for (int h = 0; h < kVecs; ++h) total[r][h] = f_zero();
     for (int64_t g = 0; g < G; ++g) {
-      // The streams ahead (blocks are contiguous): unpacking is compute enough that the hardware prefetchers fall
-      // behind on some CPUs. A hint: past the weight's end it is dropped.
-      for (int64_t at = 0; at < kGroupBytes; at += 64) __builtin_prefetch(qblock + g * kGroupBytes + kPrefetchBytes + at);
-      __builtin_prefetch(dblock + g * kBlock + kPrefetchBytes / 16);  // scales: 2 bytes a weight's 16
-      __builtin_prefetch(mblock + g * kBlock + kPrefetchBytes / 16);
+      // The codes and both scale streams ahead; the scales take 2 bytes where the codes take 16.
+      sluice::prefetch(qblock + g * kGroupBytes + sluice::kPrefetchBytes, kGroupBytes);
+      sluice::prefetch(dblock + g * kBlock + sluice::kPrefetchBytes / 16, 2 * kBlock);
+      sluice::prefetch(mblock + g * kBlock + sluice::kPrefetchBytes / 16, 2 * kBlock);
       // Low and high nibbles in separate sums, so each group's integer chain is half as long.
       ivec lo[Rows][kVecs], hi[Rows][kVecs];
       for (int r = 0; r < Rows; ++r)

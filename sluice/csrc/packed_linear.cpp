@@ -114,7 +114,7 @@ void bf16_chunk(const uint16_t* x, int64_t Kp, const uint16_t* w, int64_t B, uin
   for (int r = 0; r < R; ++r) for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < Kp / 2; ++p) {
     const uint16_t* wp = w + p * 2 * B;
-    for (int v = 0; v < V; ++v) __builtin_prefetch(wp + kPrefetchPairRows * 2 * B + 32 * v);  // past the end: dropped
+    sluice::prefetch(wp + kPrefetchPairRows * 2 * B, 64 * V);  // the chunk's columns, kPrefetchPairRows rows ahead
     __m512bh wv[V];
     for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wp + 32 * v);
     for (int r = 0; r < R; ++r) {

@@ -19,9 +19,15 @@
 
 #include <string>
 
+#include "row_blocks.h"
+
 namespace {
 
 constexpr int64_t PARALLEL_MIN_WORK = 1 << 15;  // query-key products of a call below which one thread does it all
+// How many tokens ahead the vector path prefetches a head's K and V rows: they lie a token's stride apart and
+// blocks jump, and on a Xeon the hardware prefetchers alone left the fp32 kernel at 14 GB/s of cache against 23
+// for a plain sum.
+constexpr int64_t kPrefetchTokens = 8;
 
 // What stays the same for every layer of one decode step (PagedDecodePlan holds the tensors behind it).
 struct DecodePlan {

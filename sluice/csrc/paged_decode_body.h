@@ -53,18 +53,6 @@ int NAME(sluice_paged_decode_step)(const DecodePlan *p, const Q_T *q, const Q_T 
                                      p->scale, p->num_threads);
 }
 
-/* A row PREFETCH_TOKENS tokens ahead is prefetched (D elements of one head, line by line): the rows of one head
- * lie a token's stride apart and blocks jump, and on a Xeon the hardware prefetchers alone left the fp32 kernel
- * at 14 GB/s of cache against 23 for a plain sum. */
-#ifndef PREFETCH_TOKENS
-#define PREFETCH_TOKENS 8
-#define PREFETCH_ROW(row, D)                                                                   \
-    do {                                                                                       \
-        for (int64_t at_ = 0; at_ < (int64_t)((D) * sizeof(KV_T)); at_ += 64)                 \
-            __builtin_prefetch((const char *)(row) + at_);                                     \
-    } while (0)
-#endif
-
 /* Where token t's K or V row of this head lies in the paged cache. */
 #define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
 
@@ -82,7 +70,7 @@ static inline __attribute__((always_inline)) void NAME(group_simd)(
     /* Pass 1: each K row once for the whole group. */
     for (int64_t t = 0; t < len; t++) {
         const KV_T *k = KV_ROW(key_cache, t);
-        if (t + PREFETCH_TOKENS < len) PREFETCH_ROW(KV_ROW(key_cache, t + PREFETCH_TOKENS), D);
+        if (t + kPrefetchTokens < len) sluice::prefetch(KV_ROW(key_cache, t + kPrefetchTokens), D * sizeof(KV_T));
         vf kv[MAX_D / VW];
         for (int64_t v = 0; v < V; v++) kv[v] = LOADV(k + VW * v);
         for (int64_t h = 0; h < G; h++) {
@@ -114,7 +102,7 @@ static inline __attribute__((always_inline)) void NAME(group_simd)(
         for (int64_t v = 0; v < V; v++) acc[h][v] = V_ZERO();
     for (int64_t t = 0; t < len; t++) {
         const KV_T *vr = KV_ROW(value_cache, t);
-        if (t + PREFETCH_TOKENS < len) PREFETCH_ROW(KV_ROW(value_cache, t + PREFETCH_TOKENS), D);
+        if (t + kPrefetchTokens < len) sluice::prefetch(KV_ROW(value_cache, t + kPrefetchTokens), D * sizeof(KV_T));
         vf vv[MAX_D / VW];
         for (int64_t v = 0; v < V; v++) vv[v] = LOADV(vr + VW * v);
         for (int64_t h = 0; h < G; h++) {

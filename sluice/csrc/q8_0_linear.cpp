@@ -19,9 +19,6 @@
 namespace {
 
 constexpr int64_t kGroup = 32, kBytes = 34;
-// Prefetch distance in the weight stream (rows are contiguous): the widening to float is compute enough that the
-// hardware prefetchers fall behind on some CPUs (7.3 GB/s past the caches on 2 Xeon cores that stream 23).
-constexpr int64_t kPrefetchBytes = 2048;
 
 inline uint16_t scale_bits(const uint8_t* block) {
   uint16_t bits;
@@ -40,7 +37,7 @@ void rows_dot(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n
     __m256 acc[2][Rows];
     for (int r = 0; r < Rows; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      __builtin_prefetch(row + g * kBytes + kPrefetchBytes);  // a hint: past the weight's end it is dropped
+      sluice::prefetch(row + g * kBytes + sluice::kPrefetchBytes, kBytes);
       const int8_t* qg = reinterpret_cast<const int8_t*>(row + g * kBytes + 2);
       const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
       const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16));
