@@ -3,8 +3,8 @@
 oneDNN packs a linear's weight once for its own GEMM; its GEMV on that layout streamed SmolLM2's fp32 weights at
 ~20 GB/s on 2 Zen 4 cores, and bf16 ones at ~14. The layout it picks is blocks of 64 output columns, each
 K rows of 64 floats (bf16: K/2 rows of 64 input pairs; on CPUs with AMX, 32 columns): a block is one contiguous
-stream whose columns a GEMV can keep in registers over all of K. Reading that layout, decode-sized calls stream the weights at ~31 GB/s (fp32)
-and ~42 GB/s (bf16) while larger calls keep oneDNN's GEMM on the same bytes: one copy serves both. The layout is
+stream whose columns a GEMV can keep in registers over all of K. Reading that layout, decode-sized calls stream
+the weights at ~31 GB/s (fp32) and ~42 GB/s (bf16) while larger calls keep oneDNN's GEMM on the same bytes: one copy serves both. The layout is
 oneDNN's choice (it may differ by CPU and version), so it is checked weight by weight against the plain values
 before the GEMV may read it; a weight whose layout does not match stays on oneDNN alone.
 """
@@ -12,12 +12,10 @@ before the GEMV may read it; a weight whose layout does not match stays on oneDN
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from sluice import native
-from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
 
 DTYPES = (torch.float32, torch.bfloat16)
 SAMPLES = 2048  # weight elements compared with the packed bytes per candidate layout
@@ -70,15 +68,3 @@ def gemv(x: torch.Tensor, packed_ptr: int, out_features: int, layout: tuple[int,
     run = ops.packed_linear_f32 if x.dtype == torch.float32 else ops.packed_linear_bf16
     return run(x, packed_ptr, out_features, *layout)
 
-
-@functools.cache
-def max_rows(dtype: torch.dtype) -> int:
-    """The most rows a call may have to take the GEMV here (0: oneDNN always wins), timed once per dtype."""
-    weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    layout = gemv_layout(packed, weight)
-    if layout is None:
-        return 0
-    ptr, n = torch.ops.mkldnn.data_ptr(packed), weight.shape[0]
-    return crossover(lambda x: gemv(x, ptr, n, layout),
-                     lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), weight.shape[1], dtype)

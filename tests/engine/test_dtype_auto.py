@@ -12,6 +12,7 @@ from sluice import native
 from sluice.service.config import SluiceConfig
 from sluice.service.engine import model_loader
 from sluice.service.engine.cpu import native_bf16_flags
+from sluice.service.engine.layers import packed_linear
 from sluice.service.engine.layers.linear import PlainLinear
 from sluice.service.engine.layers.packed_linear import PackedLinear
 from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
@@ -103,7 +104,7 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
     assert plain and all(m.pad and m.decode_kernel == bf16_native for m in plain)  # the tied head, or every linear
     if bf16_native:
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert gemv_log(packed_gemv.max_rows(torch.bfloat16)) in caplog.text
+        assert gemv_log(packed_linear.gemv_max_rows(torch.bfloat16)) in caplog.text
     else:
         assert "model path: Sluice's own Llama-family forward; linears plain" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -111,7 +112,6 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
 
 
 def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path_factory, monkeypatch, caplog):
-    from sluice.service.engine import packed_gemv
     from sluice.service.engine.layers.packed_linear import can_prepack
 
     fake_cpu(monkeypatch, [])
@@ -121,7 +121,7 @@ def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
     if native.load() is not None and packed(eng):
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert gemv_log(packed_gemv.max_rows(torch.float32)) in caplog.text
+        assert gemv_log(packed_linear.gemv_max_rows(torch.float32)) in caplog.text
 
 
 def test_fp32_engine_without_prepacking_runs_plain_weights(tmp_path_factory, monkeypatch):

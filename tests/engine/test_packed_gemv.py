@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from sluice.service.engine import packed_gemv
+from sluice.service.engine.layers import packed_linear
 from sluice.service.engine.layers.packed_linear import PackedLinear, can_prepack, padded_rows
 
 
@@ -99,8 +100,8 @@ def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
     from sluice.service.engine.layers.crossover import ROW_STEPS
     from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_max_rows
 
-    limit = packed_gemv.max_rows(dtype)
-    assert limit in (0, *ROW_STEPS) and packed_gemv.max_rows(dtype) == limit  # measured once
+    limit = packed_linear.gemv_max_rows(dtype)
+    assert limit in (0, *ROW_STEPS) and packed_linear.gemv_max_rows(dtype) == limit  # measured once
     assert packed_of(nn.Linear(64, 128, bias=False).to(dtype)).gemv_max_rows == limit
     plain = decode_kernel_max_rows(dtype)
     assert plain in (0, *ROW_STEPS)

@@ -24,7 +24,7 @@ from torch import nn
 
 from sluice import native
 from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
-from sluice.service.engine.layers.packed_linear import PackedLinear, pad_rows
+from sluice.service.engine.layers.packed_linear import PackedLinear, onednn_linear, pad_rows
 
 logger = logging.getLogger("sluice.engine")
 
@@ -44,18 +44,26 @@ def decode_kernel_wins(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and onednn_linear_available()  # more rows in fp32 need oneDNN on the plain weight
 
 
+def plain_gemv(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ weight.T in the plain-layout C++ GEMV for the weight's dtype (fp32 or bf16)."""
+    ops = native.load()
+    return ops.f32_linear(rows, weight) if weight.dtype == torch.float32 else ops.bf16_linear(rows, weight)
+
+
+def plain_gemm(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """rows [M, K] @ weight.T (+ bias) for more rows: oneDNN on the plain weight where `onednn` (fp32 with the C++
+    GEMV: torch's fp32 linear calls MKL's sgemm), else torch's linear."""
+    return onednn_linear(rows, weight, bias) if onednn else F.linear(rows, weight, bias)
+
+
 @functools.cache
 def decode_kernel_max_rows(dtype: torch.dtype) -> int:
     """The most rows a call may have to take the plain-layout C++ GEMV here (0: never), timed once per dtype."""
     if not decode_kernel_wins(dtype):
         return 0
-    ops = native.load()
     weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
-    if dtype == torch.float32:
-        return crossover(lambda x: ops.f32_linear(x, weight),
-                         lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), weight.shape[1],
-                         dtype)
-    return crossover(lambda x: ops.bf16_linear(x, weight), lambda x: F.linear(x, weight), weight.shape[1], dtype)
+    return crossover(lambda x: plain_gemv(x, weight), lambda x: plain_gemm(x, weight, None, dtype == torch.float32),
+                     weight.shape[1], dtype)
 
 
 class PlainLinear(nn.Module):
@@ -80,16 +88,12 @@ class PlainLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= self.kernel_rows and x.dtype == self.weight.dtype:
-            ops = native.load()
-            out = ops.f32_linear(rows, self.weight) if x.dtype == torch.float32 else ops.bf16_linear(rows, self.weight)
+            out = plain_gemv(rows, self.weight)
             if self.bias is not None:
                 out += self.bias
             return out.view(*x.shape[:-1], self.out_features)
         padded, m = pad_rows(x, self.in_features)
-        if self.decode_kernel and x.dtype == torch.float32:
-            out = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")
-        else:
-            out = F.linear(padded, self.weight, self.bias)
+        out = plain_gemm(padded, self.weight, self.bias, self.decode_kernel and x.dtype == torch.float32)
         return out[:m].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

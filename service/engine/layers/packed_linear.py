@@ -10,11 +10,14 @@ layout in packed_gemv's GEMV, faster there than oneDNN's own.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from sluice import native
 from sluice.service.engine import packed_gemv
+from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
 
 PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
 
@@ -46,7 +49,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """An nn.Linear whose weight is kept only in oneDNN's blocked layout (inference only).
 
-    Calls of up to packed_gemv.max_rows rows read that layout in the C++ GEMV where gemv_layout recognised it;
+    Calls of up to gemv_max_rows rows read that layout in the C++ GEMV where gemv_layout recognised it;
     larger ones (and every call where it did not) run oneDNN's own GEMM.
     """
 
@@ -59,7 +62,7 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.gemv_layout = packed_gemv.gemv_layout(self.packed, weight)
-        self.gemv_max_rows = packed_gemv.max_rows(weight.dtype) if self.gemv_layout else 0
+        self.gemv_max_rows = gemv_max_rows(weight.dtype) if self.gemv_layout else 0
         self.packed_ptr = torch.ops.mkldnn.data_ptr(self.packed) if self.gemv_layout else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +74,7 @@ class PackedLinear(nn.Module):
                 out += self.bias
             return out.view(*x.shape[:-1], self.out_features)
         rows, m = pad_rows(x, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
-        return out[:m].view(*x.shape[:-1], self.out_features)
+        return onednn_linear(rows, self.packed, self.bias)[:m].view(*x.shape[:-1], self.out_features)
 
     @property
     def kernel_max_rows(self) -> int:
@@ -102,6 +104,25 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] @ weight.T (+ bias) in oneDNN's GEMM, on a packed weight or a plain one."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+
+
+@functools.cache
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """The most rows a call may have to take the packed-layout GEMV here (0: oneDNN always wins), timed once per
+    dtype on a probe weight packed as PackedLinear packs its own."""
+    weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    layout = packed_gemv.gemv_layout(packed, weight)
+    if layout is None:
+        return 0
+    ptr, n = torch.ops.mkldnn.data_ptr(packed), weight.shape[0]
+    return crossover(lambda x: packed_gemv.gemv(x, ptr, n, layout), lambda x: onednn_linear(x, packed, None),
+                     weight.shape[1], dtype)
 
 
 def pad_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
