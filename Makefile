@@ -7,11 +7,22 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
-# One pytest process by default: on two cores the suite is CPU-bound, so two xdist workers barely shorten it, and
-# the hostile-input canaries (a stream's speed against its own baseline) fail when the other worker takes the
-# other core. TEST_WORKERS=2 runs two workers (tests/conftest.py hands out whole modules) where cores are spare.
-TEST_WORKERS ?= 0
+# The suite runs in two pytest processes: every test but the canaries on TEST_WORKERS xdist workers (tests/conftest.py
+# hands out whole modules), then the `canary` tests alone, since they compare a stream's speed before and during a
+# probe and another worker taking a core would fail them. OpenMP threads wait passively in tests: a spinning pool in
+# each worker and in each server they start burns the cores the others need (two workers used twice the CPU of one
+# process and finished later; passive, they use less CPU than one process did). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
+# $(call suite,MARK,ARGS): the tests matching MARK (a -m expression, or empty) but the canaries, then the canaries
+# among them; fails if either phase fails, and if neither collected a test (pytest's exit code 5).
+define suite
+	@export OMP_WAIT_POLICY=PASSIVE; \
+	$(BIN)/python -m pytest $(XDIST) -m "not canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); rest=$$?; \
+	$(BIN)/python -m pytest -p no:xdist -m "canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); canary=$$?; \
+	if [ $$rest -eq 5 ] && [ $$canary -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 5; fi; \
+	for rc in $$rest $$canary; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
+endef
 
 .PHONY: install serve test test-fast test-deep lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 
@@ -34,14 +45,13 @@ serve: model
 
 # pytest exits 5 when it collects no tests: that must fail CI, never pass silently.
 test: install
-	@$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+	$(call suite,,)
 
 test-deep: install  ## the suite under the deep hypothesis profile: 20,000 random bodies, 1,500 scheduler machine runs, 10x the examples
-	$(BIN)/python -m pytest $(XDIST) --hypothesis-profile=deep $(PYTEST_ARGS)
+	$(call suite,,--hypothesis-profile=deep)
 
 test-fast: install  ## everything but the tests that need the real SmolLM2
-	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(call suite,not slow,)
 
 lint: install
 	$(BIN)/ruff check sluice service scheduling kvcache metrics tests

@@ -95,6 +95,7 @@ PROBES = [  # (body, expected status, expected code)
 
 
 @pytest.mark.anyio
+@pytest.mark.canary  # its answers are timed: alone, no other worker takes the core the compiles need
 @pytest.mark.timeout(300)
 async def test_hostile_constraints_answer_fast_beside_a_stream(server):
     import aiohttp

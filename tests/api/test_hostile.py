@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.server import wait_idle
 
-pytestmark = [pytest.mark.slow, pytest.mark.anyio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.canary, pytest.mark.anyio, pytest.mark.timeout(300)]
 PROBE_LIMIT = 10.0  # seconds: the bound on any answer
 WINDOW = 1.5  # seconds: the shortest span a canary rate is taken over
 MODEL = "tiny"  # smol_server serves SmolLM2 under the suite's model name
