@@ -9,16 +9,17 @@ ARGS ?=
 PYTEST_ARGS ?=
 # The suite runs in two pytest processes: every test but the canaries on TEST_WORKERS xdist workers (tests/conftest.py
 # hands out whole modules), then the `canary` tests alone, since they compare a stream's speed before and during a
-# probe and another worker taking a core would fail them. OpenMP threads wait passively in tests: a spinning pool in
-# each worker and in each server they start burns the cores the others need (two workers used twice the CPU of one
-# process and finished later; passive, they use less CPU than one process did). TEST_WORKERS=0: one process.
+# probe and another worker taking a core would fail them. OpenMP threads wait passively under the workers: a spinning
+# pool in each worker and in each server they start burns the cores the others need (two workers used twice the CPU
+# of one process and finished later; passive, they use less CPU than one process did). The canaries keep torch's
+# default, the setting their speed ratios were set under. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
 # $(call suite,MARK,ARGS): the tests matching MARK (a -m expression, or empty) but the canaries, then the canaries
 # among them; fails if either phase fails, and if neither collected a test (pytest's exit code 5).
 define suite
-	@export OMP_WAIT_POLICY=PASSIVE; \
-	$(BIN)/python -m pytest $(XDIST) -m "not canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); rest=$$?; \
+	@OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest $(XDIST) -m "not canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); \
+	rest=$$?; \
 	$(BIN)/python -m pytest -p no:xdist -m "canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); canary=$$?; \
 	if [ $$rest -eq 5 ] && [ $$canary -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 5; fi; \
 	for rc in $$rest $$canary; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
