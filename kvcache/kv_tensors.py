@@ -10,18 +10,6 @@ def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
-def num_blocks_for_budget(
-    budget_bytes: int | float,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-) -> int:
-    """How many whole blocks fit in `budget_bytes`."""
-    return int(budget_bytes // kv_block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype))
-
-
 class KVTensors:
     """K and V for every layer in one tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim],
     plus a host pool of the same layout that whole blocks are swapped to and from."""

@@ -22,6 +22,7 @@ from torch import nn
 from sluice.service.bench.offline import OfflineRun
 from sluice.service.engine.layers.gguf_blocks import dequantize
 from sluice.service.engine.models.llama import LlamaForCausalLM
+from sluice.service.engine.models.weights import attention_shape
 
 
 @dataclass(slots=True)
@@ -104,8 +105,7 @@ class RawForward:
         cfg = model.config.get_text_config()
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        _, self.num_kv_heads, self.head_dim = attention_shape(cfg)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         # transformers 5 renamed past_key_values to cache; use whichever this version's forward takes.

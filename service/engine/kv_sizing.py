@@ -27,6 +27,7 @@ from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
 from sluice.kvcache.paged_attention import AttentionMetadata
 from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
 from sluice.service.engine.cpu import CGROUP_ROOT, MEMINFO, PROC_CGROUP, cgroup_memory_limit, mem_available
+from sluice.service.engine.models.weights import attention_shape
 
 GiB = 1 << 30
 # Half of what is left: the rest covers activations, the tokenizer, Python, other tenants and page cache.
@@ -46,9 +47,9 @@ class KVShape:
 
     @classmethod
     def of(cls, model, block_size: int, dtype: torch.dtype) -> KVShape:
+        """The blocks of `model` (its transformers config) at this block size and cache dtype."""
         config = model.config.get_text_config()
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        _, num_kv_heads, head_dim = attention_shape(config)
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
 
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -10,7 +11,7 @@ import torch
 
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.decode_kernel import load as load_decode_kernel
-from sluice.kvcache.kv_tensors import KVTensors, num_blocks_for_budget
+from sluice.kvcache.kv_tensors import KVTensors
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
 from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -61,26 +62,19 @@ class ModelRunner:
         self.kv_dtype = cache_config.cache_dtype(dtype)
         self.attention_backend = resolve_backend(cache_config.attention_backend, self.device, self.block_size,
                                                  mixed_dtypes=self.kv_dtype != dtype)
-        config = model.config.get_text_config()
-        num_layers = config.num_hidden_layers
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (num_layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype)
+        shape = KVShape.of(model, self.block_size, self.kv_dtype)
         # --num-kv-blocks, else --kv-cache-memory in GiB, else auto (on CUDA after a profile forward): kv_sizing.
         self.num_kv_blocks, self.kv_cache_source = kv_cache_blocks(
-            model, cache_config, self.device, KVShape(*shape), max_num_batched_tokens, max_num_seqs, max_model_len,
+            model, cache_config, self.device, shape, max_num_batched_tokens, max_num_seqs, max_model_len,
             self.attention_backend,
         )
+        self.kv_cache_bytes = self.num_kv_blocks * shape.block_bytes
         # Swap 'auto' on CPU with preemption mode swap: a host pool as large as the cache (up to a cap).
-        cache_gib = self.num_kv_blocks * KVShape(*shape).block_bytes / GiB
-        swap_gib = cache_config.swap_space_gib(self.device.type, preemption_mode, cache_gib)
-        self.num_host_blocks = num_blocks_for_budget(swap_gib * GiB, *shape)
+        swap_gib = cache_config.swap_space_gib(self.device.type, preemption_mode, self.kv_cache_bytes / GiB)
+        self.num_host_blocks = int(swap_gib * GiB // shape.block_bytes)
         # One block past the pool's: the scratch block padding rows of a decode step write to and read from.
-        self.kv = KVTensors(
-            self.num_kv_blocks + 1, num_layers, num_kv_heads, head_dim, self.block_size, self.kv_dtype, self.device,
-            num_host_blocks=self.num_host_blocks,
-        )
-        self.kv_cache_bytes = self.num_kv_blocks * KVShape(*shape).block_bytes
+        self.kv = KVTensors(self.num_kv_blocks + 1, *dataclasses.astuple(shape), self.device,
+                            num_host_blocks=self.num_host_blocks)
         # A sequence holds at most max_model_len tokens, and never more blocks than the cache has.
         max_blocks = -(-max_model_len // self.block_size) if max_model_len else self.num_kv_blocks
         self.decode_buffers = DecodeBuffers(max_num_seqs, min(max_blocks, self.num_kv_blocks), self.block_size,

@@ -128,7 +128,7 @@ def forward_both(arch: str, prompt: list[int]):
     ours = weights.from_transformers(source, PlainMethod(torch.device("cuda"), torch.float32), CPU, torch.float32)
     ids = torch.tensor(prompt)
     config = ours.config
-    kv = KVTensors(4, config.num_hidden_layers, config.num_key_value_heads, weights.head_dim_of(config), 16,
+    kv = KVTensors(4, config.num_hidden_layers, config.num_key_value_heads, weights.attention_shape(config)[2], 16,
                    torch.float32, CPU)
     positions = torch.arange(len(prompt))
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], torch.arange(4, dtype=torch.int32)[None],

@@ -1,10 +1,10 @@
-"""KV tensor layout, budget sizing and host swapping."""
+"""KV tensor layout, block size in bytes and host swapping."""
 
 from __future__ import annotations
 
 import torch
 
-from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes, num_blocks_for_budget
+from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
 
 
 def make(num_blocks=8, num_host_blocks=6, dtype=torch.float32):
@@ -23,13 +23,9 @@ def test_layout_and_per_layer_views():
     assert kv.num_bytes == 8 * kv_block_bytes(3, 2, 4, 4, torch.float32)
 
 
-def test_budget_sizing():
-    per_block = kv_block_bytes(30, 3, 64, 16, torch.bfloat16)
-    assert per_block == 2 * 30 * 16 * 3 * 64 * 2
-    assert num_blocks_for_budget(10 * per_block, 30, 3, 64, 16, torch.bfloat16) == 10
-    assert num_blocks_for_budget(10 * per_block - 1, 30, 3, 64, 16, torch.bfloat16) == 9
-    assert num_blocks_for_budget(2**30, 30, 3, 64, 16, torch.float32) == 2**30 // (per_block * 2)
-    assert num_blocks_for_budget(0, 30, 3, 64, 16, torch.float32) == 0
+def test_block_bytes():
+    assert kv_block_bytes(30, 3, 64, 16, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+    assert kv_block_bytes(30, 3, 64, 16, torch.float32) == 2 * kv_block_bytes(30, 3, 64, 16, torch.bfloat16)
 
 
 def test_swap_out_then_in_restores_every_layer():

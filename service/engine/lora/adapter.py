@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from sluice.service.engine.models.weights import attention_shape
+
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The owned model's fused linears and the checkpoint modules each is made of, in the order of its output rows.
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
@@ -48,8 +50,7 @@ class Geometry:
     def of(cls, config) -> Geometry:
         """The geometry of a Llama-family transformers config."""
         config = config.get_text_config()
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, head_dim = attention_shape(config)
         e, i = config.hidden_size, config.intermediate_size
         shapes = {"self_attn.q_proj": (heads * head_dim, e), "self_attn.k_proj": (kv_heads * head_dim, e),
                   "self_attn.v_proj": (kv_heads * head_dim, e), "self_attn.o_proj": (e, heads * head_dim),

@@ -38,9 +38,12 @@ def unsupported_reason(config) -> str | None:
     return None
 
 
-def head_dim_of(config) -> int:
-    """The attention head size: the config's head_dim, else hidden_size / heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a transformers text config: KV heads default to the query heads, the
+    head size to hidden_size / heads."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def _sliding_window(config, layer: int) -> int | None:
@@ -68,14 +71,14 @@ def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, 
     def norm(name: str) -> RMSNorm:
         return RMSNorm(take(name), config.rms_norm_eps)
 
-    head_dim = head_dim_of(config)
+    heads, kv_heads, head_dim = attention_shape(config)
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         has_qk_norm = tensors(f"{p}self_attn.q_norm.weight") is not None
         attn = PagedAttention(
             linear(p + "self_attn.", ["q_proj", "k_proj", "v_proj"]), linear(p + "self_attn.", ["o_proj"]),
-            config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads, head_dim, i,
+            heads, kv_heads, head_dim, i,
             norm(f"{p}self_attn.q_norm.weight") if has_qk_norm else None,
             norm(f"{p}self_attn.k_norm.weight") if has_qk_norm else None,
             _sliding_window(config, i),
