@@ -147,19 +147,20 @@ def test_an_explicit_backend_this_device_cannot_run_fails_at_start():
 
 def visibility_from_block_mask(mask, group, num_physical: int, block_size: int) -> torch.Tensor:
     """[B, q_len, num_physical * block_size] as a block-sparse kernel reads the mask: full blocks wholly, partial
-    blocks through mask_mod, unlisted blocks not at all (the unfused CPU path cannot tell these apart)."""
-    kv = torch.arange(num_physical * block_size)
-    out = torch.zeros(group.num_seqs, group.q_len, len(kv), dtype=torch.bool)
+    blocks through mask_mod, unlisted blocks not at all (the unfused CPU path cannot tell these apart). Every query
+    of a tile reads the tile's lists, so each list is applied to the tile's queries at once."""
+    out = torch.zeros(group.num_seqs, group.q_len, num_physical * block_size, dtype=torch.bool)
+    offsets = torch.arange(block_size)
     for b in range(group.num_seqs):
-        for q in range(group.q_len):
-            tile = q // flex.Q_BLOCK
-            for lists, counts, is_full in ((mask.full_kv_indices, mask.full_kv_num_blocks, True),
-                                           (mask.kv_indices, mask.kv_num_blocks, False)):
-                for p in lists[b, 0, tile, : counts[b, 0, tile]].tolist():
-                    slots = slice(p * block_size, (p + 1) * block_size)
-                    assert not out[b, q, slots].any(), "a block listed twice"
-                    out[b, q, slots] = True if is_full else mask.mask_mod(
-                        torch.tensor(b), torch.tensor(0), torch.tensor(q), kv[slots])
+        for tile, first in enumerate(range(0, group.q_len, flex.Q_BLOCK)):
+            q = torch.arange(first, min(first + flex.Q_BLOCK, group.q_len))[:, None]
+            full = mask.full_kv_indices[b, 0, tile, : mask.full_kv_num_blocks[b, 0, tile]].tolist()
+            partial = mask.kv_indices[b, 0, tile, : mask.kv_num_blocks[b, 0, tile]].tolist()
+            assert len(set(full + partial)) == len(full) + len(partial), "a block listed twice"
+            for blocks, is_full in ((full, True), (partial, False)):
+                if blocks:
+                    slots = (torch.tensor(blocks)[:, None] * block_size + offsets).reshape(1, -1)
+                    out[b, q, slots] = True if is_full else mask.mask_mod(torch.tensor(b), torch.tensor(0), q, slots)
     return out
 
 
@@ -187,13 +188,13 @@ def test_block_masks_are_exact_where_the_kernel_skips_mask_mod(window, block_siz
         mask = flex.build_block_mask(group, num_physical, block_size, window)
         got = visibility_from_block_mask(mask, group, num_physical, block_size)
         for b, i in enumerate(members):
+            # logical position j * block_size + o lives in physical slot tables[i][j] * block_size + o
+            slots = (torch.tensor(tables[i])[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+            pos_k = torch.arange(len(slots))[None, :]
+            pos_q = seq_lens[i] - group.q_len + torch.arange(group.q_len)[:, None]
+            visible = (pos_k <= pos_q) & (pos_k > pos_q - window) if window is not None else pos_k <= pos_q
             expected = torch.zeros(group.q_len, num_physical * block_size, dtype=torch.bool)
-            for j, p in enumerate(tables[i]):
-                for o in range(block_size):
-                    pos_k = j * block_size + o
-                    for q in range(group.q_len):
-                        pos_q = seq_lens[i] - group.q_len + q
-                        expected[q, p * block_size + o] = pos_k <= pos_q and (window is None or pos_k > pos_q - window)
+            expected[:, slots] = visible
             assert torch.equal(got[b], expected), (i, seqs[i])
 
 
