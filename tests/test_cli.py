@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
 from sluice.service.cli import build_parser
 from sluice.service.config import SluiceConfig, config_from_args
+
+
+@pytest.fixture(autouse=True)
+def no_sluice_environment(monkeypatch):
+    """Flags fall back to SLUICE_* variables: the caller's own (SLUICE_CACHE_DIR, say) must not leak in."""
+    for name in [n for n in os.environ if n.startswith("SLUICE_")]:
+        monkeypatch.delenv(name)
 
 
 def config(argv: list[str]) -> SluiceConfig:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import glob
-import os
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,18 +13,15 @@ from tests.support.tiny import tokenizer as tiny_tokenizer
 TEXTS = ["你好 😀 café Paris", "日本語 ✓ ünïcödé 🎉🎉", "The capital of France is Paris."]
 
 
-@functools.lru_cache(maxsize=1)
-def _smollm2_tokenizer():
-    """The real SmolLM2 tokenizer, only when some earlier run left it in the Sluice cache (no downloads)."""
-    root = os.environ.get("SLUICE_CACHE_DIR") or os.path.expanduser("~/.cache/sluice")
-    for path in glob.glob(os.path.join(root, "**", "tokenizer.json"), recursive=True):
-        from transformers import AutoTokenizer
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_dir):
+    """The real SmolLM2 tokenizer (the session's download: byte-level BPE with merges the tiny one lacks)."""
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.path.dirname(path))
-    return None
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-TOKENIZERS = [pytest.param(tiny_tokenizer, id="tiny-bpe"), pytest.param(_smollm2_tokenizer, id="smollm2")]
+TOKENIZERS = [pytest.param("tiny", id="tiny-bpe"), pytest.param("smollm2", id="smollm2", marks=pytest.mark.slow)]
 
 
 def feed(tok, ids, prompt=(), **kw):
@@ -40,10 +33,7 @@ def feed(tok, ids, prompt=(), **kw):
 
 @pytest.fixture(params=TOKENIZERS)
 def tok(request):
-    t = request.param()
-    if t is None:
-        pytest.skip("SmolLM2 tokenizer not cached")
-    return t
+    return tiny_tokenizer() if request.param == "tiny" else request.getfixturevalue("smollm2_tokenizer")
 
 
 @pytest.mark.parametrize("text", TEXTS)
