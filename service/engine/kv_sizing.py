@@ -56,6 +56,11 @@ class KVShape:
     def block_bytes(self) -> int:
         return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
+    def allocate(self, num_blocks: int, device: torch.device, num_host_blocks: int = 0) -> KVTensors:
+        """KV tensors of `num_blocks` blocks of this shape on `device` (and a host pool of `num_host_blocks`)."""
+        return KVTensors(num_blocks, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
+                         device, num_host_blocks=num_host_blocks)
+
 
 @dataclass(frozen=True, slots=True)
 class KVBudget:
@@ -162,7 +167,7 @@ def profile_forward(
     the attention backend the runner will use."""
     bs = shape.block_size
     num_blocks = -(-num_tokens // bs)
-    kv = KVTensors(num_blocks, shape.num_layers, shape.num_kv_heads, shape.head_dim, bs, shape.dtype, device)
+    kv = shape.allocate(num_blocks, device)
     block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     positions = torch.arange(num_tokens, device=device)
     meta = AttentionMetadata.build([num_tokens], [num_tokens], block_table, positions.clone(), bs, backend=backend)

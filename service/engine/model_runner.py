@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -11,7 +10,6 @@ import torch
 
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.decode_kernel import load as load_decode_kernel
-from sluice.kvcache.kv_tensors import KVTensors
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
 from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -73,8 +71,7 @@ class ModelRunner:
         swap_gib = cache_config.swap_space_gib(self.device.type, preemption_mode, self.kv_cache_bytes / GiB)
         self.num_host_blocks = int(swap_gib * GiB // shape.block_bytes)
         # One block past the pool's: the scratch block padding rows of a decode step write to and read from.
-        self.kv = KVTensors(self.num_kv_blocks + 1, *dataclasses.astuple(shape), self.device,
-                            num_host_blocks=self.num_host_blocks)
+        self.kv = shape.allocate(self.num_kv_blocks + 1, self.device, self.num_host_blocks)
         # A sequence holds at most max_model_len tokens, and never more blocks than the cache has.
         max_blocks = -(-max_model_len // self.block_size) if max_model_len else self.num_kv_blocks
         self.decode_buffers = DecodeBuffers(max_num_seqs, min(max_blocks, self.num_kv_blocks), self.block_size,
