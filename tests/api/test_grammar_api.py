@@ -121,7 +121,7 @@ async def test_hostile_constraints_answer_fast_beside_a_stream(server):
         # back-to-back probes share whatever they ask. tests/api/test_hostile.py checks the rate on SmolLM2.
         print(f"greedy stream: {idle:.0f} tok/s idle, {busy:.0f} tok/s beside {rounds} rounds of probes")
         assert rounds >= 1 and busy > 0, (idle, busy)
-        for i in range(20):  # distinct 60 KB choice lists: the cache stays within --grammar-cache-bytes
+        for i in range(6):  # distinct 60 KB choice lists after the probes: each still compiles and answers
             choices = [f"{i}-{j}-" + "y" * 280 for j in range(200)]
             assert (await post(session, server, {"guided_choice": choices}))[0] == 200
     await wait_idle(server)

@@ -202,7 +202,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def test_large_choice_lists_are_bounded_in_memory(smol_server, canary):
-    url, before, lists = smol_server.url, rss_mib(smol_server.proc.pid), 10
+    url, before, lists = smol_server.url, rss_mib(smol_server.proc.pid), 6
 
     async def send():
         results = []
@@ -255,16 +255,24 @@ async def test_many_large_tools_stay_off_the_event_loop(smol_server, canary):
     assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
 
 
-@pytest.mark.parametrize("body", [
-    chat("x", **schema_format(nested(130))),
-    chat("x", tools=[{"type": "function", "function": {"name": "f", "parameters": nested(130)}}]),
-    chat("x", guided_json=nested(300)),
-    {"model": MODEL, "messages": [{"role": "user", "content": deep_list(200)}]},
-    b'{"model": "tiny", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-], ids=["response_format", "tool parameters", "guided_json 300", "content", "5000 brackets"])
-async def test_deep_nesting_is_a_400(smol_server, body, canary):
-    (status, out), _ = await measure(canary, "deep nesting", lambda: call(smol_server.url, H, body))
-    assert status == 400, out
+DEEP = {
+    "response_format": chat("x", **schema_format(nested(130))),
+    "tool parameters": chat("x", tools=[{"type": "function", "function": {"name": "f", "parameters": nested(130)}}]),
+    "guided_json 300": chat("x", guided_json=nested(300)),
+    "content": {"model": MODEL, "messages": [{"role": "user", "content": deep_list(200)}]},
+    "5000 brackets": b'{"model": "tiny", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+}
+
+
+async def all_at_once(url: str, path: str, bodies: dict) -> list:
+    """Every body sent at once: the canary's window covers them together, a stricter probe than one at a time."""
+    return list(await asyncio.gather(*(call(url, path, body) for body in bodies.values())))
+
+
+async def test_deep_nesting_is_a_400(smol_server, canary):
+    results, _ = await measure(canary, f"deep nesting x{len(DEEP)}", lambda: all_at_once(smol_server.url, H, DEEP))
+    for name, (status, out) in zip(DEEP, results, strict=True):
+        assert status == 400, (name, out)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
@@ -281,14 +289,15 @@ async def test_forced_call_pushed_to_brackets_is_not_a_500(smol_server, tok, str
         assert not any("error" in e for e in out), out
 
 
-@pytest.mark.parametrize("extra", [
-    {"guided_grammar": "root ::= a\na ::= a"},
-    {"guided_regex": "[^\\s\\S]"},
-], ids=["grammar accepting nothing", "regex matching nothing"])
-async def test_impossible_constraints_are_refused(smol_server, extra, canary):
-    (status, out), _ = await measure(canary, f"impossible: {next(iter(extra.values()))}",
-                                     lambda: call(smol_server.url, H, chat("x", **extra)))
-    assert status == 400, out
+IMPOSSIBLE = {"grammar accepting nothing": chat("x", guided_grammar="root ::= a\na ::= a"),
+              "regex matching nothing": chat("x", guided_regex="[^\\s\\S]")}
+
+
+async def test_impossible_constraints_are_refused(smol_server, canary):
+    results, _ = await measure(canary, "impossible grammar and regex",
+                               lambda: all_at_once(smol_server.url, H, IMPOSSIBLE))
+    for name, (status, out) in zip(IMPOSSIBLE, results, strict=True):
+        assert status == 400, (name, out)
 
 
 async def test_choice_outside_allowed_ids_ends_with_an_error(smol_server, tok, canary):
@@ -298,17 +307,20 @@ async def test_choice_outside_allowed_ids_ends_with_an_error(smol_server, tok, c
     assert 400 <= status < 500, out
 
 
-@pytest.mark.parametrize("schema", [
-    {"$ref": "https://example.com/schema.json"},
-    {"type": "array", "contains": {"type": "integer"}},
-    {"type": "object", "not": {"required": ["a"]}},
-    {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
-], ids=["$ref URL", "contains", "not", "if"])
-async def test_unsupported_schema_keywords_are_refused(smol_server, schema, canary):
-    keyword = next(k for k in schema if k != "type")
-    (status, out), _ = await measure(canary, f"schema keyword {keyword}",
-                                     lambda: call(smol_server.url, H, chat("x", **schema_format(schema))))
-    assert status == 400 and out["error"]["param"], out
+UNSUPPORTED = {
+    "$ref URL": {"$ref": "https://example.com/schema.json"},
+    "contains": {"type": "array", "contains": {"type": "integer"}},
+    "not": {"type": "object", "not": {"required": ["a"]}},
+    "if": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+}
+
+
+async def test_unsupported_schema_keywords_are_refused(smol_server, canary):
+    bodies = {name: chat("x", **schema_format(schema)) for name, schema in UNSUPPORTED.items()}
+    results, _ = await measure(canary, f"schema keywords {', '.join(UNSUPPORTED)}",
+                               lambda: all_at_once(smol_server.url, H, bodies))
+    for name, (status, out) in zip(UNSUPPORTED, results, strict=True):
+        assert status == 400 and out["error"]["param"], (name, out)
 
 
 async def test_forced_calls_cut_by_the_length_limit_come_back_as_calls(smol_server, canary):

@@ -4,6 +4,7 @@ tool history is accepted, bad tools are 400s naming the parameter, and SmolLM2 m
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -89,11 +90,11 @@ async def streamed(c, **kwargs) -> tuple[str, list[tuple[str, dict]], str]:
 @pytest.mark.parametrize("path", ["prompted", "native"])
 async def test_forced_calls_always_validate_on_the_tiny_model(request, path, tool_choice, parallel, allowed):
     srv = request.getfixturevalue("tiny" if path == "prompted" else "tiny_native")
-    async with client(srv) as c:
-        for seed in range(3):
-            reply = await c.chat.completions.create(
-                model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
-                temperature=1.0, seed=seed, n=2, max_tokens=1000)  # room for 8 parallel calls
+    async with client(srv) as c:  # three seeds at once: one batch of six samples
+        replies = await asyncio.gather(*(c.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
+            temperature=1.0, seed=seed, n=2, max_tokens=1000) for seed in range(3)))  # room for 8 parallel calls
+        for seed, reply in enumerate(replies):
             for choice in reply.choices:
                 assert choice.finish_reason == "tool_calls", (seed, choice.message.content)
                 assert choice.message.content is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from sluice.service.engine.attention_backend import get_forward_context
 from sluice.service.engine.decode_buffers import capture_sizes
-from tests.support.runner import Driver, hf_greedy, make_runner, prompts, tiny_pair
+from tests.support.parity import hf_greedy
+from tests.support.runner import Driver, make_runner, prompts, tiny_pair
 
 N_NEW = 6
 

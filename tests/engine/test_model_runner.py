@@ -11,7 +11,8 @@ from sluice.scheduling.output import SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
 from sluice.service.engine.model_runner import ModelRunner
-from tests.support.runner import Driver, hf_greedy, make_runner, prompts, tiny_pair
+from tests.support.parity import hf_greedy
+from tests.support.runner import Driver, make_runner, prompts, tiny_pair
 
 
 @pytest.mark.parametrize("arch,owned", [("llama", True), ("qwen2", True), ("qwen3", True), ("llama", False),

@@ -1,4 +1,4 @@
-"""ModelRunner helpers: twin tiny models, transformers' greedy generate, and a hand-driven stand-in for the scheduler."""
+"""ModelRunner helpers: twin tiny models and a hand-driven stand-in for the scheduler."""
 
 from __future__ import annotations
 
@@ -43,14 +43,6 @@ def tiny_pair(arch: str):
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
     ours.load_state_dict(reference.state_dict())
     return reference, ours
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 class Driver:
