@@ -16,7 +16,6 @@ Every CUDA memory query goes through `cuda_memory`, so tests replace that one fu
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
 from sluice.kvcache.paged_attention import AttentionMetadata
 from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
 from sluice.service.engine.cpu import CGROUP_ROOT, MEMINFO, PROC_CGROUP, cgroup_memory_limit, mem_available
+from sluice.service.engine.models.packed import packed_logits
 from sluice.service.engine.models.weights import attention_shape
 
 GiB = 1 << 30
@@ -171,13 +171,11 @@ def profile_forward(
     block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     positions = torch.arange(num_tokens, device=device)
     meta = AttentionMetadata.build([num_tokens], [num_tokens], block_table, positions.clone(), bs, backend=backend)
-    input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
-    kw = {}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kw["logits_to_keep"] = torch.arange(num_tokens - num_logits, num_tokens, device=device)
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    rows = torch.arange(num_tokens - num_logits, num_tokens, device=device)
     with set_forward_context(ForwardContext(meta, kv.layers)):
-        logits = model(input_ids=input_ids, position_ids=positions[None], use_cache=False, **kw).logits
-        logits[0, -num_logits:].float()  # the sampler's copy
+        logits = packed_logits(model, input_ids, positions, rows)
+        logits.float()  # the sampler's copy
     del kv, logits
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -22,6 +21,7 @@ from sluice.service.engine.attention_backend import (
 from sluice.service.engine.decode_buffers import DecodeBuffers, DecodeStep
 from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.engine.models.llama import LlamaForCausalLM
+from sluice.service.engine.models.packed import packed_hidden, packed_logits
 from sluice.service.engine.pooling import Pooler
 from sluice.service.engine.sampler import sample
 from sluice.service.engine.spec_verify import expand_rows, verify
@@ -46,8 +46,7 @@ class ModelRunner:
         self.model = model
         # Sluice's own model calls the paged attention itself; a transformers one does through its
         # AttentionInterface (idempotent: a caller-built model may still be on sdpa/eager).
-        self._owned = isinstance(model, LlamaForCausalLM)
-        if not self._owned:
+        if not isinstance(model, LlamaForCausalLM):
             model.set_attn_implementation(register())
             if model.config._attn_implementation != ATTN_IMPLEMENTATION:
                 raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
@@ -79,8 +78,6 @@ class ModelRunner:
         self.decode_kernel = None
         if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.decode_kernel = load_decode_kernel()
-        # Models whose forward lacks logits_to_keep get full logits, sliced afterwards (correct, just slower).
-        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
         self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
@@ -211,25 +208,12 @@ class ModelRunner:
     def _forward_pooling(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
                          scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """_forward for a step with embedding requests: the logits of the sampled rows and the pooled vectors."""
-        if self._owned:
-            hidden, norm, head = self.model.hidden_states(input_ids, positions), self.model.norm, self.model.lm_head
-        else:  # transformers' decoder ends with its final norm
-            hidden = self.model.get_decoder()(input_ids=input_ids[None], position_ids=positions[None],
-                                              use_cache=False).last_hidden_state[0]
-            norm, head = (lambda h: h), self.model.get_output_embeddings()
+        hidden, norm, head = packed_hidden(self.model, input_ids, positions)
         return head(norm(hidden[sample_rows])), self.pooler.pool(hidden, norm, scheduled)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """One forward over the packed batch (as a single sequence of batch 1); logits [len(sample_rows), V]."""
-        if self._owned:
-            return self.model.compute_logits(input_ids, positions, sample_rows)
-        if self._has_logits_to_keep:
-            output = self.model(
-                input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=sample_rows
-            )
-            return output.logits[0]
-        output = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        return output.logits[0, sample_rows]
+        return packed_logits(self.model, input_ids, positions, sample_rows)
 
 
 def _rows_without_token(logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor]:

@@ -13,7 +13,6 @@ than the kernels.
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -104,9 +103,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """input_ids and positions [T] (every scheduled token, packed) → the logits of `rows` [n, V]."""
         return self.lm_head(self.norm(self.hidden_states(input_ids, positions)[rows]))
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep=None, **_) -> SimpleNamespace:
-        """transformers' calling convention for one packed row (input_ids, position_ids [1, T]): `.logits` [1, n, V]
-        of the rows in `logits_to_keep` (all rows where None). The KV cache profile forward calls it so."""
-        rows = torch.arange(input_ids.shape[1], device=input_ids.device) if logits_to_keep is None else logits_to_keep
-        return SimpleNamespace(logits=self.compute_logits(input_ids[0], position_ids[0], rows)[None])
