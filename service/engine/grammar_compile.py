@@ -22,7 +22,7 @@ from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
 from sluice.service.engine.grammar_worker import serve
 
 logger = logging.getLogger("sluice.grammar")
-STARTUP_TIMEOUT = 120.0  # a child imports xgrammar and torch: seconds on a busy machine
+STARTUP_TIMEOUT = 120.0  # the first child starts the fork server, which imports xgrammar and torch: seconds
 _POLL = 0.05  # how often a running compile looks for the end of its time or of its clients
 
 
@@ -40,6 +40,16 @@ class CompileJob:
     abandoned: bool = False
 
 
+def _context():
+    """Children forked from a fork server that has already imported xgrammar: a fresh child (the first, or the
+    next after a kill) costs a fork, not an interpreter start and xgrammar's import (seconds of a core, which a
+    client sending slow constraints could otherwise make the server pay again and again). The server process is
+    exec'd clean, so a fork of it copies none of the engine's threads or torch state."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["sluice.service.engine.grammar_worker", "xgrammar"])
+    return ctx
+
+
 class _Worker:
     """One compile child process and its pipe; started on first use, killed when a compile must end."""
 
@@ -49,7 +59,7 @@ class _Worker:
         self._conn = None
 
     def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
+        ctx = _context()
         parent, child = ctx.Pipe()
         self._process = ctx.Process(target=serve, args=(child, self._info), daemon=True, name="sluice-grammar")
         self._process.start()
