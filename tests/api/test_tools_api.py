@@ -273,17 +273,16 @@ def smol(smol_server):
 @pytest.mark.parametrize("tool_choice,allowed", [
     ("required", ("get_weather", "add")), ({"type": "function", "function": {"name": "get_weather"}}, ("get_weather",))])
 async def test_smollm2_forced_calls_validate(smol, tool_choice, allowed):
-    async with client(smol) as c:
-        for temperature in (0.8, 0.0):
-            reply = await c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-                                                    temperature=temperature, seed=3, max_tokens=200)
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=200)
+    async with client(smol) as c:  # sampled, greedy and greedy streamed at once: one batch
+        *replies, (_, streamed_calls, finish) = await asyncio.gather(
+            *(c.chat.completions.create(temperature=t, seed=3, **kwargs) for t in (0.8, 0.0)),
+            streamed(c, temperature=0, **kwargs))
+        for reply in replies:
             choice = reply.choices[0]
             assert choice.finish_reason == "tool_calls", choice
             calls = check_calls(choice.message.tool_calls, allowed)
-        # greedy and streamed: the same calls
-        _, streamed_calls, finish = await streamed(c, model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-                                                   temperature=0, max_tokens=200)
-        assert (streamed_calls, finish) == (calls, "tool_calls")
+        assert (streamed_calls, finish) == (calls, "tool_calls")  # greedy and streamed: the same calls
     await wait_idle(smol)
 
 
@@ -335,34 +334,36 @@ async def raw_stream(srv, body: dict) -> list[dict]:
 async def test_calls_complete_before_max_tokens_come_back_as_tool_calls(request, path):
     srv = request.getfixturevalue("tiny" if path == "prompted" else "tiny_native")
     kwargs = dict(model=MODEL, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=1000)
-    kept = 0
-    async with client(srv) as c:
-        for city in ("Paris", "Rome", "Oslo", "Lima"):  # greedy: the cut reply is a prefix of the full one
-            kwargs["messages"] = [{"role": "user", "content": f"What is the weather in {city}?"}]
-            full = await c.chat.completions.create(**kwargs)
-            calls = full.choices[0].message.tool_calls
-            limit = full.usage.completion_tokens - 6  # inside the last call (or its closing bracket)
-            cut = await c.chat.completions.create(**{**kwargs, "max_tokens": limit})
-            choice = cut.choices[0]
-            assert choice.finish_reason == "length"
-            assert choice.message.content in (None, "")  # never the grammar's text
-            got = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
-            assert got == [(t.function.name, t.function.arguments) for t in calls[:len(got)]]
-            assert len(got) >= len(calls) - 1
-            kept += len(got)
-            chunks = await raw_stream(srv, {**kwargs, "max_tokens": limit})
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            assert not "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
-            pieces: dict[int, list] = {}
-            for ch in chunks:
-                for d in ch["choices"][0]["delta"].get("tool_calls") or []:
-                    pieces.setdefault(d["index"], []).append(d)
-            assert len(pieces) in (len(got), len(got) + 1)  # and the start and pieces of a cut call
-            for i, call in enumerate(choice.message.tool_calls or []):
-                first, *rest = pieces[i]
-                assert first["function"] == {"name": call.function.name, "arguments": ""} and first["id"]
-                assert "".join(d["function"]["arguments"] for d in rest) == call.function.arguments
-                assert len(rest) > 1  # the arguments came as they were generated
+
+    async def one(c, city: str) -> int:  # greedy: the cut reply is a prefix of the full one
+        asked = {**kwargs, "messages": [{"role": "user", "content": f"What is the weather in {city}?"}]}
+        full = await c.chat.completions.create(**asked)
+        calls = full.choices[0].message.tool_calls
+        limit = full.usage.completion_tokens - 6  # inside the last call (or its closing bracket)
+        cut, chunks = await asyncio.gather(c.chat.completions.create(**{**asked, "max_tokens": limit}),
+                                           raw_stream(srv, {**asked, "max_tokens": limit}))
+        choice = cut.choices[0]
+        assert choice.finish_reason == "length"
+        assert choice.message.content in (None, "")  # never the grammar's text
+        got = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
+        assert got == [(t.function.name, t.function.arguments) for t in calls[:len(got)]]
+        assert len(got) >= len(calls) - 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert not "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+        pieces: dict[int, list] = {}
+        for ch in chunks:
+            for d in ch["choices"][0]["delta"].get("tool_calls") or []:
+                pieces.setdefault(d["index"], []).append(d)
+        assert len(pieces) in (len(got), len(got) + 1)  # and the start and pieces of a cut call
+        for i, call in enumerate(choice.message.tool_calls or []):
+            first, *rest = pieces[i]
+            assert first["function"] == {"name": call.function.name, "arguments": ""} and first["id"]
+            assert "".join(d["function"]["arguments"] for d in rest) == call.function.arguments
+            assert len(rest) > 1  # the arguments came as they were generated
+        return len(got)
+
+    async with client(srv) as c:  # the four cities at once
+        kept = sum(await asyncio.gather(*(one(c, city) for city in ("Paris", "Rome", "Oslo", "Lima"))))
     assert kept, "no reply had a call complete before the limit"
     await wait_idle(srv)
 
@@ -413,8 +414,8 @@ async def test_smollm2_required_cut_by_max_tokens_is_never_grammar_text(smol):
         whole = await c.chat.completions.create(max_tokens=120, **kwargs)
         [complete] = check_calls(whole.choices[0].message.tool_calls, ("get_weather",))
         limit = whole.usage.completion_tokens - 5  # inside the arguments
-        reply = await c.chat.completions.create(max_tokens=limit, **kwargs)
-        content, calls, finish = await streamed_lenient(c, max_tokens=limit, **kwargs)
+        reply, (content, calls, finish) = await asyncio.gather(c.chat.completions.create(max_tokens=limit, **kwargs),
+                                                               streamed_lenient(c, max_tokens=limit, **kwargs))
     choice = reply.choices[0]
     assert choice.finish_reason == finish == "length"
     assert not choice.message.content and not content and choice.message.tool_calls is None
