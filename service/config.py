@@ -31,6 +31,10 @@ class ModelConfig:
         "Weights and KV dtype: 'auto' (bf16 on CUDA; on CPU bf16 where it has a native bf16 matmul, AMX or "
         "avx512_bf16, else fp32), 'float32', 'bfloat16', 'float16'.",
     )
+    num_threads: int = knob(
+        0, "CPU threads for torch's intra-op pool and Sluice's kernels (0: the usable cores, from the affinity "
+        "mask and the cgroup's CPU quota). More threads than cores make OpenMP spin and stall.",
+    )
     cache_dir: str = knob(
         "", "Where the default model is unpacked and cached (default: $SLUICE_CACHE_DIR or ~/.cache/sluice)."
     )
@@ -196,6 +200,8 @@ class SluiceConfig:
         """Raise ValueError on an inconsistent configuration."""
         if self.model.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.model.quantization!r}")
+        if self.model.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0: the usable cores), not {self.model.num_threads}")
         self.cache.validate()
         self.scheduler.validate()
         self.grammar.validate()

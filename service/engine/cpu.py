@@ -40,11 +40,12 @@ def available_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
     return max(1, cpus)
 
 
-def configure_torch_threads() -> int:
-    """Size torch's intra-op pool to the usable cores: more threads than cores makes OpenMP spin and stall."""
+def configure_torch_threads(threads: int = 0) -> int:
+    """Size torch's intra-op pool to `threads`, or (0) to the usable cores: more threads than cores makes OpenMP
+    spin and stall."""
     import torch
 
-    threads = int(os.environ.get("SLUICE_NUM_THREADS", 0)) or available_cpus()
+    threads = threads or available_cpus()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

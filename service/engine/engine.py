@@ -78,7 +78,7 @@ class LLMEngine(ConstrainedDecoding):
         elif config.model.dtype == "auto":
             logger.info("dtype auto: %s on %s, as %s", str(self.dtype).removeprefix("torch."), self.device,
                         auto_dtype(self.device)[1])
-        threads = configure_torch_threads() if self.device.type == "cpu" else 0
+        threads = configure_torch_threads(config.model.num_threads) if self.device.type == "cpu" else 0
         # From here on the config holds what the engine really runs with (the auto budget resolved).
         sched = config.scheduler.resolved(self.device.type, threads)
         self.config = config = dataclasses.replace(config, scheduler=sched)

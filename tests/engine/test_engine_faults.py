@@ -75,6 +75,25 @@ def test_engine_runs_with_the_auto_token_budget_resolved(engine):
     assert engine.scheduler.config.max_num_batched_tokens == budget == engine.runner.max_num_batched_tokens
 
 
+def test_num_threads_sizes_the_pool_and_refuses_negatives(tiny_path):
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+
+    before = torch.get_num_threads()
+    config = SluiceConfig()
+    config.model.model, config.model.device, config.model.dtype = tiny_path, "cpu", "float32"
+    config.cache.num_kv_blocks, config.model.num_threads = 16, 1
+    try:
+        engine = LLMEngine(config)
+        assert torch.get_num_threads() == 1
+        assert engine.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+    finally:
+        torch.set_num_threads(before)
+    config.model.num_threads = -1
+    with pytest.raises(ValueError, match="num_threads must be >= 0"):
+        config.validate()
+
+
 # --- failures inside the copies and inside the forward, on a real (tiny) model ---------------------------
 
 
