@@ -39,11 +39,16 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Fail early when a module takes a SmolLM2 fixture without being in its group."""
+    """Fail early when a module takes a SmolLM2 fixture without being in its group, or marks a canary where the
+    Makefile's canary phase would not look (it collects only modules whose text says `pytest.mark.canary`)."""
     stray = sorted({f"{module_of(item.nodeid)} ({name})" for item in items for name in SMOLLM2_GROUPS
                     if name in item.fixturenames and module_of(item.nodeid) not in SMOLLM2_GROUPS[name]})
     if stray:
         raise pytest.UsageError(f"tests/conftest.py SMOLLM2_GROUPS must list: {', '.join(stray)}")
+    hidden = sorted({module_of(item.nodeid) for item in items if item.get_closest_marker("canary")
+                     and "pytest.mark.canary" not in item.path.read_text()})
+    if hidden:
+        raise pytest.UsageError(f"canaries the Makefile's canary phase would miss: {', '.join(hidden)}")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,15 @@ from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_wins
 from sluice.service.engine.layers.packed_linear import PackedLinear
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from tests.support import tiny
-from tests.support.parity import MAX_NEW, build_pair, hf_greedy, make_engine, mixed_prompts, reference_case
+from tests.support.parity import (
+    MAX_NEW,
+    build_pair,
+    hf_greedy,
+    hf_greedy_batch,
+    make_engine,
+    mixed_prompts,
+    reference_case,
+)
 
 
 def instrument(engine) -> dict:
@@ -175,7 +183,7 @@ def test_smollm2_parity(smollm2):
     ]
     shared = "You are a helpful assistant. Answer briefly and precisely. "
     prompts = [tokenizer.encode(t) for t in texts] + [tokenizer.encode(shared * 3 + t) for t in texts]
-    expected = [hf_greedy(model_ref, p, 12) for p in prompts]
+    expected = hf_greedy_batch(model_ref, prompts, 12)
     cfg_blocks = 20  # small enough to force preemption with 16 concurrent requests
     for mode in ("recompute", "swap"):
         engine = LLMEngine(_smollm_config(mode, cfg_blocks), model=model_ours, tokenizer=tokenizer)

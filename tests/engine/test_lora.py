@@ -10,6 +10,7 @@ import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.lora.adapter import Geometry, LoRAError, read_adapter
+from tests.support.parity import hf_greedy_batch
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["The capital of France is", "Hello world, how are", "Streaming tokens over", "你好世界"]
@@ -41,12 +42,7 @@ def merged_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]],
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    outs = []
-    for ids in prompts:
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, min_new_tokens=max_new,
-                             pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return hf_greedy_batch(model, prompts, max_new, min_new_tokens=max_new)
 
 
 def lora_engine(model_dir: str, modules: list[str], max_loras: int = 4, **scheduler):

@@ -58,6 +58,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
+    """hf_greedy of each prompt from one left-padded generate (a real model reads its weights once a step, not once
+    a prompt a step); each row is cut after its first end token, where the one-prompt call stops."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0, **generate_kwargs)
+    eos = model.generation_config.eos_token_id
+    ends = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    rows = out[:, width:].tolist()
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in ends), len(row))] for row in rows]
+
+
 def mixed_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
     """The same prompt mix make gpu-check runs: half share a 48-token prefix."""
     return parity_prompts(VOCAB, n, seed)
