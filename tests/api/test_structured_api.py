@@ -68,11 +68,10 @@ PERSON = [{"role": "system", "content": "You answer in JSON."},
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stream", [False, True])
-async def test_smollm2_json_schema_replies_validate(smol, stream):
+async def test_smollm2_json_schema_replies_validate(smol):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 
-    async def reply(c, temperature: float) -> tuple[str, str | None]:
+    async def reply(c, temperature: float, stream: bool) -> tuple[str, str | None]:
         kwargs = dict(model=MODEL, messages=PERSON, max_tokens=200, temperature=temperature, seed=1,
                       response_format=fmt)
         if not stream:
@@ -85,8 +84,8 @@ async def test_smollm2_json_schema_replies_validate(smol, stream):
                 finish = chunk.choices[0].finish_reason or finish
         return text, finish
 
-    async with client(smol) as c:  # greedy and sampled side by side: one batch
-        for text, finish in await asyncio.gather(reply(c, 0.0), reply(c, 0.7)):
+    async with client(smol) as c:  # greedy and sampled, streamed and not, side by side: one batch
+        for text, finish in await asyncio.gather(*(reply(c, t, stream) for t in (0.0, 0.7) for stream in (False, True))):
             assert finish == "stop", text
             jsonschema.validate(json.loads(text), SCHEMA)
 
