@@ -9,6 +9,7 @@ once per step in `AttentionMetadata` and reused by every layer.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -118,47 +119,26 @@ class AttentionMetadata:
         the decode kernel then reads those tensors in place (a decode step's persistent buffers)."""
         device = block_tables.device
         backend = resolve_backend(backend, device, block_size)
-        cu_q = [0]
-        for n in query_lens:
-            cu_q.append(cu_q[-1] + n)
-        cu_k = [0]
-        for n in seq_lens:
-            cu_k.append(cu_k[-1] + n)
+        cu_q, cu_k = [0, *itertools.accumulate(query_lens)], [0, *itertools.accumulate(seq_lens)]
+        decode, prefills, groups = None, [], []
         if backend == "flex":
-            return cls(
-                slot_mapping=slot_mapping, cu_seqlens_q=to_device(cu_q, torch.int32, device),
-                cu_seqlens_k=to_device(cu_k, torch.int32, device),
-                seq_lens=to_device(seq_lens, torch.int32, device), block_tables=block_tables,
-                block_size=block_size, max_seqlen_q=max(query_lens, default=0), max_seqlen_k=max(seq_lens, default=0),
-                decode=None, prefills=[], backend=backend,
-                flex_groups=flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size),
-            )
-        # With the C kernel, a few query rows of one sequence (a verify step's drafts, a chunk's short tail) are
-        # decodes too, each seeing the cache up to its own position: the kernel reads the blocks in place, where
-        # the prefill path gathers the whole context for one SDPA call.
-        rows_max = KERNEL_ROWS_MAX if decode_kernel is not None and backend == "torch" else 1
-        decode_idx = [i for i, n in enumerate(query_lens) if n <= rows_max]
-        decode = (_plan_decode(decode_idx, cu_q, query_lens, seq_lens, block_tables, block_size, decode_kernel,
-                               seq_lens_tensor if len(decode_idx) == len(query_lens) else None)
-                  if decode_idx else None)
-        prefills = [
-            PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
-            for i, n in enumerate(query_lens)
-            if n > rows_max
-        ]
-        return cls(
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=to_device(cu_q, torch.int32, device),
-            cu_seqlens_k=to_device(cu_k, torch.int32, device),
-            seq_lens=to_device(seq_lens, torch.int32, device),
-            block_tables=block_tables,
-            block_size=block_size,
-            max_seqlen_q=max(query_lens, default=0),
-            max_seqlen_k=max(seq_lens, default=0),
-            decode=decode,
-            prefills=prefills,
-            backend=backend,
-        )
+            groups = flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size)
+        else:
+            # With the C kernel, a few query rows of one sequence (a verify step's drafts, a chunk's short tail) are
+            # decodes too, each seeing the cache up to its own position: the kernel reads the blocks in place,
+            # where the prefill path gathers the whole context for one SDPA call.
+            rows_max = KERNEL_ROWS_MAX if decode_kernel is not None and backend == "torch" else 1
+            decode_idx = [i for i, n in enumerate(query_lens) if n <= rows_max]
+            if decode_idx:
+                decode = _plan_decode(decode_idx, cu_q, query_lens, seq_lens, block_tables, block_size,
+                                      decode_kernel, seq_lens_tensor if len(decode_idx) == len(query_lens) else None)
+            prefills = [PrefillSeq(cu_q[i], n, seq_lens[i], block_tables[i, : -(-seq_lens[i] // block_size)].long())
+                        for i, n in enumerate(query_lens) if n > rows_max]
+        return cls(slot_mapping=slot_mapping, cu_seqlens_q=to_device(cu_q, torch.int32, device),
+                   cu_seqlens_k=to_device(cu_k, torch.int32, device), seq_lens=to_device(seq_lens, torch.int32, device),
+                   block_tables=block_tables, block_size=block_size, max_seqlen_q=max(query_lens, default=0),
+                   max_seqlen_k=max(seq_lens, default=0), decode=decode, prefills=prefills, backend=backend,
+                   flex_groups=groups)
 
 
 def _plan_decode(idx: list[int], cu_q: list[int], query_lens: list[int], seq_lens: list[int], block_tables,

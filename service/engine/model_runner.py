@@ -23,7 +23,7 @@ from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.models.packed import packed_hidden, packed_logits
 from sluice.service.engine.pooling import Pooler
-from sluice.service.engine.sampler import sample
+from sluice.service.engine.sampler import pending_stops, sample
 from sluice.service.engine.spec_verify import expand_rows, verify
 
 GiB = 1 << 30
@@ -224,11 +224,7 @@ def _rows_without_token(logits: torch.Tensor, to_sample: list[ScheduledRequest])
         return rows, torch.zeros(0, dtype=torch.bool)
     forbidden = torch.isneginf(logits[torch.tensor(rows).to(logits.device, non_blocking=True)])
     for j, i in enumerate(rows):
-        r = to_sample[i]
-        if r.min_tokens_pending:
-            stops = [t for t in [*r.sampling_params.stop_token_ids, r.eos_token_id]
-                     if t is not None and 0 <= t < logits.shape[-1]]
-            forbidden[j, stops] = True
+        forbidden[j, pending_stops(to_sample[i], logits.shape[-1])] = True
     dead = forbidden.all(-1)
     if dead.device.type != "cpu":
         dead = torch.empty(dead.shape, dtype=torch.bool, pin_memory=True).copy_(dead, non_blocking=True)

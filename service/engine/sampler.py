@@ -117,17 +117,31 @@ def sample(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> Sample
     return SamplerOutput(token_list, logprobs)
 
 
+def pending_stops(r: ScheduledRequest, vocab: int) -> list[int]:
+    """EOS and stop_token_ids inside the vocabulary (ids past it cannot be sampled anyway) while the row is still
+    short of min_tokens; else none."""
+    if not r.min_tokens_pending:
+        return []
+    return [t for t in [*r.sampling_params.stop_token_ids, r.eos_token_id] if t is not None and 0 <= t < vocab]
+
+
+def row_uniforms(requests: Sequence[ScheduledRequest], stream: int = 0) -> list[float]:
+    """Each row's uniform: a seeded row's from its seed's stream `stream` at its output position, the others'
+    from torch's default generator."""
+    u = torch.rand(len(requests), dtype=torch.float64).tolist()
+    for i, r in enumerate(requests):
+        if r.sampling_params.seed is not None:
+            u[i] = seeded_uniform(r.sampling_params.seed ^ stream, r.num_output_tokens)
+    return u
+
+
 def mask_stop_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
     """-inf on EOS and stop_token_ids for rows still short of min_tokens (a copy only when needed)."""
     rows, cols = [], []
     for i, r in enumerate(requests):
-        if r.min_tokens_pending:
-            stops = list(r.sampling_params.stop_token_ids)
-            if r.eos_token_id is not None:
-                stops.append(r.eos_token_id)
-            stops = [t for t in stops if 0 <= t < logits.shape[-1]]  # ids past the vocab cannot be sampled anyway
-            rows += [i] * len(stops)
-            cols += stops
+        stops = pending_stops(r, logits.shape[-1])
+        rows += [i] * len(stops)
+        cols += stops
     if not rows:
         return logits
     logits = logits.clone()
@@ -153,10 +167,7 @@ def filtered_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> t
     [rows, 1] float64 each row draws with (seeded rows: from their seed and output position)."""
     num_rows, vocab = logits.shape
     params = [r.sampling_params for r in requests]
-    uniforms = torch.rand(num_rows, dtype=torch.float64).tolist()
-    for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-        if p.seed is not None:
-            uniforms[i] = seeded_uniform(p.seed, r.num_output_tokens)
+    uniforms = row_uniforms(requests)
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     # One host-to-device copy for every per-row number: temperature, top_p, min_p, top_k, uniform.
     packed = to_device([[p.temperature, p.top_p, p.min_p, k, u] for p, k, u in zip(params, top_k, uniforms,

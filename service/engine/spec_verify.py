@@ -30,7 +30,7 @@ from sluice.service.engine.sampler import (
     greedy_ids,
     mask_stop_tokens,
     read_back,
-    seeded_uniform,
+    row_uniforms,
 )
 
 _ACCEPT_STREAM = 0x5BEC_DEC0_DE00_0001  # xor-ed into a request's seed for its accept tests
@@ -77,7 +77,7 @@ def verify(logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[Sc
         m = len(random_rows)
         resampled = dict(zip(random_rows, (int(t) for t in flat[n : n + m]), strict=True))
         # accept[row]: whether the row's draft passes its test, u < p(draft)
-        u = _accept_uniforms([rows[i] for i in random_rows])
+        u = row_uniforms([rows[i] for i in random_rows], _ACCEPT_STREAM)
         accept = {row: ui < p for row, ui, p in zip(random_rows, u, flat[n + m : n + 2 * m], strict=True)}
     runs, first = [], 0
     for r in requests:
@@ -101,13 +101,3 @@ def _run(r: ScheduledRequest, first: int, target: list[int], resampled: dict, ac
         run.append(draft)
     last = first + len(r.draft_token_ids)
     return [*run, target[last] if greedy else resampled[last]]
-
-
-def _accept_uniforms(rows: list[ScheduledRequest]) -> list[float]:
-    """The accept tests' uniforms: a seeded row's from its seed's own stream at its output position, the others'
-    from torch's default generator."""
-    u = torch.rand(len(rows), dtype=torch.float64).tolist()
-    for i, row in enumerate(rows):
-        if row.sampling_params.seed is not None:
-            u[i] = seeded_uniform(row.sampling_params.seed ^ _ACCEPT_STREAM, row.num_output_tokens)
-    return u
