@@ -45,11 +45,7 @@ def owned_path(model_config, config: ModelConfig) -> str | None:
 def load_owned(directory, model_config, config: ModelConfig, device: torch.device,
                dtype: torch.dtype) -> LlamaForCausalLM:
     """The owned model straight from a safetensors checkpoint directory."""
-    start = time.perf_counter()
-    method = linear_method(config, device, dtype)
-    model = weights.load(directory, model_config, method, device, dtype)
-    _log_owned(method, start, device)
-    return model
+    return _owned(lambda method: weights.load(directory, model_config, method, device, dtype), config, device, dtype)
 
 
 def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -59,11 +55,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         return model
     reason = owned_path(model.config, config)
     if reason is None:
-        start = time.perf_counter()
-        method = linear_method(config, device, dtype)
-        owned = weights.from_transformers(model, method, device, dtype)
-        _log_owned(method, start, device)
-        return owned
+        return _owned(lambda method: weights.from_transformers(model, method, device, dtype), config, device, dtype)
     if config.quantization != "none":
         raise ValueError(f"--quantization {config.quantization} needs Sluice's own forward, which this model cannot "
                          f"run ({reason})")
@@ -74,8 +66,13 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
     return model
 
 
-def _log_owned(method: LinearMethod, start: float, device: torch.device) -> None:
+def _owned(build, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """build(linear method) with the formats `config` asks for, timed and logged."""
+    start = time.perf_counter()
+    method = linear_method(config, device, dtype)
+    model = build(method)
     logger.info("model path: Sluice's own Llama-family forward; linears %s (%.1f s)", method.describe(),
                 time.perf_counter() - start)
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free
+    return model
