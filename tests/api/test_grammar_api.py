@@ -94,8 +94,7 @@ PROBES = [  # (body, expected status, expected code)
 ]
 
 
-@pytest.mark.anyio
-@pytest.mark.canary  # its answers are timed: alone, no other worker takes the core the compiles need
+@pytest.mark.anyio  # not a canary: its bounds (2 s for a compile that takes ~0.02 s, 10 s a probe) hold beside a worker
 @pytest.mark.timeout(300)
 async def test_hostile_constraints_answer_fast_beside_a_stream(server):
     import aiohttp
