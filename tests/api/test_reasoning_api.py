@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from tests.support.http import stream_chat
 from tests.support.server import MODEL, Server, wait_idle
 
 openai = pytest.importorskip("openai")
@@ -96,17 +97,12 @@ def extra(obj, name: str):
 
 
 async def collect(c, **kwargs) -> tuple[str, str, str | None, list]:
-    """A streamed reply's (reasoning, content, finish_reason, chunks)."""
-    reasoning, content, finish, chunks = "", "", None, []
-    async for chunk in await c.chat.completions.create(stream=True, **kwargs):
-        chunks.append(chunk)
-        if chunk.choices:
-            delta = chunk.choices[0].delta
-            assert extra(delta, "reasoning_content") == extra(delta, "reasoning")
-            reasoning += extra(delta, "reasoning_content") or ""
-            content += delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-    return reasoning, content, finish, chunks
+    """A streamed reply's (reasoning, content, finish_reason, chunks); every delta names its thinking twice."""
+    out = await stream_chat(c, **kwargs)
+    for chunk in out.chunks:
+        for choice in chunk.choices:
+            assert extra(choice.delta, "reasoning_content") == extra(choice.delta, "reasoning")
+    return out.reasoning, out.content, out.finish, out.chunks
 
 
 async def test_the_thinking_is_reasoning_content_streamed_and_not(srv):

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from tests.support.http import stream_chat
 from tests.support.server import MODEL, wait_idle
 from tests.support.structured import SCHEMA
 
@@ -77,12 +78,8 @@ async def test_smollm2_json_schema_replies_validate(smol):
         if not stream:
             whole = await c.chat.completions.create(**kwargs)
             return whole.choices[0].message.content, whole.choices[0].finish_reason
-        text, finish = "", None
-        async for chunk in await c.chat.completions.create(stream=True, **kwargs):
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                finish = chunk.choices[0].finish_reason or finish
-        return text, finish
+        out = await stream_chat(c, **kwargs)
+        return out.content, out.finish
 
     async with client(smol) as c:  # greedy and sampled, streamed and not, side by side: one batch
         for text, finish in await asyncio.gather(*(reply(c, t, stream) for t in (0.0, 0.7) for stream in (False, True))):

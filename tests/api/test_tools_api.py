@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.support.http import stream_chat
 from tests.support.server import MODEL, Server, wait_idle
 from tests.support.tools import NATIVE_TEMPLATE, long_tiny
 
@@ -66,20 +67,20 @@ def check_calls(calls, allowed=tuple(SCHEMAS)) -> list[tuple[str, dict]]:
     return out
 
 
-async def streamed(c, **kwargs) -> tuple[str, list[tuple[str, dict]], str]:
-    """(content, calls, finish_reason) of a streamed reply, tool-call deltas reassembled by index."""
-    content, calls, finish = "", {}, None
-    async for chunk in await c.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-                entry["id"] = d.id or entry["id"]
-                entry["name"] += (d.function.name or "") if d.function else ""
-                entry["arguments"] += (d.function.arguments or "") if d.function else ""
-            finish = choice.finish_reason or finish
-    assert all(e["id"] and e["id"].startswith("call_") for e in calls.values())
-    return content, [(e["name"], json.loads(e["arguments"])) for _, e in sorted(calls.items())], finish
+async def streamed(c, lenient: bool = False, **kwargs) -> tuple[str, list[tuple[str, dict | None]], str]:
+    """(content, calls, finish_reason) of a streamed reply, each call (name, parsed arguments); `lenient`: a call
+    the limit cut (arguments that do not parse) is (name, None)."""
+    out = await stream_chat(c, **kwargs)
+    assert all(e["id"] and e["id"].startswith("call_") for e in out.calls.values())
+
+    def args(text):
+        try:
+            return json.loads(text)
+        except ValueError:
+            if not lenient:
+                raise
+            return None
+    return out.content, [(e["name"], args(e["arguments"])) for _, e in sorted(out.calls.items())], out.finish
 
 
 @pytest.mark.parametrize("tool_choice,parallel,allowed", [
@@ -415,29 +416,9 @@ async def test_smollm2_required_cut_by_max_tokens_is_never_grammar_text(smol):
         [complete] = check_calls(whole.choices[0].message.tool_calls, ("get_weather",))
         limit = whole.usage.completion_tokens - 5  # inside the arguments
         reply, (content, calls, finish) = await asyncio.gather(c.chat.completions.create(max_tokens=limit, **kwargs),
-                                                               streamed_lenient(c, max_tokens=limit, **kwargs))
+                                                               streamed(c, lenient=True, max_tokens=limit, **kwargs))
     choice = reply.choices[0]
     assert choice.finish_reason == finish == "length"
     assert not choice.message.content and not content and choice.message.tool_calls is None
     assert calls == [("get_weather", None)]  # its start and argument pieces went out; they do not parse
     await wait_idle(smol)
-
-
-async def streamed_lenient(c, **kwargs) -> tuple[str, list[tuple[str, dict]], str]:
-    """Like `streamed`, but a call the limit cut (arguments that do not parse) is kept as (name, None)."""
-    content, calls, finish = "", {}, None
-    async for chunk in await c.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                entry["name"] += (d.function.name or "") if d.function else ""
-                entry["arguments"] += (d.function.arguments or "") if d.function else ""
-            finish = choice.finish_reason or finish
-
-    def args(text):
-        try:
-            return json.loads(text)
-        except ValueError:
-            return None
-    return content, [(e["name"], args(e["arguments"])) for _, e in sorted(calls.items())], finish

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -76,3 +77,33 @@ async def good_request(url: str, headers=None) -> None:
     status, body, _ = await post(url, "/v1/completions",
                                  {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}, headers)
     assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
+@dataclass(slots=True)
+class StreamedChat:
+    """An openai-client chat stream of one choice, joined: its text, its thinking, its finish reason, its tool
+    calls (deltas joined by index as the client does: id, name, arguments) and the chunks themselves."""
+
+    content: str = ""
+    reasoning: str = ""
+    finish: str | None = None
+    calls: dict[int, dict] = field(default_factory=dict)
+    chunks: list = field(default_factory=list)
+
+
+async def stream_chat(client, **kwargs) -> StreamedChat:
+    """Send a chat request with stream=True through the openai client and join what comes back."""
+    out = StreamedChat()
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        out.chunks.append(chunk)
+        for choice in chunk.choices:
+            delta = choice.delta
+            out.content += delta.content or ""
+            out.reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            for d in delta.tool_calls or []:
+                entry = out.calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            out.finish = choice.finish_reason or out.finish
+    return out
