@@ -191,6 +191,49 @@ def tiny_gguf(tmp_path_factory):
     return path, config, floats
 
 
+def test_the_tensor_directory_reads_as_the_gguf_package_does(tmp_path):
+    """gguf_file steps over metadata arrays (strings, numbers, arrays of arrays) instead of materializing them:
+    the same scalars, types, dims and bytes as GGUFReader, at a non-default alignment."""
+    import gguf
+
+    from sluice.service.engine.models.gguf_file import read_gguf
+
+    path = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_token_list(["a", "bé", "<s>", ""] * 500)
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_array("test.floats", [0.5, 1.5])
+    writer.add_float32("test.f", 0.25)
+    writer.add_bool("test.b", True)
+    writer.add_string("test.s", "héllo")
+    writer.add_uint64("test.u", 2**40)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("a.weight", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("b.weight", rng.standard_normal(7).astype(np.float16))
+    for i, qtype in enumerate(("Q8_0", "Q4_K", "Q6_K")):
+        writer.add_tensor(f"q{i}.weight", random_blocks(qtype, 4, 256, seed=i), raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata, tensors = read_gguf(path)
+    assert (metadata["test.f"], metadata["test.b"], metadata["test.s"], metadata["test.u"]) == (0.25, True, "héllo", 2**40)
+    assert metadata["general.architecture"] == "llama" and metadata["general.alignment"] == 64
+    assert "tokenizer.ggml.tokens" not in metadata and "test.nested" not in metadata  # arrays: stepped over
+    reader = gguf.GGUFReader(str(path))
+    assert sorted(tensors) == sorted(t.name for t in reader.tensors)
+    for t in reader.tensors:
+        ours = tensors[t.name]
+        assert ours.type_name == t.tensor_type.name and ours.dims == tuple(int(d) for d in t.shape)
+        assert np.array_equal(ours.data, np.asarray(t.data).reshape(-1).view(np.uint8)), t.name
+    assert np.array_equal(tensors["a.weight"].rows(np.float32), np.asarray(reader.tensors[0].data))
+    assert tensors["q1.weight"].rows().shape == (4, 144)  # one Q4_K block of 144 bytes a row
+    (tmp_path / "junk.gguf").write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf(tmp_path / "junk.gguf")
+
+
 def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     path, config, _ = tiny_gguf
     model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)

@@ -1,6 +1,6 @@
 """The owned model straight from a .gguf file, its quantized weights kept in the file's own blocks.
 
-Tensors are read with the `gguf` package (GGUFReader) and named as transformers names them (gguf's tensor name
+Tensors are read from the file's directory (gguf_file.py) and named as transformers names them (gguf's tensor name
 map); each quantized tensor is copied out of the file once as its raw uint8 rows (`GgufBlocks`), float tensors as
 float32. llama.cpp's converter permutes the rows of a llama q and k weight for its rotary layout: the rows are put
 back exactly as transformers' GGUF loader does (`reverse_permute`), which moves whole rows, so the blocks are
@@ -20,11 +20,12 @@ from sluice.service.engine.kv_sizing import format_bytes, model_weight_bytes
 from sluice.service.engine.layers.gguf_blocks import BLOCK_TYPES, GgufBlocks
 from sluice.service.engine.layers.gguf_linear import GgufBlockMethod
 from sluice.service.engine.models import weights
+from sluice.service.engine.models.gguf_file import read_gguf
 from sluice.service.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("sluice.engine")
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # how numpy holds each
 
 
 def reverse_permute(rows: int, heads: int) -> np.ndarray:
@@ -34,24 +35,16 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(2, 1).reshape(rows)
 
 
-def _architecture(reader) -> str:
-    import gguf
-
-    field = reader.fields[gguf.KEY_GENERAL_ARCHITECTURE]
-    return bytes(field.parts[field.data[0]]).decode()
-
-
 def read_tensors(path: Path, config) -> weights.Tensors:
     """Access by transformers name to the file's tensors: `GgufBlocks` for quantized ones, float32 otherwise."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch_name = _architecture(reader)
+    metadata, stored = read_gguf(path)
+    arch_name = metadata.get(gguf.KEY_GENERAL_ARCHITECTURE)
     arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
     if arch is None:
         raise ValueError(f"{path.name}: unknown GGUF architecture {arch_name!r}")
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    stored = {t.name: t for t in reader.tensors}
     permuted = {"attn_q": config.num_attention_heads,
                 "attn_k": config.num_key_value_heads or config.num_attention_heads} if arch_name == "llama" else {}
 
@@ -61,21 +54,19 @@ def read_tensors(path: Path, config) -> weights.Tensors:
         t = stored.get(f"{gguf_name}.{suffix}") if gguf_name else None
         if t is None:
             return None
-        qtype = t.tensor_type.name
+        qtype = t.type_name
         if qtype not in BLOCK_TYPES and qtype not in FLOAT_TYPES:
-            raise ValueError(f"{path.name}: {t.name} is {qtype}, which Sluice cannot serve as stored "
+            raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which Sluice cannot serve as stored "
                              f"(one of {', '.join([*BLOCK_TYPES, *FLOAT_TYPES])})")
-        data = np.asarray(t.data)
+        data = t.rows(FLOAT_TYPES.get(qtype, np.uint8))
         heads = permuted.get(gguf_name.rpartition(".")[2]) if suffix == "weight" else None
         if heads:
             data = data[reverse_permute(data.shape[0], heads)]
-        if qtype == "BF16":  # the reader hands bf16 over as raw bytes
-            return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16).float()
+        if qtype == "BF16":  # no numpy bfloat16: its bits, viewed by torch
+            return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
         if qtype in FLOAT_TYPES:
             return torch.from_numpy(np.array(data, dtype=np.float32))
-        in_features = int(t.shape[0])  # GGUF lists dims innermost first
-        return GgufBlocks(torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(data.shape[0], -1), qtype,
-                          in_features)
+        return GgufBlocks(torch.from_numpy(np.array(data)), qtype, int(t.dims[0]))
 
     return tensor
 

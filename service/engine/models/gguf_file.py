@@ -1,0 +1,104 @@
+"""A GGUF file's metadata scalars and tensor directory, read without materializing its metadata arrays.
+
+gguf.GGUFReader builds a numpy view for every element of every metadata array: a 49k-token vocabulary and its
+merges cost seconds at each open. Loading weights needs only the scalars (the architecture, the alignment) and
+where each tensor lies, so the header is read with struct, the arrays are stepped over, and the tensor bytes are
+mapped from the file in place. The type table stays gguf's (GGML_QUANT_SIZES).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import numpy as np
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(slots=True)
+class GgufTensor:
+    """One tensor as stored: its GGML type, its dims innermost first (as the file lists them), its raw bytes."""
+
+    type_name: str
+    dims: tuple[int, ...]
+    data: np.ndarray  # uint8, mapped from the file
+
+    def rows(self, dtype=np.uint8) -> np.ndarray:
+        """The bytes as rows: [outer dims..., innermost] of `dtype` (float types), [rows, row bytes] (blocks)."""
+        if dtype != np.uint8:
+            return self.data.view(dtype).reshape(self.dims[::-1])
+        return self.data.reshape(prod(self.dims[1:]), -1)
+
+
+class _Cursor:
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.at = buf, 0
+
+    def read(self, fmt: str):
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.at)
+        self.at += struct.calcsize("<" + fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.read("Q")
+        self.at += n
+        return bytes(self.buf[self.at - n:self.at]).decode("utf-8", "replace")
+
+    def value(self, kind: int):
+        """A scalar or a string; an array is stepped over (None)."""
+        if kind in _SCALARS:
+            return self.read(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self.read("I"), self.read("Q")
+        if item in _SCALARS:
+            self.at += count * struct.calcsize("<" + _SCALARS[item])
+        elif item == _STRING:
+            for _ in range(count):
+                self.at += 8 + struct.unpack_from("<Q", self.buf, self.at)[0]
+        else:
+            for _ in range(count):
+                self.value(item)
+        return None
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, GgufTensor]]:
+    """(metadata scalars and strings by key, tensors by name) of a little-endian GGUF file, version 2 or 3."""
+    import gguf
+
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path.name} is not a GGUF file")
+    cursor = _Cursor(buf)
+    cursor.at = 4
+    version = cursor.read("I")
+    if version not in (2, 3):
+        raise ValueError(f"{path.name}: GGUF version {version} (or big-endian); Sluice reads versions 2 and 3, "
+                         "little-endian")
+    num_tensors, num_values = cursor.read("Q"), cursor.read("Q")
+    metadata = {}
+    for _ in range(num_values):
+        key = cursor.string()
+        value = cursor.value(cursor.read("I"))
+        if value is not None:
+            metadata[key] = value
+    directory = []
+    for _ in range(num_tensors):
+        name = cursor.string()
+        dims = tuple(cursor.read("Q") for _ in range(cursor.read("I")))
+        directory.append((name, dims, cursor.read("I"), cursor.read("Q")))
+    align = int(metadata.get("general.alignment", 32))
+    start = -(-cursor.at // align) * align
+    tensors = {}
+    for name, dims, type_id, offset in directory:
+        kind = gguf.GGMLQuantizationType(type_id)
+        per_block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        size = prod(dims) // per_block * block_bytes
+        tensors[name] = GgufTensor(kind.name, dims, buf[start + offset:start + offset + size])
+    return metadata, tensors
