@@ -49,18 +49,13 @@ def build_pair(arch: str):
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    """transformers' greedy generate of one prompt."""
+    return hf_greedy_batch(model, [prompt], max_new_tokens)[0]
 
 
 def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
-    """hf_greedy of each prompt from one left-padded generate (a real model reads its weights once a step, not once
-    a prompt a step); each row is cut after its first end token, where the one-prompt call stops."""
+    """transformers' greedy generate of each prompt, all in one left-padded call (a real model reads its weights once
+    a step, not once a prompt a step); each row is cut after its first end token, where a one-prompt call stops."""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
