@@ -38,6 +38,15 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleGroups(config, log)
 
 
+def pytest_configure(config):
+    """Start the fork server that test servers fork from (tests/support/server.py) while collection runs; not in
+    xdist's controller, which runs no tests."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        from tests.support.server import start_fork_server
+
+        start_fork_server()
+
+
 def pytest_collection_modifyitems(config, items):
     """Fail early when a module takes a SmolLM2 fixture without being in its group, or marks a canary where the
     Makefile's canary phase would not look (it collects only modules whose text says `pytest.mark.canary`)."""

@@ -1,8 +1,8 @@
 """`sluice` with injected engine faults, for tests only: `python -m tests.support.fault_serve SPEC serve [flags]`.
 
 SPEC is a tests/support/faults.py spec (`token:<id>`, `step:<n>`, comma-separated). Every LLMEngine this process builds
-gets it; then the real `sluice` command line runs with the remaining arguments. tests/support/server.py starts it for
-`Server(..., faults=SPEC)`.
+gets it; then the real `sluice` command line runs with the remaining arguments. `Server(..., faults=SPEC)`
+(tests/support/server.py) calls install_on_every_engine in its forked server the same way.
 """
 
 from __future__ import annotations

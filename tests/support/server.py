@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,23 +20,103 @@ from tests.support import REPO as ROOT
 
 MODEL = "tiny"  # the served name of the tiny test model
 
+# What a `sluice serve` process imports before it answers (torch, transformers, aiohttp, xgrammar and Sluice's
+# modules): ~3 s of a core, paid by each of the ~25 servers a run starts. Servers fork from one process per pytest
+# process that imported them once (multiprocessing's fork server), so each pays only its own model load. Not a fork
+# of the test process itself: that one has run torch's thread pool, which a forked child cannot use.
+PRELOAD = ["sluice.service.cli", "sluice.service.bench.soak", "sluice.service.api.api_server",
+           "sluice.service.engine.async_engine", "sluice.service.engine.model_runner", "sluice.service.engine.kv_sizing",
+           "sluice.service.engine.weight_prep", "sluice.service.engine.grammar_worker", "transformers",
+           "transformers.configuration_utils", "transformers.tokenization_utils_base",
+           "transformers.utils.type_validators", "torch.utils.cpp_extension", "uvloop", "xgrammar",
+           "tests.support.fault_serve"]
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server now, with PRELOAD, so its imports overlap collection (conftest calls it);
+    the product's grammar compiles in this process use the same one, whose preload covers theirs."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def _serve_in_fork(args: list[str], env: dict, log_path: str) -> None:
+    """The forked child: the environment, output and working directory a subprocess would get, then the CLI."""
+    os.environ.clear()
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout.reconfigure(line_buffering=True)
+    os.chdir(ROOT)
+    if args[0] == "--faults":
+        from tests.support.fault_serve import install_on_every_engine
+
+        install_on_every_engine(args[1])
+        args = args[2:]
+    from sluice.service.cli import main
+
+    sys.exit(main(args))
+
+
+class ForkedServe:
+    """A `sluice serve` forked from the fork server, with the subprocess.Popen methods the tests use."""
+
+    def __init__(self, args: list[str], env: dict, log_path: Path):
+        self.process = multiprocessing.get_context("forkserver").Process(
+            target=_serve_in_fork, args=(args, env, str(log_path)), name="sluice-serve")
+        self.process.start()
+        self.pid = self.process.pid
+        _forked.add(self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode  # -N after signal N, as Popen says
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("sluice serve", timeout)
+        _forked.discard(self)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_forked: set[ForkedServe] = set()
+
+
+@atexit.register
+def _kill_forgotten_servers() -> None:
+    # multiprocessing joins every live child at exit: a server a crashed test left running would hang the worker.
+    for served in list(_forked):
+        served.kill()
+
 
 class Server:
     """`sluice serve` on a tiny model and a loopback port; `env` adds environment variables,
-    `faults` (a tests/support/faults.py spec) starts it through tests/support/fault_serve.py, `bare` through
-    tests/support/bare_serve.py."""
+    `faults` (a tests/support/faults.py spec) installs those on its engine (tests/support/fault_serve.py), `bare`
+    starts it through tests/support/bare_serve.py."""
 
     def __init__(self, model_dir: str, log_dir: Path, *flags: str, env: dict | None = None, port: int = 0,
                  name: str = "sluice", faults: str = "", bare: bool = False):
         self.log_dir, self.name, self.own_port = Path(log_dir), name, not port
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
-        # faults: the test-only launcher installs them on the engine, then runs the real CLI
-        launcher = ["-m", "tests.support.fault_serve", faults] if faults else ["-m", "sluice.service.cli"]
-        if bare:  # as on a bare GPU image: no orjson, xgrammar, gguf, jsonschema_rs or ninja
-            launcher = ["-m", "tests.support.bare_serve"]
-        self.env = full
-        self.cmd = [sys.executable, *launcher, "serve", "--model", model_dir, "--served-model-name", MODEL,
+        # faults: installed on the engine (tests/support/fault_serve.py) before the real CLI runs
+        self.launcher = ["--faults", faults] if faults else []
+        self.bare, self.env = bare, full
+        self.cmd = ["serve", "--model", model_dir, "--served-model-name", MODEL,
                     "--host", "127.0.0.1", "--device", "cpu", "--block-size", "16",
                     "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
         self.port_at = self.cmd.index("--host")  # where start() puts --port, before the flags that may override
@@ -45,8 +127,15 @@ class Server:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         self.log_path = self.log_dir / f"{self.name}-{port}-{time.monotonic_ns()}.log"
         cmd = [*self.cmd[:self.port_at], "--port", str(port), *self.cmd[self.port_at:]]
+        if not self.bare:
+            self.log_path.touch()
+            self.proc: ForkedServe | subprocess.Popen = ForkedServe([*self.launcher, *cmd], self.env, self.log_path)
+            return
+        # as on a bare GPU image (no orjson, xgrammar, gguf, jsonschema_rs or ninja): a fresh interpreter, since
+        # the fork server has them imported
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.bare_serve", *cmd], cwd=ROOT,
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
