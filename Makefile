@@ -18,10 +18,13 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
 # The canary phase collects only the modules that mark canaries (collecting the whole suite costs ~10 s of a core);
 # tests/conftest.py fails the collection if a canary sits in a module this grep would not find.
 CANARY_MODULES := $(shell grep -rl --include='test_*.py' 'pytest.mark.canary' tests | sort)
+# The suite writes Python's bytecode caches (__pycache__/, ignored by git) even where the environment sets
+# PYTHONDONTWRITEBYTECODE: without them each of its pytest processes compiles every test module and rewrites the
+# asserts of ~200 modules again (~5 s of a core each).
 # $(call suite,MARK,ARGS): the tests matching MARK (a -m expression, or empty) but the canaries, then the canaries
 # among them; fails if either phase fails, and if neither collected a test (pytest's exit code 5).
 define suite
-	@OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest $(XDIST) -m "not canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); \
+	@export PYTHONDONTWRITEBYTECODE=; OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest $(XDIST) -m "not canary$(if $(1), and ($(1)))" $(2) $(PYTEST_ARGS); \
 	rest=$$?; \
 	$(BIN)/python -m pytest -p no:xdist -m "canary$(if $(1), and ($(1)))" $(CANARY_MODULES) $(2) $(PYTEST_ARGS); canary=$$?; \
 	if [ $$rest -eq 5 ] && [ $$canary -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 5; fi; \
