@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.support import profiles
 
@@ -71,6 +70,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
     """(reference model on sdpa, a second copy for Sluice, tokenizer), fp32 on CPU."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
