@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import json
 import multiprocessing
+import multiprocessing.util  # registers its exit handler now, so that _kill_forgotten_servers runs before it
 import os
 import signal
 import subprocess
