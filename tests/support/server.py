@@ -42,8 +42,9 @@ def start_fork_server() -> None:
     forkserver.ensure_running()
 
 
-def _serve_in_fork(args: list[str], env: dict, log_path: str) -> None:
-    """The forked child: the environment, output and working directory a subprocess would get, then the CLI."""
+def _serve_in_fork(args: list[str], env: dict, log_path: str, faults: str) -> None:
+    """The forked child: the environment, output and working directory a subprocess would get, `faults` (a
+    tests/support/faults.py spec, or empty) installed on its engines, then the CLI."""
     os.environ.clear()
     os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
@@ -52,11 +53,10 @@ def _serve_in_fork(args: list[str], env: dict, log_path: str) -> None:
     os.close(log)
     sys.stdout.reconfigure(line_buffering=True)
     os.chdir(ROOT)
-    if args[0] == "--faults":
+    if faults:
         from tests.support.fault_serve import install_on_every_engine
 
-        install_on_every_engine(args[1])
-        args = args[2:]
+        install_on_every_engine(faults)
     from sluice.service.cli import main
 
     sys.exit(main(args))
@@ -65,9 +65,9 @@ def _serve_in_fork(args: list[str], env: dict, log_path: str) -> None:
 class ForkedServe:
     """A `sluice serve` forked from the fork server, with the subprocess.Popen methods the tests use."""
 
-    def __init__(self, args: list[str], env: dict, log_path: Path):
+    def __init__(self, args: list[str], env: dict, log_path: Path, faults: str):
         self.process = multiprocessing.get_context("forkserver").Process(
-            target=_serve_in_fork, args=(args, env, str(log_path)), name="sluice-serve")
+            target=_serve_in_fork, args=(args, env, str(log_path), faults), name="sluice-serve")
         self.process.start()
         self.pid = self.process.pid
         _forked.add(self)
@@ -114,9 +114,7 @@ class Server:
         self.log_dir, self.name, self.own_port = Path(log_dir), name, not port
         full = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_CACHE_DIR"}
         full.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
-        # faults: installed on the engine (tests/support/fault_serve.py) before the real CLI runs
-        self.launcher = ["--faults", faults] if faults else []
-        self.bare, self.env = bare, full
+        self.faults, self.bare, self.env = faults, bare, full
         self.cmd = ["serve", "--model", model_dir, "--served-model-name", MODEL,
                     "--host", "127.0.0.1", "--device", "cpu", "--block-size", "16",
                     "--dtype", "float32", *flags]  # fp32 even where --dtype auto would pick bf16; flags may override
@@ -130,7 +128,7 @@ class Server:
         cmd = [*self.cmd[:self.port_at], "--port", str(port), *self.cmd[self.port_at:]]
         if not self.bare:
             self.log_path.touch()
-            self.proc: ForkedServe | subprocess.Popen = ForkedServe([*self.launcher, *cmd], self.env, self.log_path)
+            self.proc: ForkedServe | subprocess.Popen = ForkedServe(cmd, self.env, self.log_path, self.faults)
             return
         # as on a bare GPU image (no orjson, xgrammar, gguf, jsonschema_rs or ninja): a fresh interpreter, since
         # the fork server has them imported
