@@ -54,11 +54,23 @@ def _serve_command(args: argparse.Namespace) -> int:
         print(f"sluice serve: error: {e}", file=sys.stderr)
         return 2
     setup_logging(config.server.log_level)
+    _start_compile_zygote()
     try:
         import uvloop
     except ImportError:  # Windows: plain asyncio
         return asyncio.run(serve(config))
     return uvloop.run(serve(config))
+
+
+def _start_compile_zygote() -> None:
+    """Fork the grammar compile zygote now, with torch imported and before the event loop, the engine or a
+    tokenizer starts any thread; skipped where xgrammar is not installed (no compile will ever run)."""
+    if importlib.util.find_spec("xgrammar") is None:
+        return
+    import sluice.service.engine.async_engine  # noqa: F401  torch and the engine's modules, shared with the fork
+    from sluice.service.engine.grammar_compile import start_zygote
+
+    start_zygote()
 
 
 class _RequestIdFilter(logging.Filter):

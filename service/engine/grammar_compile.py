@@ -1,15 +1,15 @@
 """CompileService: grammar compiles in child processes, bounded in time, queue length and waiting clients.
 
-Each worker thread owns one child process (grammar_worker.serve) and sends it one constraint at a time. A
-compile past its time limit, or one whose every waiting client left, is ended by killing that child (a C++
-compile cannot be interrupted from a thread); the next job starts a fresh one. Identical constraints waiting
-or compiling at once share one job. Threads (and their children) start only when the queue needs them.
+Each worker thread owns one child process (grammar_worker.serve, forked from the zygote, zygote.py) and sends it
+one constraint at a time. A compile past its time limit, or one whose every waiting client left, is ended by
+killing that child (a C++ compile cannot be interrupted from a thread); the next job forks a fresh one. Identical
+constraints waiting or compiling at once share one job. Threads (and their children) start only when the queue
+needs them.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
 from collections import deque
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
-from sluice.service.engine.grammar_worker import serve
+from sluice.service.engine.zygote import Zygote, kill
 
 logger = logging.getLogger("sluice.grammar")
-STARTUP_TIMEOUT = 120.0  # the first child starts the fork server, which imports xgrammar and torch: seconds
+STARTUP_TIMEOUT = 120.0  # the first child waits for the zygote's import of xgrammar (and torch, if it lacks it)
 _POLL = 0.05  # how often a running compile looks for the end of its time or of its clients
 
 
@@ -40,14 +40,20 @@ class CompileJob:
     abandoned: bool = False
 
 
-def _context():
-    """Children forked from a fork server that has already imported xgrammar: a fresh child (the first, or the
-    next after a kill) costs a fork, not an interpreter start and xgrammar's import (seconds of a core, which a
-    client sending slow constraints could otherwise make the server pay again and again). The server process is
-    exec'd clean, so a fork of it copies none of the engine's threads or torch state."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["sluice.service.engine.grammar_worker", "xgrammar"])
-    return ctx
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def start_zygote(replace: Zygote | None = None) -> Zygote:
+    """The process's compile zygote, forked now if it has none (or only `replace`, which failed): `sluice serve`
+    calls this before it starts any thread; an engine used as a library gets one on its first compile."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote is replace:
+            if _zygote is not None:
+                _zygote.close()
+            _zygote = Zygote("sluice.service.engine.grammar_worker:serve")
+        return _zygote
 
 
 class _Worker:
@@ -55,34 +61,41 @@ class _Worker:
 
     def __init__(self, tokenizer_info_json: str):
         self._info = tokenizer_info_json
-        self._process = None
+        self._pid = 0
         self._conn = None
 
     def start(self) -> None:
-        ctx = _context()
-        parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=serve, args=(child, self._info), daemon=True, name="sluice-grammar")
-        self._process.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(STARTUP_TIMEOUT) or parent.recv() != ("ready",):
+        zygote = start_zygote()
+        try:
+            self._pid, self._conn = zygote.spawn()
+        except OSError:  # the zygote died (killed from outside): fork a new one
+            self._pid, self._conn = start_zygote(replace=zygote).spawn()
+        try:
+            self._conn.send(self._info)
+            ready = self._conn.poll(STARTUP_TIMEOUT) and self._conn.recv() == ("ready",)
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self.kill()
             raise RuntimeError("the grammar compile process did not start")
 
     def kill(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join(5)
+        if self._conn is not None:
+            kill(self._pid)
             self._conn.close()
-        self._process = self._conn = None
+        self._pid, self._conn = 0, None
 
     def run(self, job: CompileJob, timeout: float) -> tuple:
         """The child's reply; ("timeout",) or ("abandoned",) after killing it."""
-        if self._process is None or not self._process.is_alive():
+        c = job.constraint
+        try:
+            if self._conn is None:
+                self.start()
+            self._conn.send((c.kind, c.spec, c.param))
+        except OSError:  # it died while idle (killed from outside): a fresh one takes the job
             self.kill()
             self.start()
-        c = job.constraint
-        self._conn.send((c.kind, c.spec, c.param))
+            self._conn.send((c.kind, c.spec, c.param))
         deadline = time.monotonic() + timeout
         while not self._conn.poll(_POLL):
             if job.abandoned or time.monotonic() > deadline:

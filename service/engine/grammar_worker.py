@@ -70,12 +70,16 @@ def _check_accepts_something(xgr, compiled, param: str) -> None:
         raise GrammarError(f"{param} accepts no text at all: no output could satisfy it", param)
 
 
-def serve(conn, tokenizer_info_json: str) -> None:
-    """Child process main: answer (kind, spec, param) with ("ok", json), ("error", message, code) until EOF."""
+def serve(conn) -> None:
+    """Child process main: read the tokenizer info's JSON, then answer (kind, spec, param) with ("ok", json) or
+    ("error", message, code) until EOF."""
     lower_priority()  # a compile is one request's work: it must not take the step's cores at equal priority
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    try:
+        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    except (EOFError, OSError):
+        return
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # the parent caches, by bytes
     conn.send(("ready",))
     while True:

@@ -94,6 +94,43 @@ def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok):
     assert c.compile(StructuredOutput("regex", "[a-z]+", "after")) is not None
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid`, from /proc."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
+    import os
+    import signal
+
+    from sluice.service.engine.grammar_compile import start_zygote
+
+    zygote = start_zygote()
+    others = set(children(zygote.pid))  # workers of the compilers other tests made in this process
+    c = compiler_for(tok, grammar_compile_workers=1)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
+    (worker,) = set(children(zygote.pid)) - others
+    os.kill(worker, signal.SIGKILL)  # an idle worker dies (the OOM killer): the next job forks another
+    time.sleep(0.2)
+    assert c.compile(StructuredOutput("regex", "[1-9]", "after its worker died")) is not None
+    (worker,) = set(children(zygote.pid)) - others
+    os.kill(zygote.pid, signal.SIGKILL)  # the zygote dies, then the worker: the next one comes from a new zygote
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(0.2)
+    assert c.compile(StructuredOutput("regex", "[2-9]", "after the zygote died")) is not None
+    assert start_zygote() is not zygote and len(children(start_zygote().pid)) == 1
+
+
 def test_identical_compiles_share_a_job_a_full_queue_is_busy_and_abandoned_jobs_leave_it(tok):
     from sluice.service.engine.grammar import GrammarBusyError
 
