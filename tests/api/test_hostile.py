@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -30,11 +31,26 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_dir):
-    from transformers import AutoTokenizer
+class ServerTokenizer:
+    """The server's own tokenizer, through /tokenize (loading SmolLM2's here would cost the canary phase ~2 s)."""
 
-    return AutoTokenizer.from_pretrained(smollm2_dir)
+    def __init__(self, url: str, vocab_size: int):
+        self.url, self.vocab_size = url, vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        body = {"model": MODEL, "prompt": text, "add_special_tokens": add_special_tokens}
+        req = urllib.request.Request(self.url + "/tokenize", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())["tokens"]
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+@pytest.fixture(scope="module")
+def tok(smol_server, smollm2_dir):
+    return ServerTokenizer(smol_server.url, json.loads((Path(smollm2_dir) / "config.json").read_text())["vocab_size"])
 
 
 def token_of(tok, text: str) -> int:
