@@ -44,6 +44,10 @@ def pytest_configure(config):
         from tests.support.server import start_fork_server
 
         start_fork_server()
+    # xdist's loadscope hands out scopes most tests first by default, which left the long single-test modules (the
+    # scheduler machine, gpu_check, the soak) for last: one worker ran them alone for ~10 s while the other idled.
+    # In collection order they are spread through the run and both workers finish within a second or two.
+    config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
