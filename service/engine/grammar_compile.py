@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
-from sluice.service.engine.zygote import Zygote, kill
+from sluice.service.engine.zygote import WorkerProcess, Zygote
 
 logger = logging.getLogger("sluice.grammar")
 STARTUP_TIMEOUT = 120.0  # the first child waits for the zygote's import of xgrammar (and torch, if it lacks it)
@@ -52,7 +52,7 @@ def start_zygote(replace: Zygote | None = None) -> Zygote:
         if _zygote is None or _zygote is replace:
             if _zygote is not None:
                 _zygote.close()
-            _zygote = Zygote("sluice.service.engine.grammar_worker:serve")
+            _zygote = Zygote("sluice.service.engine.grammar_worker:serve", STARTUP_TIMEOUT)
         return _zygote
 
 
@@ -61,15 +61,15 @@ class _Worker:
 
     def __init__(self, tokenizer_info_json: str):
         self._info = tokenizer_info_json
-        self._pid = 0
+        self._process: WorkerProcess | None = None
         self._conn = None
 
     def start(self) -> None:
         zygote = start_zygote()
         try:
-            self._pid, self._conn = zygote.spawn()
-        except OSError:  # the zygote died (killed from outside): fork a new one
-            self._pid, self._conn = start_zygote(replace=zygote).spawn()
+            self._process, self._conn = zygote.spawn()
+        except OSError:  # the zygote died or hangs (killed or stopped from outside): fork a new one
+            self._process, self._conn = start_zygote(replace=zygote).spawn()
         try:
             self._conn.send(self._info)
             ready = self._conn.poll(STARTUP_TIMEOUT) and self._conn.recv() == ("ready",)
@@ -81,9 +81,9 @@ class _Worker:
 
     def kill(self) -> None:
         if self._conn is not None:
-            kill(self._pid)
+            self._process.kill()
             self._conn.close()
-        self._pid, self._conn = 0, None
+        self._process = self._conn = None
 
     def run(self, job: CompileJob, timeout: float) -> tuple:
         """The child's reply; ("timeout",) or ("abandoned",) after killing it."""

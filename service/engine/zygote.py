@@ -20,11 +20,40 @@ from multiprocessing.connection import Connection, Pipe
 _PID_BYTES = 8
 
 
-class Zygote:
-    """The server's handle on its zygote: `spawn()` forks a worker there and returns its pid and a pipe to it."""
+class WorkerProcess:
+    """A worker forked by the zygote; killed through a pidfd where Linux has them, so a worker that already died
+    and was reaped cannot have its pid reused under the kill."""
 
-    def __init__(self, target: str):
-        """Fork the zygote now; each worker runs `target` ("module:function") with its end of the pipe."""
+    def __init__(self, pid: int):
+        self.pid = pid
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # it died at once: nothing to kill
+            self._pidfd = -1
+        except (AttributeError, OSError):  # no pidfds (not Linux, or before 5.3)
+            self._pidfd = None
+
+    def kill(self) -> None:
+        """SIGKILL it; one already gone is fine."""
+        try:
+            if self._pidfd is None:
+                os.kill(self.pid, signal.SIGKILL)
+            elif self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            if self._pidfd is not None and self._pidfd >= 0:
+                os.close(self._pidfd)
+            self._pidfd = -1
+
+
+class Zygote:
+    """The server's handle on its zygote: `spawn()` forks a worker there and returns it with a pipe to it."""
+
+    def __init__(self, target: str, timeout: float):
+        """Fork the zygote now; each worker runs `target` ("module:function") with its end of the pipe. `timeout`:
+        seconds a spawn may wait for the zygote (its first one includes the import of `target`'s module)."""
         ours, theirs = socket.socketpair()
         self.pid = os.fork()
         if self.pid == 0:
@@ -36,11 +65,12 @@ class Zygote:
             finally:
                 os._exit(code)
         theirs.close()
+        ours.settimeout(timeout)
         self._sock = ours
         self._lock = threading.Lock()
 
-    def spawn(self) -> tuple[int, Connection]:
-        """A new worker's pid and the server's end of its pipe; OSError when the zygote is gone."""
+    def spawn(self) -> tuple[WorkerProcess, Connection]:
+        """A new worker and the server's end of its pipe; OSError when the zygote is gone or does not answer."""
         ours, theirs = Pipe()
         try:
             with self._lock:
@@ -54,29 +84,22 @@ class Zygote:
         if len(reply) != _PID_BYTES:
             ours.close()
             raise OSError("the zygote ended")
-        return int.from_bytes(reply, "little"), ours
+        return WorkerProcess(int.from_bytes(reply, "little")), ours
 
     def close(self) -> None:
-        """End the zygote (it exits on the closed socket) and reap it; its workers end when their pipes close."""
+        """Kill and reap the zygote; its workers live on until their pipes close."""
         self._sock.close()
         try:
+            os.kill(self.pid, signal.SIGKILL)  # our child, unreaped: its pid cannot have been reused
             os.waitpid(self.pid, 0)
-        except ChildProcessError:
+        except (ProcessLookupError, ChildProcessError):
             pass
-
-
-def kill(pid: int) -> None:
-    """SIGKILL a worker; one already gone is fine (the zygote reaped it)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _serve(sock: socket.socket, target: str) -> None:
     # Ctrl-C reaches the whole process group: the server decides when its children end (they see EOF).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers; the server kills them by pid
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers; the server kills them
     run = None
     while True:
         message, fds, _, _ = socket.recv_fds(sock, 1, 1)
