@@ -170,8 +170,8 @@ def nested(depth: int) -> dict:
 
 
 async def test_long_string_schema_compiles_fast(smol_server, canary):
-    # The first constrained request starts the compile workers (a one-time ~2.5 s of a niced child importing
-    # xgrammar): started here, outside the measured probes, as a server that has served one schema would be.
+    # The first constrained request has the compile zygote import xgrammar (a one-time second or so, beside the
+    # step): done here, outside the measured probes, as a server that has served one schema would be.
     status, out = await call(smol_server.url, H, chat("Hi", response_format={"type": "json_object"}))
     assert status == 200, out
     body = chat("Say hi", **schema_format({"type": "string", "minLength": 8000, "maxLength": 8000}))
