@@ -17,6 +17,8 @@ import socket
 import threading
 from multiprocessing.connection import Connection, Pipe
 
+from sluice.service.engine.cpu import lower_priority
+
 _PID_BYTES = 8
 
 
@@ -100,6 +102,7 @@ def _serve(sock: socket.socket, target: str) -> None:
     # Ctrl-C reaches the whole process group: the server decides when its children end (they see EOF).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers; the server kills them
+    lower_priority()  # its import of the workers' modules is a request's work, beside the step's threads
     run = None
     while True:
         message, fds, _, _ = socket.recv_fds(sock, 1, 1)
