@@ -67,9 +67,12 @@ class _Worker:
     def start(self) -> None:
         zygote = start_zygote()
         try:
-            self._process, self._conn = zygote.spawn()
-        except OSError:  # the zygote died or hangs (killed or stopped from outside): fork a new one
-            self._process, self._conn = start_zygote(replace=zygote).spawn()
+            try:
+                self._process, self._conn = zygote.spawn()
+            except OSError:  # the zygote died or hangs (killed or stopped from outside): fork a new one
+                self._process, self._conn = start_zygote(replace=zygote).spawn()
+        except OSError as e:
+            raise RuntimeError(f"the grammar compile process did not start: {e}") from None
         try:
             self._conn.send(self._info)
             ready = self._conn.poll(STARTUP_TIMEOUT) and self._conn.recv() == ("ready",)

@@ -1,0 +1,56 @@
+"""The zygote (service/engine/zygote.py): workers forked on request, killed on request, and a zygote that cannot
+serve is an OSError within its timeout, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from sluice.service.engine.zygote import Zygote
+
+
+def echo(conn) -> None:
+    """A worker: send back what it reads, until EOF."""
+    while True:
+        try:
+            conn.send(conn.recv())
+        except EOFError:
+            return
+
+
+def test_workers_answer_and_die_when_killed():
+    zygote = Zygote("tests.engine.test_zygote:echo", timeout=30)
+    try:
+        first, conn = zygote.spawn()
+        second, other = zygote.spawn()
+        assert first.pid != second.pid != zygote.pid
+        conn.send({"x": 1})
+        other.send("y")
+        assert conn.recv() == {"x": 1} and other.recv() == "y"
+        first.kill()
+        assert conn.poll(5)
+        with pytest.raises(EOFError):
+            conn.recv()
+        first.kill()  # twice: already gone is fine
+        other.send("still here")
+        assert other.recv() == "still here"
+    finally:
+        zygote.close()
+    other.close()  # its worker ends on EOF
+
+
+def test_a_zygote_that_cannot_serve_is_an_error_within_its_timeout():
+    broken = Zygote("tests.engine.no_such_module:echo", timeout=30)
+    with pytest.raises(OSError):
+        broken.spawn()
+    broken.close()
+    stopped = Zygote("tests.engine.test_zygote:echo", timeout=0.5)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        stopped.spawn()
+    assert time.monotonic() - started < 5
+    stopped.close()  # kills and reaps a stopped zygote too
