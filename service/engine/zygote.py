@@ -42,7 +42,10 @@ class WorkerProcess:
                 os.kill(self.pid, signal.SIGKILL)
             elif self._pidfd >= 0:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        except ProcessLookupError:
+                # A worker whose zygote was replaced is re-parented to init, which is this server when it runs
+                # as a container's PID 1: reap it then, or it stays a zombie. Anyone else's child: ECHILD.
+                os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED)
+        except (ProcessLookupError, ChildProcessError):
             pass
         finally:
             if self._pidfd is not None and self._pidfd >= 0:

@@ -54,3 +54,30 @@ def test_a_zygote_that_cannot_serve_is_an_error_within_its_timeout():
         stopped.spawn()
     assert time.monotonic() - started < 5
     stopped.close()  # kills and reaps a stopped zygote too
+
+
+ORPHAN_SCRIPT = """
+import ctypes, os, sys
+from pathlib import Path
+from sluice.service.engine.zygote import Zygote
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: as a container's PID 1
+zygote = Zygote("tests.engine.test_zygote:echo", timeout=30)
+worker, conn = zygote.spawn()
+zygote.close()  # the worker is re-parented to this process
+assert Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+worker.kill()
+print("left" if Path(f"/proc/{worker.pid}").exists() else "reaped")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+def test_a_worker_re_parented_to_the_server_is_reaped_when_killed():
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    done = subprocess.run([sys.executable, "-c", ORPHAN_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "reaped", done.stdout
