@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
@@ -56,6 +57,15 @@ def start_zygote(replace: Zygote | None = None) -> Zygote:
         return _zygote
 
 
+def _spawn() -> tuple[WorkerProcess, Connection]:
+    """A worker from the zygote; from a new zygote if it died or hangs (killed or stopped from outside)."""
+    zygote = start_zygote()
+    try:
+        return zygote.spawn()
+    except OSError:
+        return start_zygote(replace=zygote).spawn()
+
+
 class _Worker:
     """One compile child process and its pipe; started on first use, killed when a compile must end."""
 
@@ -65,12 +75,8 @@ class _Worker:
         self._conn = None
 
     def start(self) -> None:
-        zygote = start_zygote()
         try:
-            try:
-                self._process, self._conn = zygote.spawn()
-            except OSError:  # the zygote died or hangs (killed or stopped from outside): fork a new one
-                self._process, self._conn = start_zygote(replace=zygote).spawn()
+            self._process, self._conn = _spawn()
         except OSError as e:
             raise RuntimeError(f"the grammar compile process did not start: {e}") from None
         try:

@@ -28,19 +28,24 @@ class WorkerProcess:
 
     def __init__(self, pid: int):
         self.pid = pid
+        self._pidfd: int | None = None  # None: no pidfds here (not Linux, or before 5.3); signalled by pid
+        self._gone = False
         try:
-            self._pidfd: int | None = os.pidfd_open(pid)
+            self._pidfd = os.pidfd_open(pid)
         except ProcessLookupError:  # it died at once: nothing to kill
-            self._pidfd = -1
-        except (AttributeError, OSError):  # no pidfds (not Linux, or before 5.3)
-            self._pidfd = None
+            self._gone = True
+        except (AttributeError, OSError):
+            pass
 
     def kill(self) -> None:
         """SIGKILL it; one already gone is fine."""
+        if self._gone:
+            return
+        self._gone = True
         try:
             if self._pidfd is None:
                 os.kill(self.pid, signal.SIGKILL)
-            elif self._pidfd >= 0:
+            else:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
                 # A worker whose zygote was replaced is re-parented to init, which is this server when it runs
                 # as a container's PID 1: reap it then, or it stays a zombie. Anyone else's child: ECHILD.
@@ -48,9 +53,8 @@ class WorkerProcess:
         except (ProcessLookupError, ChildProcessError):
             pass
         finally:
-            if self._pidfd is not None and self._pidfd >= 0:
+            if self._pidfd is not None:
                 os.close(self._pidfd)
-            self._pidfd = -1
 
 
 class Zygote:
