@@ -94,26 +94,12 @@ def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok):
     assert c.compile(StructuredOutput("regex", "[a-z]+", "after")) is not None
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of `pid`, from /proc."""
-    from pathlib import Path
-
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
 def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
     import os
     import signal
 
     from sluice.service.engine.grammar_compile import start_zygote
+    from tests.support.procs import children
 
     zygote = start_zygote()
     others = set(children(zygote.pid))  # workers of the compilers other tests made in this process

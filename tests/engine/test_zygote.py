@@ -57,14 +57,15 @@ def test_a_zygote_that_cannot_serve_is_an_error_within_its_timeout():
 
 
 ORPHAN_SCRIPT = """
-import ctypes, os, sys
+import ctypes, os
 from pathlib import Path
 from sluice.service.engine.zygote import Zygote
+from tests.support.procs import parent_of
 assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: as a container's PID 1
 zygote = Zygote("tests.engine.test_zygote:echo", timeout=30)
 worker, conn = zygote.spawn()
 zygote.close()  # the worker is re-parented to this process
-assert Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+assert parent_of(worker.pid) == os.getpid()
 worker.kill()
 print("left" if Path(f"/proc/{worker.pid}").exists() else "reaped")
 """
