@@ -31,32 +31,24 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                 "city": {"type": "string"}}, "required": ["city"]}}}
 
 
-class ServerTokenizer:
-    """The server's own tokenizer, through /tokenize (loading SmolLM2's here would cost the canary phase ~2 s)."""
+def tokenize(url: str, text: str) -> list[int]:
+    """Token ids of `text`, without special tokens, from the server's own tokenizer (/tokenize): loading SmolLM2's
+    here would cost the canary phase ~2 s."""
+    body = {"model": MODEL, "prompt": text, "add_special_tokens": False}
+    req = urllib.request.Request(url + "/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["tokens"]
 
-    def __init__(self, url: str, vocab_size: int):
-        self.url, self.vocab_size = url, vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        body = {"model": MODEL, "prompt": text, "add_special_tokens": add_special_tokens}
-        req = urllib.request.Request(self.url + "/tokenize", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read())["tokens"]
-
-    def __len__(self) -> int:
-        return self.vocab_size
+def token_of(url: str, text: str) -> int:
+    ids = tokenize(url, text)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
 
 
 @pytest.fixture(scope="module")
-def tok(smol_server, smollm2_dir):
-    return ServerTokenizer(smol_server.url, json.loads((Path(smollm2_dir) / "config.json").read_text())["vocab_size"])
-
-
-def token_of(tok, text: str) -> int:
-    ids = tok.encode(text, add_special_tokens=False)
-    assert len(ids) == 1, (text, ids)
-    return ids[0]
+def vocab_size(smollm2_dir) -> int:
+    return json.loads((Path(smollm2_dir) / "config.json").read_text())["vocab_size"]
 
 
 class Canary:
@@ -222,10 +214,10 @@ async def test_large_choice_lists_are_bounded_in_memory(smol_server, canary):
     assert grown < 20 * lists, grown
 
 
-async def test_whole_vocabulary_allowed_ids_cost_no_more_than_the_batch(smol_server, tok, canary):
+async def test_whole_vocabulary_allowed_ids_cost_no_more_than_the_batch(smol_server, vocab_size, canary):
     url = smol_server.url
     body = {"model": MODEL, "prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 8}
-    allowed = [t % len(tok) for t in range(65536)]  # every id, some twice
+    allowed = [t % vocab_size for t in range(65536)]  # every id, some twice
     (status, out), plain = await measure(canary, "n=16 x 4 prompts", lambda: call(url, C, body), baseline=0.0)
     assert status == 200, out
     baseline = FIGURES[-1]["canary_tok_s"]
@@ -280,9 +272,9 @@ def quick_probes(x: int) -> dict[str, tuple[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def quick(smol_server, tok, canary) -> dict[str, tuple[int, object]]:
+def quick(smol_server, canary) -> dict[str, tuple[int, object]]:
     """Every quick probe's (status, body) by name, from one round that sent them all at once beside the canary."""
-    probes = quick_probes(token_of(tok, "x"))
+    probes = quick_probes(token_of(smol_server.url, "x"))
 
     async def send():
         return list(await asyncio.gather(*(call(smol_server.url, path, body) for path, body in probes.values())))
@@ -329,8 +321,8 @@ def test_unsupported_schema_keywords_are_refused(quick):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
-async def test_forced_call_pushed_to_brackets_is_not_a_500(smol_server, tok, stream, canary):
-    bias = {str(t): 100 for t in tok.encode("[[[[", add_special_tokens=False)}
+async def test_forced_call_pushed_to_brackets_is_not_a_500(smol_server, stream, canary):
+    bias = {str(t): 100 for t in tokenize(smol_server.url, "[[[[")}
     # 60 tokens: the bias meets the grammar from the first one; at 100 the answer took 9.6 s of PROBE_LIMIT's 10 on a
     # 2-core Xeon where SmolLM2 streams 20 tokens a second.
     body = chat("Weather in Paris?", tools=[WEATHER], tool_choice="required", logit_bias=bias, max_tokens=60,
