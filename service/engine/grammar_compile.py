@@ -141,7 +141,7 @@ class CompileService:
                 raise GrammarBusyError(f"more than {self._queue_size} grammar compiles are waiting")
             job = self._jobs[constraint.key] = CompileJob(constraint)
             self._queue.append(job)
-            if self._idle == 0 and len(self._threads) < self._max_threads:
+            if len(self._queue) > self._idle and len(self._threads) < self._max_threads:
                 thread = threading.Thread(target=self._serve, daemon=True, name="sluice-grammar-compile")
                 self._threads.append(thread)
                 thread.start()

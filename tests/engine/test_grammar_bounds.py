@@ -140,6 +140,17 @@ def test_identical_compiles_share_a_job_a_full_queue_is_busy_and_abandoned_jobs_
     assert c.compile(StructuredOutput("regex", "[cd]{2}", "e")) is not None
 
 
+def test_jobs_arriving_together_run_on_every_worker(tok):
+    c = compiler_for(tok, grammar_compile_timeout=2, grammar_compile_workers=2)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))  # one thread, now idle
+    service = c._service
+    jobs = [service.submit(StructuredOutput("json", slow(3900 + i), f"j{i}")) for i in range(2)]
+    time.sleep(0.3)  # the idle thread had no time to take the first before the second came
+    assert all(job.future.running() for job in jobs)
+    for job in jobs:
+        service.release(job)
+
+
 def test_the_cache_is_bounded_by_bytes(tok):
     def choices(i):
         return StructuredOutput("choice", json.dumps([f"option {i} {j} " + "x" * 40 for j in range(200)]), "c")
