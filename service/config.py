@@ -120,13 +120,19 @@ class ServerConfig:
     )
 
 
+# A compile that the server's load keeps from ending within this many times its CPU limit, in wall time, is ended
+# as busy (retryable, not cached as too complex).
+GRAMMAR_STARVED_AFTER = 4
+
+
 @dataclass(slots=True)
 class GrammarConfig:
     """Bounds on the work structured outputs can ask for: compiles, the compiled-grammar cache, per-token masks."""
 
     grammar_compile_timeout: float = knob(
-        5.0, "Seconds one grammar compile (schema, regex, EBNF, choice list, tool set) may take; past it the "
-        "compile process is killed and the request gets a 400 grammar_too_complex."
+        5.0, "CPU seconds one grammar compile (schema, regex, EBNF, choice list, tool set) may use; past it the "
+        "compile process is killed and the request gets a 400 grammar_too_complex. One the server's load keeps "
+        f"from ending within {GRAMMAR_STARVED_AFTER} times that in wall time gets a 429 instead (retry)."
     )
     grammar_compile_workers: int = knob(2, "Child processes compiling grammars (started on demand).")
     grammar_compile_queue: int = knob(

@@ -232,7 +232,7 @@ class AsyncEngine:
             try:
                 await self.engine.compile_grammar_async(constraint)
             except GrammarBusyError as e:
-                raise QueueFullError(f"{e} (--grammar-compile-queue)") from None
+                raise QueueFullError(str(e)) from None
         group = _Group(unfinished=set(ids), size=len(ids))
         # Registered before the add job runs, so the step that follows cannot emit unclaimed outputs.
         for rid in ids:

@@ -21,6 +21,11 @@ _UNLIMITED = 1 << 60
 # the step waits for its slowest thread: every stream slows by more than that request's share. At +5 the kernel
 # gives the step's threads about three quarters of a shared core (CFS weights 1024 : 335) and the work still ends.
 BACKGROUND_NICENESS = 5
+# A grammar compile runs for up to its CPU limit (--grammar-compile-timeout) beside every stream's step, on each of
+# the compile workers at once: at +5 two of them take a quarter of both cores' time. At +10 (1024 : 110) the step
+# keeps about nine tenths; the limit counts the compile's own CPU time, so a slower compile under load is not
+# refused for it.
+COMPILE_NICENESS = 10
 # CPU flags of a native bf16 matmul: AMX tiles (Sapphire Rapids on) or AVX-512 BF16 (Cooper Lake, Zen 4 on).
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from sluice.scheduling.sampling_params import StructuredOutput
+from sluice.service.config import GRAMMAR_STARVED_AFTER
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError
 from sluice.service.engine.zygote import WorkerProcess, Zygote
 
@@ -95,7 +96,9 @@ class _Worker:
         self._process = self._conn = None
 
     def run(self, job: CompileJob, timeout: float) -> tuple:
-        """The child's reply; ("timeout",) or ("abandoned",) after killing it."""
+        """The child's reply; ("timeout",) past `timeout` s of its CPU time (a refusal as too complex is cached: it
+        must not depend on the load that slows a low-priority compile), ("starved",) past GRAMMAR_STARVED_AFTER
+        times that in wall time, or ("abandoned",), after killing it."""
         c = job.constraint
         try:
             if self._conn is None:
@@ -105,11 +108,21 @@ class _Worker:
             self.kill()
             self.start()
             self._conn.send((c.kind, c.spec, c.param))
-        deadline = time.monotonic() + timeout
+        started, cpu_before = time.monotonic(), self._process.cpu_seconds()
         while not self._conn.poll(_POLL):
-            if job.abandoned or time.monotonic() > deadline:
-                self.kill()
-                return ("abandoned",) if job.abandoned else ("timeout",)
+            waited = time.monotonic() - started
+            cpu_now = self._process.cpu_seconds()
+            used = waited if cpu_before is None or cpu_now is None else cpu_now - cpu_before
+            if job.abandoned:
+                outcome = "abandoned"
+            elif used > timeout:
+                outcome = "timeout"
+            elif waited > timeout * GRAMMAR_STARVED_AFTER:
+                outcome = "starved"
+            else:
+                continue
+            self.kill()
+            return (outcome,)
         try:
             return self._conn.recv()
         except (EOFError, OSError):  # the child died: out of memory, or killed from outside
@@ -138,7 +151,8 @@ class CompileService:
                 job.waiters += 1
                 return job
             if len(self._queue) >= self._queue_size:
-                raise GrammarBusyError(f"more than {self._queue_size} grammar compiles are waiting")
+                raise GrammarBusyError(f"more than {self._queue_size} grammar compiles are waiting "
+                                       "(--grammar-compile-queue)")
             job = self._jobs[constraint.key] = CompileJob(constraint)
             self._queue.append(job)
             if len(self._queue) > self._idle and len(self._threads) < self._max_threads:
@@ -195,6 +209,9 @@ class CompileService:
             logger.warning("grammar compile for %s passed %.1f s: killed", c.param, self._timeout)
             raise GrammarError(f"{c.param} took longer than {self._timeout:g} s to compile "
                                "(--grammar-compile-timeout); simplify it", c.param, TOO_COMPLEX)
+        if reply[0] == "starved":
+            logger.warning("grammar compile for %s got too little CPU in %.1f s: killed", c.param, elapsed)
+            raise GrammarBusyError(f"the server is too busy to compile {c.param} now; retry")
         if reply[0] == "died":
             raise GrammarError(f"compiling {c.param} ended its compile process (out of memory?); simplify it",
                                c.param, TOO_COMPLEX)

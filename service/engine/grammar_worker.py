@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from sluice.service.engine.cpu import lower_priority
+from sluice.service.engine.cpu import COMPILE_NICENESS, lower_priority
 from sluice.service.engine.grammar_checks import (
     TOO_COMPLEX,
     GrammarError,
@@ -73,7 +73,7 @@ def _check_accepts_something(xgr, compiled, param: str) -> None:
 def serve(conn) -> None:
     """Child process main: read the tokenizer info's JSON, then answer (kind, spec, param) with ("ok", json) or
     ("error", message, code) until EOF."""
-    lower_priority()  # a compile is one request's work: it must not take the step's cores at equal priority
+    lower_priority(COMPILE_NICENESS)  # a compile is one request's work: the step's cores come first
     import xgrammar as xgr
 
     try:

@@ -16,10 +16,12 @@ import signal
 import socket
 import threading
 from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
 
 from sluice.service.engine.cpu import lower_priority
 
 _PID_BYTES = 8
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/PID/stat's times
 
 
 class WorkerProcess:
@@ -36,6 +38,14 @@ class WorkerProcess:
             self._gone = True
         except (AttributeError, OSError):
             pass
+
+    def cpu_seconds(self) -> float | None:
+        """The user and system CPU time it has used; None where /proc cannot say (not Linux, or it is gone)."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        except (OSError, IndexError, ValueError):
+            return None
 
     def kill(self) -> None:
         """SIGKILL it; one already gone is fine."""

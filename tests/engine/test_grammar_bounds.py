@@ -94,6 +94,31 @@ def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok):
     assert c.compile(StructuredOutput("regex", "[a-z]+", "after")) is not None
 
 
+def test_the_limit_counts_cpu_time_and_a_starved_compile_is_busy_not_too_complex(tok):
+    import os
+    import signal
+
+    from sluice.service.engine.grammar import GrammarBusyError
+    from sluice.service.engine.grammar_compile import start_zygote
+    from tests.support.procs import children
+
+    zygote = start_zygote()
+    others = set(children(zygote.pid))
+    c = compiler_for(tok, grammar_compile_timeout=0.3, grammar_compile_workers=1)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
+    (worker,) = set(children(zygote.pid)) - others
+    os.kill(worker, signal.SIGSTOP)  # a machine's load at its extreme: the compile gets no CPU at all
+    started = time.perf_counter()
+    with pytest.raises(GrammarBusyError, match="too busy"):
+        c.compile(StructuredOutput("regex", "[a-z]{3}", "guided_regex"))
+    assert 4 * 0.3 <= time.perf_counter() - started < 3  # 0.3 s of wall time did not count as 0.3 s of work
+    deadline = time.monotonic() + 2
+    while worker in children(zygote.pid):  # killed: gone once the kernel has delivered the signal
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert c.compile(StructuredOutput("regex", "[a-z]{3}", "guided_regex")) is not None  # not remembered
+
+
 def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
     import os
     import signal
