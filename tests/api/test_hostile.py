@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.support.procs import children
 from tests.support.server import wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.canary, pytest.mark.anyio, pytest.mark.timeout(300)]
@@ -172,20 +173,31 @@ async def test_long_string_schema_compiles_fast(smol_server, canary):
     assert status in (200, 400), out
 
 
-async def test_abandoned_compiles_do_not_hold_up_the_next_request(smol_server, canary):
-    url = smol_server.url
+async def test_abandoned_compiles_are_killed_and_do_not_hold_up_the_next_request(smol_server, canary):
+    url, busy = smol_server.url, set()
+
+    def compile_workers() -> set[int]:
+        """The server's grammar compile processes: the children of its zygote (its one child)."""
+        return {w for z in children(smol_server.proc.pid) for w in children(z)}
 
     async def send():
+        # `{n}` inside a JSON string compiles in time quadratic in n: these take past the compile limit (5 s), so
+        # both workers are still busy when the clients leave
         hostile = [asyncio.ensure_future(call(url, H, chat("x", **schema_format(
-            {"type": "string", "minLength": 6000 + i, "maxLength": 6000 + i})))) for i in range(6)]
+            {"type": "string", "pattern": f"^[a-z]{{{8000 + i}}}$"})))) for i in range(6)]
         await asyncio.sleep(2.0)
+        busy.update(compile_workers())
+        assert not any(task.done() for task in hostile), "the compiles ended before their clients left"
         for task in hostile:  # the clients leave
             task.cancel()
         await asyncio.gather(*hostile, return_exceptions=True)
-        return await call(url, H, chat("Give me a JSON object", response_format={"type": "json_object"}))
+        # a schema no one compiled yet: it needs a worker, which the abandoned compiles must have given back
+        fresh = schema_format({"type": "object", "properties": {"answer": {"type": "integer"}}})
+        return await call(url, H, chat("Give me a JSON object", **fresh))
 
-    (status, out), elapsed = await measure(canary, "6 abandoned compiles, then json_object", send)
+    (status, out), elapsed = await measure(canary, "6 abandoned compiles, then a new schema", send)
     assert status == 200, out
+    assert len(busy) == 2 and not busy & compile_workers(), busy  # both compiles were killed, not run to the limit
 
 
 def rss_mib(pid: int) -> float:
