@@ -98,16 +98,20 @@ class _Worker:
     def run(self, job: CompileJob, timeout: float) -> tuple:
         """The child's reply; ("timeout",) past `timeout` s of its CPU time (a refusal as too complex is cached: it
         must not depend on the load that slows a low-priority compile), ("starved",) past GRAMMAR_STARVED_AFTER
-        times that in wall time, or ("abandoned",), after killing it."""
+        times that in wall time, or ("abandoned",), after killing it; ("died",) if two children died on it."""
+        reply = self._exchange(job, timeout)
+        # A child killed while idle (from outside) may still be exiting when the job is sent: its death shows only
+        # now. A fresh one takes the job; only a second death is the constraint's doing.
+        return self._exchange(job, timeout) if reply == ("died",) else reply
+
+    def _exchange(self, job: CompileJob, timeout: float) -> tuple:
         c = job.constraint
-        try:
-            if self._conn is None:
-                self.start()
-            self._conn.send((c.kind, c.spec, c.param))
-        except OSError:  # it died while idle (killed from outside): a fresh one takes the job
-            self.kill()
+        if self._conn is None:
             self.start()
+        try:
             self._conn.send((c.kind, c.spec, c.param))
+        except OSError:
+            return self._died()
         started, cpu_before = time.monotonic(), self._process.cpu_seconds()
         while not self._conn.poll(_POLL):
             waited = time.monotonic() - started
@@ -125,9 +129,12 @@ class _Worker:
             return (outcome,)
         try:
             return self._conn.recv()
-        except (EOFError, OSError):  # the child died: out of memory, or killed from outside
-            self.kill()
-            return ("died",)
+        except (EOFError, OSError):  # out of memory, or killed from outside
+            return self._died()
+
+    def _died(self) -> tuple:
+        self.kill()
+        return ("died",)
 
 
 class CompileService:

@@ -131,8 +131,7 @@ def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
     c = compiler_for(tok, grammar_compile_workers=1)
     c.compile(StructuredOutput("regex", "[0-9]", "warm"))
     (worker,) = set(children(zygote.pid)) - others
-    os.kill(worker, signal.SIGKILL)  # an idle worker dies (the OOM killer): the next job forks another
-    time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)  # an idle worker dies (the OOM killer), the next job comes before it is gone
     assert c.compile(StructuredOutput("regex", "[1-9]", "after its worker died")) is not None
     (worker,) = set(children(zygote.pid)) - others
     os.kill(zygote.pid, signal.SIGKILL)  # the zygote dies, then the worker: the next one comes from a new zygote
@@ -140,6 +139,47 @@ def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
     time.sleep(0.2)
     assert c.compile(StructuredOutput("regex", "[2-9]", "after the zygote died")) is not None
     assert start_zygote() is not zygote and len(children(start_zygote().pid)) == 1
+
+
+@pytest.mark.parametrize("deaths", [1, 2])
+def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths):
+    import os
+    import signal
+    import threading
+
+    from sluice.service.engine.grammar_compile import start_zygote
+    from tests.support.procs import children
+
+    zygote = start_zygote()
+    others = set(children(zygote.pid))
+    c = compiler_for(tok, grammar_compile_workers=1)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
+    (worker,) = set(children(zygote.pid)) - others
+
+    def kill_mid_compile() -> None:
+        """SIGKILL the worker 0.2 s into its compile (~1 s), then the next `deaths - 1` ones (the OOM killer)."""
+        victim, seen, deadline = worker, others | {worker}, time.monotonic() + 10
+        for killed in range(1, deaths + 1):
+            time.sleep(0.2)
+            os.kill(victim, signal.SIGKILL)
+            while killed < deaths and not (fresh := set(children(zygote.pid)) - seen):
+                if time.monotonic() > deadline:  # no fresh worker took the job: the compile has failed
+                    return
+                time.sleep(0.01)
+            if killed < deaths:
+                victim = fresh.pop()
+                seen.add(victim)
+
+    killer = threading.Thread(target=kill_mid_compile)
+    killer.start()
+    constraint = StructuredOutput("json", slow(3500), "guided_json")
+    if deaths == 1:  # one death may be the worker's own (killed while idle, seen only now): a fresh one compiles it
+        assert c.compile(constraint) is not None
+    else:  # two are the constraint's doing
+        with pytest.raises(GrammarError, match="ended its compile process") as info:
+            c.compile(constraint)
+        assert info.value.code == TOO_COMPLEX
+    killer.join()
 
 
 def test_identical_compiles_share_a_job_a_full_queue_is_busy_and_abandoned_jobs_leave_it(tok):
