@@ -214,7 +214,7 @@ class CompileService:
             raise GrammarError(reply[1], c.param, reply[2])
         if reply[0] == "timeout":
             logger.warning("grammar compile for %s passed %.1f s: killed", c.param, self._timeout)
-            raise GrammarError(f"{c.param} took longer than {self._timeout:g} s to compile "
+            raise GrammarError(f"{c.param} took more than {self._timeout:g} s of CPU time to compile "
                                "(--grammar-compile-timeout); simplify it", c.param, TOO_COMPLEX)
         if reply[0] == "starved":
             logger.warning("grammar compile for %s got too little CPU in %.1f s: killed", c.param, elapsed)

@@ -81,14 +81,15 @@ def slow(n: int) -> str:
     return json.dumps({"type": "string", "pattern": f"^[a-z]{{{n}}}$"})
 
 
-def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok):
+def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok, monkeypatch):
+    # The limit is CPU time: on a loaded machine (the suite's other worker, the native builds) this low-priority
+    # compile may take many times 0.3 s of wall time to use it, which the starvation bound must not cut short.
+    monkeypatch.setattr("sluice.service.engine.grammar_compile.GRAMMAR_STARVED_AFTER", 100)
     c = compiler_for(tok, grammar_compile_timeout=0.3, grammar_compile_workers=1)
     c.compile(StructuredOutput("regex", "[0-9]", "warm"))  # the child's start is not part of the limit
-    started = time.perf_counter()
-    with pytest.raises(GrammarError) as info:
+    with pytest.raises(GrammarError) as info:  # it needs seconds of a core to finish
         c.compile(StructuredOutput("json", slow(4000), "guided_json"))
-    assert info.value.code == TOO_COMPLEX and "longer than 0.3 s" in str(info.value)
-    assert time.perf_counter() - started < 3
+    assert info.value.code == TOO_COMPLEX and "more than 0.3 s of CPU time" in str(info.value)
     with pytest.raises(GrammarError):  # the refusal is remembered: no second 0.3 s
         c.compile(StructuredOutput("json", slow(4000), "other"))
     assert c.compile(StructuredOutput("regex", "[a-z]+", "after")) is not None
@@ -111,7 +112,7 @@ def test_the_limit_counts_cpu_time_and_a_starved_compile_is_busy_not_too_complex
     started = time.perf_counter()
     with pytest.raises(GrammarBusyError, match="too busy"):
         c.compile(StructuredOutput("regex", "[a-z]{3}", "guided_regex"))
-    assert 4 * 0.3 <= time.perf_counter() - started < 3  # 0.3 s of wall time did not count as 0.3 s of work
+    assert 4 * 0.3 <= time.perf_counter() - started < 10  # 0.3 s of wall time did not count as 0.3 s of work
     deadline = time.monotonic() + 2
     while worker in children(zygote.pid):  # killed: gone once the kernel has delivered the signal
         assert time.monotonic() < deadline
@@ -142,7 +143,7 @@ def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
 
 
 @pytest.mark.parametrize("deaths", [1, 2])
-def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths):
+def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths, monkeypatch):
     import os
     import signal
     import threading
@@ -150,6 +151,7 @@ def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths):
     from sluice.service.engine.grammar_compile import start_zygote
     from tests.support.procs import children
 
+    monkeypatch.setattr("sluice.service.engine.grammar_compile.GRAMMAR_STARVED_AFTER", 100)  # a loaded machine
     zygote = start_zygote()
     others = set(children(zygote.pid))
     c = compiler_for(tok, grammar_compile_workers=1)
@@ -157,7 +159,7 @@ def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths):
     (worker,) = set(children(zygote.pid)) - others
 
     def kill_mid_compile() -> None:
-        """SIGKILL the worker 0.2 s into its compile (~1 s), then the next `deaths - 1` ones (the OOM killer)."""
+        """SIGKILL the worker 0.2 s into its compile, then the next `deaths - 1` ones (the OOM killer)."""
         victim, seen, deadline = worker, others | {worker}, time.monotonic() + 10
         for killed in range(1, deaths + 1):
             time.sleep(0.2)
@@ -172,7 +174,7 @@ def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths):
 
     killer = threading.Thread(target=kill_mid_compile)
     killer.start()
-    constraint = StructuredOutput("json", slow(3500), "guided_json")
+    constraint = StructuredOutput("json", slow(2500), "guided_json")  # well over 0.2 s of a core
     if deaths == 1:  # one death may be the worker's own (killed while idle, seen only now): a fresh one compiles it
         assert c.compile(constraint) is not None
     else:  # two are the constraint's doing
