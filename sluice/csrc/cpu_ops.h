@@ -17,6 +17,12 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
 // [ceil(N / 16), K / 32, 16]. x float32 [M, K], K a multiple of 32; y float32 [M, N].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                        const at::Tensor& minimum, int64_t N);
+// The same kernel on Q4_K weights, their codes packed as int4_linear's and their scales as the file has them:
+// scales_mins uint8 [ceil(N / 16), K / 32, 2, 16] (each group's 6-bit scale sc and minimum m), supers float16
+// [ceil(N / 16), K / 256, 2, 16] (d and -dmin per 256 inputs); element = q * d * sc + m * (-dmin). K a multiple
+// of 256.
+at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
+                       const at::Tensor& supers, int64_t N);
 // The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
 std::string int4_linear_isa();
 
@@ -52,8 +58,9 @@ void rotary_embedding_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const 
 class LlamaLayerOps {
  public:
   // One linear on GGUF blocks: parts side by side (a GGUF may store q and v in different types), each a GGML type
-  // with its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum), any other type's rows of
-  // blocks in a for gguf_linear; n outputs in all.
+  // with its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum), Q4_K (12) packed for
+  // q4_k_linear (a, b, c = nibbles, scales_mins, supers) or as stored, any other type's rows of blocks in a for
+  // gguf_linear; n outputs in all.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).

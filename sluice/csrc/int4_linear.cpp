@@ -41,6 +41,9 @@ inline fvec f_zero() { return _mm512_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm512_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm512_cvtepi32_ps(v); }
 inline fvec f_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline fvec f_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline fvec f_fmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline fvec f_mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
 inline void f_store(float* p, fvec v) { _mm512_storeu_ps(p, v); }
@@ -64,6 +67,9 @@ inline fvec f_zero() { return _mm256_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm256_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm256_cvtepi32_ps(v); }
 inline fvec f_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline fvec f_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline fvec f_fmadd(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline fvec f_mul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
 inline void f_store(float* p, fvec v) { _mm256_storeu_ps(p, v); }
@@ -103,15 +109,60 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
+// Where a group's scale and minimum come from, for each of a block's 16 outputs (element = q * scale + minimum).
+// Q4_1: float16 [blocks, G, 16] each.
+struct Q4_1Scales {
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t G;
+  void prefetch(int64_t b, int64_t g) const {  // 2 bytes each where the codes take 16
+    sluice::prefetch(d + (b * G + g) * kBlock + sluice::kPrefetchBytes / 16, 2 * kBlock);
+    sluice::prefetch(m + (b * G + g) * kBlock + sluice::kPrefetchBytes / 16, 2 * kBlock);
+  }
+#ifdef I4_LANES
+  fvec scale(int64_t b, int64_t g, int h) const { return f_half(d + (b * G + g) * kBlock + h * I4_LANES); }
+  fvec minimum(int64_t b, int64_t g, int h) const { return f_half(m + (b * G + g) * kBlock + h * I4_LANES); }
+#endif
+  float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(d[(b * G + g) * kBlock + o]); }
+  float minimum_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(m[(b * G + g) * kBlock + o]); }
+};
+
+// Q4_K as the file has it: per group a 6-bit scale and minimum (uint8 [blocks, G, 2, 16]), per eight groups a
+// float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
+struct Q4_KScales {
+  const uint8_t* sm;
+  const uint16_t* super;
+  int64_t G;
+  const uint8_t* codes(int64_t b, int64_t g, int which) const { return sm + ((b * G + g) * 2 + which) * kBlock; }
+  const uint16_t* supers(int64_t b, int64_t g, int which) const {
+    return super + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
+  }
+  void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 16
+    sluice::prefetch(codes(b, g, 0) + sluice::kPrefetchBytes / 8, 2 * kBlock);
+  }
+#ifdef I4_LANES
+  fvec scale(int64_t b, int64_t g, int h) const {
+    return f_mul(f_u8(codes(b, g, 0) + h * I4_LANES), f_half(supers(b, g, 0) + h * I4_LANES));
+  }
+  fvec minimum(int64_t b, int64_t g, int h) const {
+    return f_mul(f_u8(codes(b, g, 1) + h * I4_LANES), f_half(supers(b, g, 1) + h * I4_LANES));
+  }
+#endif
+  float scale_at(int64_t b, int64_t g, int64_t o) const {
+    return static_cast<float>(codes(b, g, 0)[o]) * half_to_float(supers(b, g, 0)[o]);
+  }
+  float minimum_at(int64_t b, int64_t g, int64_t o) const {
+    return static_cast<float>(codes(b, g, 1)[o]) * half_to_float(supers(b, g, 1)[o]);
+  }
+};
+
 // Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N.
-template <int Rows>
-void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, const uint8_t* qs, const uint16_t* d,
-              const uint16_t* m, int64_t b0, int64_t b1, float* y, int64_t N) {
+template <int Rows, class Scales>
+void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, const uint8_t* qs,
+              const Scales& scales, int64_t b0, int64_t b1, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qblock = qs + b * G * kGroupBytes;
-    const uint16_t* dblock = d + b * G * kBlock;
-    const uint16_t* mblock = m + b * G * kBlock;
     float out[Rows][kBlock];
 #ifdef I4_LANES
     constexpr int kVecs = kBlock / I4_LANES;
@@ -119,10 +170,9 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
     for (int r = 0; r < Rows; ++r)
       for (int h = 0; h < kVecs; ++h) total[r][h] = f_zero();
     for (int64_t g = 0; g < G; ++g) {
-      // The codes and both scale streams ahead; the scales take 2 bytes where the codes take 16.
+      // The codes and the scale streams ahead.
       sluice::prefetch(qblock + g * kGroupBytes + sluice::kPrefetchBytes, kGroupBytes);
-      sluice::prefetch(dblock + g * kBlock + sluice::kPrefetchBytes / 16, 2 * kBlock);
-      sluice::prefetch(mblock + g * kBlock + sluice::kPrefetchBytes / 16, 2 * kBlock);
+      scales.prefetch(b, g);
       // Low and high nibbles in separate sums, so each group's integer chain is half as long.
       ivec lo[Rows][kVecs], hi[Rows][kVecs];
       for (int r = 0; r < Rows; ++r)
@@ -139,8 +189,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
         }
       }
       for (int h = 0; h < kVecs; ++h) {
-        const fvec dg = f_half(dblock + g * kBlock + h * I4_LANES);
-        const fvec mg = f_half(mblock + g * kBlock + h * I4_LANES);
+        const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
         for (int r = 0; r < Rows; ++r) {
           const fvec dot = f_cvt(i4_add(lo[r][h], hi[r][h]));
           total[r][h] = f_fmadd(dot, f_mul(dg, f_set1(dx[r * G + g])), total[r][h]);
@@ -163,8 +212,8 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
               dot += (w[t] & 0x0F) * xg[4 * c + t] + (w[t] >> 4) * xg[16 + 4 * c + t];
             }
           }
-          total = std::fma(static_cast<float>(dot), half_to_float(dblock[g * kBlock + o]) * dx[r * G + g], total);
-          total = std::fma(half_to_float(mblock[g * kBlock + o]), xsum[r * G + g], total);
+          total = std::fma(static_cast<float>(dot), scales.scale_at(b, g, o) * dx[r * G + g], total);
+          total = std::fma(scales.minimum_at(b, g, o), xsum[r * G + g], total);
         }
         out[r][o] = total;
       }
@@ -177,35 +226,63 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
 
 }  // namespace
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                       const at::Tensor& minimum, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_linear: x float32 [M, K]");
+namespace {
+
+// Checks x and the nibbles, quantizes x and runs rows_dot over every block with the scales `make(G)` builds.
+template <class MakeScales>
+at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor& qs, int64_t N, MakeScales make) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x float32 [M, K]");
   const int64_t K = x.size(1), G = K / kGroup, blocks = (N + kBlock - 1) / kBlock;
-  TORCH_CHECK(K % kGroup == 0, "int4_linear: K must be a multiple of 32");
+  TORCH_CHECK(K % kGroup == 0, name, ": K must be a multiple of 32");
   TORCH_CHECK(N > 0 && qs.scalar_type() == at::kByte && qs.dim() == 5 && qs.size(0) == blocks && qs.size(1) == G &&
                   qs.size(2) == 4 && qs.size(3) == kBlock && qs.size(4) == 4 && qs.is_contiguous(),
-              "int4_linear: qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], contiguous");
-  for (const at::Tensor* t : {&scale, &minimum}) {
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == blocks && t->size(1) == G &&
-                    t->size(2) == kBlock && t->is_contiguous(),
-                "int4_linear: scale and minimum float16 [ceil(N / 16), K / 32, 16], contiguous");
-  }
+              name, ": qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], contiguous");
+  const auto scales = make(blocks, G);
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
-      rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, qx.sum.data() + r * G, K, qp, dp, mp, b0, b1,
+      rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, qx.sum.data() + r * G, K, qp, scales, b0, b1,
                      yp + r * N, N);
     });
   });
   return y;
+}
+
+bool has_shape(const at::Tensor& t, at::ScalarType type, std::initializer_list<int64_t> shape) {
+  return t.scalar_type() == type && t.sizes().equals(shape) && t.is_contiguous();
+}
+
+}  // namespace
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                       const at::Tensor& minimum, int64_t N) {
+  return packed_linear("int4_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    for (const at::Tensor* t : {&scale, &minimum}) {
+      TORCH_CHECK(has_shape(*t, at::kHalf, {blocks, G, kBlock}),
+                  "int4_linear: scale and minimum float16 [ceil(N / 16), K / 32, 16], contiguous");
+    }
+    return Q4_1Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()),
+                      reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>()), G};
+  });
+}
+
+at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
+                       const at::Tensor& supers, int64_t N) {
+  return packed_linear("q4_k_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(G % 8 == 0, "q4_k_linear: K must be a multiple of 256");
+    TORCH_CHECK(has_shape(scales_mins, at::kByte, {blocks, G, 2, kBlock}) &&
+                    has_shape(supers, at::kHalf, {blocks, G / 8, 2, kBlock}),
+                "q4_k_linear: scales_mins uint8 [ceil(N / 16), K / 32, 2, 16], supers float16 "
+                "[ceil(N / 16), K / 256, 2, 16], contiguous");
+    return Q4_KScales{scales_mins.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()),
+                      G};
+  });
 }
 
 std::string int4_linear_isa() { return I4_SIMD; }

@@ -12,6 +12,7 @@
 namespace {
 
 constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row blocks
+constexpr int64_t kQ4_K = 12;       // GGML's Q4_K: packed for q4_k_linear where b holds its scales
 constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' type) in oneDNN's packed layout
 
 }  // namespace
@@ -42,7 +43,10 @@ at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
       outs.push_back(x.scalar_type() == at::kBFloat16 ? packed_linear_bf16(x, p.ptr, p.n, p.block, p.k_rows)
                                                       : packed_linear_f32(x, p.ptr, p.n, p.block, p.k_rows));
     } else {
-      outs.push_back(p.type == kPackedQ4_1 ? int4_linear(x, p.a, p.b, p.c, p.n) : gguf_linear(x, p.a, p.type));
+      const bool packed = p.b.defined() && p.b.numel() > 0;
+      outs.push_back(p.type == kPackedQ4_1               ? int4_linear(x, p.a, p.b, p.c, p.n)
+                     : p.type == kQ4_K && packed         ? q4_k_linear(x, p.a, p.b, p.c, p.n)
+                                                         : gguf_linear(x, p.a, p.type));
     }
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);

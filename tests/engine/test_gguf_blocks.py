@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.layers.gguf_blocks import BLOCK_TYPES, GgufBlocks, dequantize
+from sluice.service.engine.layers.gguf_blocks import (
+    BLOCK_TYPES,
+    GgufBlocks,
+    dequantize,
+    pack_q4_1,
+    pack_q4_k,
+    unpack_q4_k,
+)
 from sluice.service.engine.layers.gguf_linear import (
     KERNEL_MAX_ROWS_DEFAULT,
     GgufBlockMethod,
@@ -106,7 +113,56 @@ def test_every_instruction_set_unpacks_and_multiplies_the_same(kernel):
                 torch.testing.assert_close(got, native, rtol=1e-5, atol=1e-5 * native.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_q4_k_packing_keeps_every_bit_of_the_file(kernel):
+    blocks = torch.from_numpy(random_blocks("Q4_K", 40, 512, seed=4))  # 40 rows: the last block of 16 is padded
+    nibbles, scales_mins, supers = pack_q4_k(blocks)
+    assert nibbles.shape == (3, 16, 4, 16, 4) and scales_mins.shape == (3, 16, 2, 16) and supers.shape == (3, 2, 2, 16)
+    assert torch.equal(unpack_q4_k(nibbles, scales_mins, supers, 40), blocks)
+    raw = torch.from_numpy(random_blocks("Q4_K", 48, 512, seed=5))  # no padding: 148 bytes per 144
+    assert sum(t.numel() * t.element_size() for t in pack_q4_k(raw)) == raw.numel() * 148 // 144
+
+
+def q4_k_reference(x: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """What q4_k_linear computes, in float64: the int8-rounded activations times d * sc * q, plus each group's
+    minimum (-dmin * m) times the float sum of its inputs."""
+    b = blocks.reshape(-1, 144)
+    dmin = b[:, 2:4].contiguous().view(torch.float16).double()
+    m = torch.cat([b[:, 8:12] & 63, (b[:, 12:16] >> 4) | ((b[:, 8:12] >> 2) & 48)], dim=-1).double()  # 6-bit
+    minimum = (-dmin * m).reshape(blocks.shape[0], k // 32)  # [N, G]
+    codes_part = dequantize(blocks, "Q4_K", k).double() - minimum.repeat_interleave(32, dim=1)
+    sums = x.double().reshape(x.shape[0], -1, 32).sum(-1)
+    return emulated_int8_activations(x).double() @ codes_part.T + sums @ minimum.T
+
+
+@pytest.mark.parametrize("rows", [1, 3, 33, 70])
+def test_packed_q4_k_kernel_computes_the_int8_activation_linear(rows, kernel):
+    n, k = 40, 768
+    blocks = torch.from_numpy(random_blocks("Q4_K", n, k, seed=rows))
+    linear = GgufLinear(GgufBlocks(blocks, "Q4_K", k), None, kernel)
+    assert linear.packed and linear.kernel_max_rows >= 4096  # prefill chunks too
+    assert torch.equal(linear.stored_rows(), blocks) and torch.equal(linear.stored_rows(5, 21), blocks[5:21])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero group: scale 0
+    got, want = linear(x), q4_k_reference(x, blocks, k)
+    scale = (x.abs() @ dequantize(blocks, "Q4_K", k).abs().T).amax()
+    assert ((got.double() - want).abs() > 1e-5 * scale).sum() <= max(1, got.numel() // 40)  # rounding ties
+    op = linear.kernel_op()  # the fused layer's linear: the same kernel
+    assert torch.equal(kernel.q4_k_linear(x, *linear._packed(), n), got) and op is not None
+
+
+def test_every_instruction_set_computes_packed_q4_k_the_same(kernel):
+    blocks = torch.from_numpy(random_blocks("Q4_K", 48, 512, seed=6))
+    packed = pack_q4_k(blocks)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(6))
+    want = kernel.q4_k_linear(x, *packed, 48)
+    for isa in variant_isas():
+        assert torch.equal(integer_kernels(isa).q4_k_linear(x, *packed, 48), want), isa
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernel.q4_k_linear(torch.randn(2, 96), *pack_q4_1(torch.zeros(16, 60, dtype=torch.uint8))[:1],
+                           torch.zeros(1, 3, 2, 16, dtype=torch.uint8), torch.zeros(1, 0, 2, 16).half(), 16)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("native", [True, False])
 def test_linear_prefill_tiles_equal_float_matmul(qtype, native, kernel):
     n, k = 300, 512
@@ -249,6 +305,9 @@ def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     assert {t.dtype for t in buffers} <= {torch.uint8, torch.float16}  # no float copy of any weight
     blocks = sum(t.numel() * t.element_size() for t in buffers) - model.lm_head.blocks.numel()
     assert blocks < path.stat().st_size  # the blocks as they are, nothing dequantized beside them
+    v = first.self_attn.qkv_proj.parts[2]  # Q4_K: regrouped for the packed kernel, every bit kept (not q: the
+    # loader reorders q's rows for the rotary layout)
+    assert v.packed and torch.equal(v.stored_rows(), torch.from_numpy(np.array(_raw(path, "blk.0.attn_v.weight"))))
     packed = second.mlp.gate_up_proj  # Q4_1: regrouped for the packed kernel, the same bytes
     assert packed.packed and torch.equal(packed.stored_rows(), torch.cat([
         torch.from_numpy(np.array(_raw(path, f"blk.1.{name}.weight"))) for name in ("ffn_gate", "ffn_up")]))

@@ -1,6 +1,7 @@
 """GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
 Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
-`--quantization int8 | int4` stores), and Q4_1's repacking into csrc/int4_linear.cpp's blocks of 16 rows.
+`--quantization int8 | int4` stores), and the repacking of Q4_1 and Q4_K into csrc/int4_linear.cpp's blocks of 16
+rows.
 """
 
 from __future__ import annotations
@@ -40,11 +41,17 @@ def _bits32(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 bytes → eight 6-bit scales and minimums [nb, 8]."""
+    """Q4_K/Q5_K's 12 bytes → eight 6-bit scales and minimums, uint8 [nb, 8]."""
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     scale = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
     minimum = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
-    return scale.float(), minimum.float()
+    return scale, minimum
+
+
+def _k4_scale_bytes(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The inverse of _k4_scales: eight 6-bit scales and minimums [nb, 8] → the 12 bytes."""
+    return torch.cat([scale[:, :4] | ((scale[:, 4:] >> 4) << 6), minimum[:, :4] | ((minimum[:, 4:] >> 4) << 6),
+                      (scale[:, 4:] & 15) | ((minimum[:, 4:] & 15) << 4)], dim=-1)
 
 
 def _dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -59,7 +66,7 @@ def _dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
         q = (_nibbles(b[:, head + 4:]) | (_bits32(b[:, head:head + 4]) << 4)).float()
         return _f16(b, 0) * (q - 16) if qtype == "Q5_0" else _f16(b, 0) * q + _f16(b, 2)
     if qtype in ("Q4_K", "Q5_K"):
-        scale, minimum = _k4_scales(b[:, 4:16])
+        scale, minimum = (t.float() for t in _k4_scales(b[:, 4:16]))
         qs = b[:, 48:] if qtype == "Q5_K" else b[:, 16:]
         q = _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j+1 high
         if qtype == "Q5_K":
@@ -112,12 +119,33 @@ def quantize(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
 
+def _interleave(codes: torch.Tensor) -> torch.Tensor:
+    """Q4_1-ordered code bytes of blocks of 16 rows [P, 16, G, 16] → csrc/int4_linear.cpp's [P, G, 4, 16, 4] (chunk
+    c, row o: bytes 4c..4c+3 of row o's group)."""
+    return codes.reshape(*codes.shape[:3], 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _deinterleave(nibbles: torch.Tensor) -> torch.Tensor:
+    """The inverse of _interleave."""
+    return nibbles.permute(0, 3, 1, 2, 4).reshape(nibbles.shape[0], PACK_ROWS, nibbles.shape[1], 16)
+
+
+def _by_block(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [P * 16, X, Y] → [P, X, Y, 16]: a block's 16 rows side by side, as the kernel reads them."""
+    return t.reshape(-1, PACK_ROWS, *t.shape[1:]).permute(0, 2, 3, 1).contiguous()
+
+
+def _by_row(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of _by_block."""
+    return t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])
+
+
 def pack_q4_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 rows uint8 [N, G * 20] → int4_linear's blocks of 16 rows (N padded with zero rows): nibbles
-    [N/16, G, 4, 16, 4] (chunk c, row o: bytes 4c..4c+3 of row o's group), scale and minimum float16 [N/16, G, 16]."""
+    [N/16, G, 4, 16, 4], scale and minimum float16 [N/16, G, 16]."""
     n = data.shape[0]
     blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // 20, 20)
-    nibbles = blocks[..., 4:].reshape(*blocks.shape[:3], 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    nibbles = _interleave(blocks[..., 4:])
     scale, minimum = (blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
                       for at in (0, 2))
     return nibbles, scale, minimum
@@ -126,7 +154,41 @@ def pack_q4_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_q4_1: the first n rows as Q4_1 blocks, uint8 [n, G * 20]."""
     packs, groups = nibbles.shape[:2]
-    rows = nibbles.permute(0, 3, 1, 2, 4).reshape(packs, PACK_ROWS, groups, 16)
+    rows = _deinterleave(nibbles)
     d, m = (t.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2)
             for t in (scale, minimum))
     return torch.cat([d, m, rows], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]
+
+
+def _negated(half: torch.Tensor) -> torch.Tensor:
+    """float16 values with their sign bits flipped: -x, every bit kept (NaNs too, which float negation may not)."""
+    return (half.view(torch.int16) ^ -0x8000).view(torch.float16)
+
+
+def pack_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows uint8 [N, nb * 144] → q4_k_linear's blocks of 16 rows (N padded with zero rows): the codes as
+    int4_linear's nibbles [N/16, G, 4, 16, 4] (G = 8 nb groups of 32), each group's 6-bit scale and minimum uint8
+    [N/16, G, 2, 16], each 256 inputs' d and -dmin float16 [N/16, nb, 2, 16]. Every bit of the file is kept
+    (unpack_q4_k gives the rows back), in 148 bytes per 144."""
+    n, nb = data.shape[0], data.shape[1] // 144
+    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 144)
+    codes = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # group 2j: chunk j's low nibbles, 2j+1 high
+    nibbles = _interleave((codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, PACK_ROWS, nb * 8, 16))
+    scale, minimum = _k4_scales(b[:, 4:16])
+    scales_mins = _by_block(torch.stack([scale, minimum], dim=-1).reshape(-1, nb * 8, 2))
+    d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16) for at in (0, 2))
+    supers = _by_block(torch.cat([d, _negated(dmin)], dim=-1).reshape(-1, nb, 2))
+    return nibbles, scales_mins, supers
+
+
+def unpack_q4_k(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q4_k: the first n rows as Q4_K blocks, uint8 [n, nb * 144]."""
+    nb = nibbles.shape[1] // 8
+    rows = _deinterleave(nibbles).reshape(-1, 8, 16)
+    codes = torch.cat([rows & 15, rows >> 4], dim=-1).reshape(-1, 4, 2, 32)  # chunk j: group 2j low, 2j+1 high
+    qs = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(-1, 128)
+    sm = _by_row(scales_mins).reshape(-1, 8, 2)
+    d_dmin = _by_row(supers).reshape(-1, 2)
+    head = torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
+    blocks = torch.cat([head, _k4_scale_bytes(sm[..., 0], sm[..., 1]), qs], dim=-1)
+    return blocks.reshape(-1, nb * 144)[:n]

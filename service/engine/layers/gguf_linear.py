@@ -1,12 +1,13 @@
 """Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Calls of few rows (decoding) run an integer-weight GEMV on the blocks: Q4_1 through csrc/int4_linear.cpp, its
-blocks regrouped 16 output rows together at load (`pack_q4_1`, a permutation: 4-7x faster than reading the rows as
-stored), the activations rounded to int8 per 32 inputs as llama.cpp does; Q8_0 through csrc/q8_0_linear.cpp on
-float activations; every other type through csrc/gguf_linear.cpp on int8 activations. Larger calls (prefill)
-dequantize a tile of output rows at a time into a scratch and multiply. Without the native build, `dequantize`
-(pure torch) does the tiles for every call. A quantized decoder layer hands its linears to csrc/llama_layer.cpp
+Q4_1 and Q4_K run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at load (`pack_q4_1`, a
+permutation; `pack_q4_k`, which also gives each 6-bit scale a byte: several times faster than reading the rows as
+stored, docs/performance.md), for calls of any size, the activations rounded to int8 per 32 inputs as llama.cpp
+does. Calls of few rows (decoding) of the other types run an integer-weight GEMV on the blocks: Q8_0 through
+csrc/q8_0_linear.cpp on float activations, the rest through csrc/gguf_linear.cpp on int8 activations; larger calls
+(prefill) dequantize a tile of output rows at a time into a scratch and multiply. Without the native build,
+`dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands its linears to csrc/llama_layer.cpp
 (`kernel_op`).
 """
 
@@ -24,25 +25,31 @@ from sluice.service.engine.layers.gguf_blocks import (
     GgufBlocks,
     dequantize,
     pack_q4_1,
+    pack_q4_k,
     quantize,
     unpack_q4_1,
+    unpack_q4_k,
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
 # Rows a call may have for the GEMV, per type (above: dequantized tiles + GEMM). The GEMV unpacks every weight block
 # once per four input rows, the tiles once per call, so the tiles win past a crossover that lies between 32 and 64
 # rows for the K-quants and Q5_0 at SmolLM2's and 1.7B's shapes on Zen 4 (docs/performance.md). Q8_0 runs on float
-# activations, where the GEMV wins to 128 rows; packed Q4_1 takes every prefill chunk (its kernel reads 16 output
-# rows' blocks together).
-KERNEL_MAX_ROWS = {"Q4_1": 4096, "Q8_0": 128}
+# activations, where the GEMV wins to 128 rows; packed Q4_1 and Q4_K take every prefill chunk (their kernel reads 16
+# output rows' blocks together).
+KERNEL_MAX_ROWS = {"Q8_0": 128}
 KERNEL_MAX_ROWS_DEFAULT = 32
+PACKED_MAX_ROWS = 4096
+# Each packed type: its packing, the way back to rows as stored, its buffers (the nibbles first) and its kernel.
+PACKINGS = {"Q4_1": (pack_q4_1, unpack_q4_1, ("blocks", "scale", "minimum"), "int4_linear"),
+            "Q4_K": (pack_q4_k, unpack_q4_k, ("blocks", "scales_mins", "supers"), "q4_k_linear")}
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 
 
 class GgufLinear(nn.Module):
     """y = x W^T + b with W in GGUF blocks; float activations in and out (computed in float32). `blocks`: the rows
-    as stored, or for Q4_1 with a kernel (unless `repack` is off: a head sharing the embedding's bytes) the packed
-    nibbles, with `scale` and `minimum`."""
+    as stored, or for Q4_1 and Q4_K with a kernel (unless `repack` is off: a head sharing the embedding's bytes) the
+    packed nibbles, with the type's scale buffers (PACKINGS)."""
 
     def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True) -> None:
         super().__init__()
@@ -51,15 +58,17 @@ class GgufLinear(nn.Module):
         if self.in_features % qk or blocks.data.shape[1] != self.in_features // qk * nbytes:
             raise ValueError(f"{blocks.qtype} rows of {blocks.data.shape[1]} bytes for {self.in_features} inputs")
         self.qtype, self.type_id = blocks.qtype, BLOCK_TYPES[blocks.qtype][0]
-        self.packed = kernel is not None and repack and blocks.qtype == "Q4_1"
+        self.packed = kernel is not None and repack and blocks.qtype in PACKINGS
         if self.packed:
-            for name, t in zip(("blocks", "scale", "minimum"), pack_q4_1(blocks.data), strict=True):
+            pack, _, names, _ = PACKINGS[blocks.qtype]
+            for name, t in zip(names, pack(blocks.data), strict=True):
                 self.register_buffer(name, t)
         else:
             self.register_buffer("blocks", blocks.data)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = kernel  # native.load(), or None: every call dequantizes tiles in torch
-        self.kernel_max_rows = KERNEL_MAX_ROWS.get(self.qtype, KERNEL_MAX_ROWS_DEFAULT) if kernel is not None else 0
+        self.kernel_max_rows = 0 if kernel is None else PACKED_MAX_ROWS if self.packed else KERNEL_MAX_ROWS.get(
+            self.qtype, KERNEL_MAX_ROWS_DEFAULT)
         self.kernel_dtype = torch.float32  # what kernel_op's linear computes in
         self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // self.in_features // PACK_ROWS * PACK_ROWS)
 
@@ -67,8 +76,7 @@ class GgufLinear(nn.Module):
         """x [..., K] → [..., N]."""
         rows = x.reshape(-1, self.in_features).float()
         if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows:
-            out = self.kernel.int4_linear(rows, self.blocks, self.scale, self.minimum, self.out_features) \
-                if self.packed else self.kernel.gguf_linear(rows, self.blocks, self.type_id)
+            out = self._packed_linear(rows) if self.packed else self.kernel.gguf_linear(rows, self.blocks, self.type_id)
         else:
             out = torch.empty(rows.shape[0], self.out_features)
             for n in range(0, self.out_features, self.tile_rows):
@@ -78,14 +86,21 @@ class GgufLinear(nn.Module):
             out += self.bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def _packed(self) -> list[torch.Tensor]:
+        """The packed buffers, in PACKINGS' order."""
+        return [getattr(self, name) for name in PACKINGS[self.qtype][2]]
+
+    def _packed_linear(self, rows: torch.Tensor) -> torch.Tensor:
+        return getattr(self.kernel, PACKINGS[self.qtype][3])(rows, *self._packed(), self.out_features)
+
     def stored_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows [start, stop) of the weight as GGUF stores them (uint8 [rows, row_bytes]), unpacked where packed."""
         stop = self.out_features if stop is None else min(stop, self.out_features)
         if not self.packed:
             return self.blocks[start:stop]
         first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
-        rows = unpack_q4_1(self.blocks[first:last], self.scale[first:last], self.minimum[first:last],
-                           (last - first) * PACK_ROWS)
+        unpack = PACKINGS[self.qtype][1]
+        rows = unpack(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
         return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
     def dequantized(self) -> torch.Tensor:
@@ -97,7 +112,7 @@ class GgufLinear(nn.Module):
         if self.kernel is None or self.bias is not None or (self.qtype == "Q4_1" and not self.packed):
             return None
         if self.packed:
-            return self.kernel.LayerLinear(self.type_id, self.blocks, self.scale, self.minimum, self.out_features)
+            return self.kernel.LayerLinear(self.type_id, *self._packed(), self.out_features)
         empty = torch.empty(0)
         return self.kernel.LayerLinear(self.type_id, self.blocks, empty, empty, self.out_features)
 
