@@ -14,6 +14,8 @@ csrc/q8_0_linear.cpp on float activations, the rest through csrc/gguf_linear.cpp
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,10 +42,22 @@ from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 KERNEL_MAX_ROWS = {"Q8_0": 128}
 KERNEL_MAX_ROWS_DEFAULT = 32
 PACKED_MAX_ROWS = 4096
-# Each packed type: its packing, the way back to rows as stored, its buffers (the nibbles first) and its kernel.
-PACKINGS = {"Q4_1": (pack_q4_1, unpack_q4_1, ("blocks", "scale", "minimum"), "int4_linear"),
-            "Q4_K": (pack_q4_k, unpack_q4_k, ("blocks", "scales_mins", "supers"), "q4_k_linear")}
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """How a type is regrouped for csrc/int4_linear.cpp: its buffers (the nibbles first), the kernel op reading
+    them, and the functions to them from rows as stored and back."""
+
+    buffers: tuple[str, ...]
+    kernel_op: str
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    unpack: Callable[..., torch.Tensor]
+
+
+PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
+            "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k)}
 
 
 class GgufLinear(nn.Module):
@@ -60,8 +74,8 @@ class GgufLinear(nn.Module):
         self.qtype, self.type_id = blocks.qtype, BLOCK_TYPES[blocks.qtype][0]
         self.packed = kernel is not None and repack and blocks.qtype in PACKINGS
         if self.packed:
-            pack, _, names, _ = PACKINGS[blocks.qtype]
-            for name, t in zip(names, pack(blocks.data), strict=True):
+            packing = PACKINGS[blocks.qtype]
+            for name, t in zip(packing.buffers, packing.pack(blocks.data), strict=True):
                 self.register_buffer(name, t)
         else:
             self.register_buffer("blocks", blocks.data)
@@ -88,10 +102,10 @@ class GgufLinear(nn.Module):
 
     def _packed(self) -> list[torch.Tensor]:
         """The packed buffers, in PACKINGS' order."""
-        return [getattr(self, name) for name in PACKINGS[self.qtype][2]]
+        return [getattr(self, name) for name in PACKINGS[self.qtype].buffers]
 
     def _packed_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        return getattr(self.kernel, PACKINGS[self.qtype][3])(rows, *self._packed(), self.out_features)
+        return getattr(self.kernel, PACKINGS[self.qtype].kernel_op)(rows, *self._packed(), self.out_features)
 
     def stored_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows [start, stop) of the weight as GGUF stores them (uint8 [rows, row_bytes]), unpacked where packed."""
@@ -99,8 +113,7 @@ class GgufLinear(nn.Module):
         if not self.packed:
             return self.blocks[start:stop]
         first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
-        unpack = PACKINGS[self.qtype][1]
-        rows = unpack(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
+        rows = PACKINGS[self.qtype].unpack(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
         return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
     def dequantized(self) -> torch.Tensor:
