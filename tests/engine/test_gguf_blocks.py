@@ -12,7 +12,6 @@ from sluice.service.engine.layers.gguf_blocks import (
     BLOCK_TYPES,
     GgufBlocks,
     dequantize,
-    pack_q4_1,
     pack_q4_k,
     unpack_q4_k,
 )
@@ -157,9 +156,11 @@ def test_every_instruction_set_computes_packed_q4_k_the_same(kernel):
     want = kernel.q4_k_linear(x, *packed, 48)
     for isa in variant_isas():
         assert torch.equal(integer_kernels(isa).q4_k_linear(x, *packed, 48), want), isa
-    with pytest.raises(RuntimeError, match="multiple of 256"):
-        kernel.q4_k_linear(torch.randn(2, 96), *pack_q4_1(torch.zeros(16, 60, dtype=torch.uint8))[:1],
+    with pytest.raises(RuntimeError, match="multiple of 256"):  # 96 inputs: three groups of 32, no Q4_K block
+        kernel.q4_k_linear(torch.randn(2, 96), torch.zeros(1, 3, 4, 16, 4, dtype=torch.uint8),
                            torch.zeros(1, 3, 2, 16, dtype=torch.uint8), torch.zeros(1, 0, 2, 16).half(), 16)
+    with pytest.raises(RuntimeError, match="scales_mins uint8"):
+        kernel.q4_k_linear(x, packed[0], packed[1].float(), packed[2], 48)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q5_K", "Q6_K"])
