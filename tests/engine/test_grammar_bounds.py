@@ -4,6 +4,8 @@ impossible or unsupported constraints are errors, never a silent empty "stop".""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from sluice.scheduling.sampling_params import SamplingParams, StructuredOutput
 from sluice.service.config import GrammarConfig
 from sluice.service.engine.grammar_checks import TOO_COMPLEX, GrammarError, ambiguous_repeat
+from tests.support.procs import children
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +84,27 @@ def slow(n: int) -> str:
     return json.dumps({"type": "string", "pattern": f"^[a-z]{{{n}}}$"})
 
 
-def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok, monkeypatch):
-    # The limit is CPU time: on a loaded machine (the suite's other worker, the native builds) this low-priority
-    # compile may take many times 0.3 s of wall time to use it, which the starvation bound must not cut short.
+@pytest.fixture
+def no_starvation(monkeypatch):
+    """The limit is CPU time: on a loaded machine (the suite's other worker, the native builds) a low-priority
+    compile may take many times its limit in wall time, which tests not about that must not have cut short."""
     monkeypatch.setattr("sluice.service.engine.grammar_compile.GRAMMAR_STARVED_AFTER", 100)
+
+
+def compiler_with_its_worker(tok, **knobs):
+    """(a one-worker compiler whose child has started, the zygote, that child's pid, the zygote's children that
+    belong to compilers other tests made in this process)."""
+    from sluice.service.engine.grammar_compile import start_zygote
+
+    zygote = start_zygote()
+    others = set(children(zygote.pid))
+    c = compiler_for(tok, grammar_compile_workers=1, **knobs)
+    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
+    (worker,) = set(children(zygote.pid)) - others
+    return c, zygote, worker, others
+
+
+def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok, no_starvation):
     c = compiler_for(tok, grammar_compile_timeout=0.3, grammar_compile_workers=1)
     c.compile(StructuredOutput("regex", "[0-9]", "warm"))  # the child's start is not part of the limit
     with pytest.raises(GrammarError) as info:  # it needs seconds of a core to finish
@@ -96,18 +116,9 @@ def test_a_slow_compile_is_killed_at_its_time_limit_and_the_next_one_works(tok, 
 
 
 def test_the_limit_counts_cpu_time_and_a_starved_compile_is_busy_not_too_complex(tok):
-    import os
-    import signal
-
     from sluice.service.engine.grammar import GrammarBusyError
-    from sluice.service.engine.grammar_compile import start_zygote
-    from tests.support.procs import children
 
-    zygote = start_zygote()
-    others = set(children(zygote.pid))
-    c = compiler_for(tok, grammar_compile_timeout=0.3, grammar_compile_workers=1)
-    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
-    (worker,) = set(children(zygote.pid)) - others
+    c, zygote, worker, _ = compiler_with_its_worker(tok, grammar_compile_timeout=0.3)
     os.kill(worker, signal.SIGSTOP)  # a machine's load at its extreme: the compile gets no CPU at all
     started = time.perf_counter()
     with pytest.raises(GrammarBusyError, match="too busy"):
@@ -121,17 +132,9 @@ def test_the_limit_counts_cpu_time_and_a_starved_compile_is_busy_not_too_complex
 
 
 def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
-    import os
-    import signal
-
     from sluice.service.engine.grammar_compile import start_zygote
-    from tests.support.procs import children
 
-    zygote = start_zygote()
-    others = set(children(zygote.pid))  # workers of the compilers other tests made in this process
-    c = compiler_for(tok, grammar_compile_workers=1)
-    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
-    (worker,) = set(children(zygote.pid)) - others
+    c, zygote, worker, others = compiler_with_its_worker(tok)
     os.kill(worker, signal.SIGKILL)  # an idle worker dies (the OOM killer), the next job comes before it is gone
     assert c.compile(StructuredOutput("regex", "[1-9]", "after its worker died")) is not None
     (worker,) = set(children(zygote.pid)) - others
@@ -143,20 +146,10 @@ def test_workers_and_the_zygote_killed_from_outside_are_replaced(tok):
 
 
 @pytest.mark.parametrize("deaths", [1, 2])
-def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths, monkeypatch):
-    import os
-    import signal
+def test_a_worker_killed_mid_compile_is_replaced_once(tok, deaths, no_starvation):
     import threading
 
-    from sluice.service.engine.grammar_compile import start_zygote
-    from tests.support.procs import children
-
-    monkeypatch.setattr("sluice.service.engine.grammar_compile.GRAMMAR_STARVED_AFTER", 100)  # a loaded machine
-    zygote = start_zygote()
-    others = set(children(zygote.pid))
-    c = compiler_for(tok, grammar_compile_workers=1)
-    c.compile(StructuredOutput("regex", "[0-9]", "warm"))
-    (worker,) = set(children(zygote.pid)) - others
+    c, zygote, worker, others = compiler_with_its_worker(tok)
 
     def kill_mid_compile() -> None:
         """SIGKILL the worker 0.2 s into its compile, then the next `deaths - 1` ones (the OOM killer)."""
