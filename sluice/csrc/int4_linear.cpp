@@ -1,17 +1,18 @@
 // Weight-only int4 linear (Q4_1 or Q4_K weights, int8 activations) for calls of any size, as llama.cpp runs its
-// Q4_1 files. Q4_K is the same sum with each group's scale d * sc and minimum -dmin * m (Q4_KScales below). Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d and minimum m,
-// element = q * d + m. Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+// Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d and minimum m,
+// element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m, Q4_KScales below). Each input row is
+// quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs. The inner sums are exact integer dot products (u8 x s8 -> s32),
 // so every instruction set below computes the same values; only the final float sums may round in another order.
 //
-// Layout (gguf_blocks.py's pack_q4_1 and pack_q4_k, a permutation of the codes' nibbles): outputs in blocks of 16. For block b and
-// group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o of the block, the Q4_1
-// bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and j + 16 (high nibble),
-// so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs 16+4c..16+4c+3: four
-// consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd) sums against four
-// activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales come 16 at a time
-// (Q4_1's scale and minimum: float16 [blocks, G, 16]).
+// Layout (gguf_blocks.py's pack_q4_1 and pack_q4_k, a permutation of the codes' nibbles): outputs in blocks of
+// 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o of the
+// block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and j + 16
+// (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs
+// 16+4c..16+4c+3: four consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd) sums
+// against four activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales come
+// 16 at a time (Q4_1's scale and minimum: float16 [blocks, G, 16]).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -133,26 +134,26 @@ struct Q4_KScales {
   const uint8_t* sm;
   const uint16_t* super;
   int64_t G;
-  const uint8_t* codes(int64_t b, int64_t g, int which) const { return sm + ((b * G + g) * 2 + which) * kBlock; }
+  const uint8_t* six_bit(int64_t b, int64_t g, int which) const { return sm + ((b * G + g) * 2 + which) * kBlock; }
   const uint16_t* supers(int64_t b, int64_t g, int which) const {
     return super + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
   }
   void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 16
-    sluice::prefetch(codes(b, g, 0) + sluice::kPrefetchBytes / 8, 2 * kBlock);
+    sluice::prefetch(six_bit(b, g, 0) + sluice::kPrefetchBytes / 8, 2 * kBlock);
   }
 #ifdef I4_LANES
   fvec scale(int64_t b, int64_t g, int h) const {
-    return f_mul(f_u8(codes(b, g, 0) + h * I4_LANES), f_half(supers(b, g, 0) + h * I4_LANES));
+    return f_mul(f_u8(six_bit(b, g, 0) + h * I4_LANES), f_half(supers(b, g, 0) + h * I4_LANES));
   }
   fvec minimum(int64_t b, int64_t g, int h) const {
-    return f_mul(f_u8(codes(b, g, 1) + h * I4_LANES), f_half(supers(b, g, 1) + h * I4_LANES));
+    return f_mul(f_u8(six_bit(b, g, 1) + h * I4_LANES), f_half(supers(b, g, 1) + h * I4_LANES));
   }
 #endif
   float scale_at(int64_t b, int64_t g, int64_t o) const {
-    return static_cast<float>(codes(b, g, 0)[o]) * half_to_float(supers(b, g, 0)[o]);
+    return static_cast<float>(six_bit(b, g, 0)[o]) * half_to_float(supers(b, g, 0)[o]);
   }
   float minimum_at(int64_t b, int64_t g, int64_t o) const {
-    return static_cast<float>(codes(b, g, 1)[o]) * half_to_float(supers(b, g, 1)[o]);
+    return static_cast<float>(six_bit(b, g, 1)[o]) * half_to_float(supers(b, g, 1)[o]);
   }
 };
 

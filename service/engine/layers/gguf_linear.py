@@ -7,8 +7,8 @@ stored, docs/performance.md), for calls of any size, the activations rounded to 
 does. Calls of few rows (decoding) of the other types run an integer-weight GEMV on the blocks: Q8_0 through
 csrc/q8_0_linear.cpp on float activations, the rest through csrc/gguf_linear.cpp on int8 activations; larger calls
 (prefill) dequantize a tile of output rows at a time into a scratch and multiply. Without the native build,
-`dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands its linears to csrc/llama_layer.cpp
-(`kernel_op`).
+`dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands its linears to
+csrc/llama_layer.cpp (`kernel_op`).
 """
 
 from __future__ import annotations
