@@ -23,6 +23,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // of 256.
 at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
                        const at::Tensor& supers, int64_t N);
+// The same kernel on Q5_0 and Q5_1 weights: their low four bits packed as int4_linear's, the fifth bits as
+// int4_linear.cpp lays them out (fifth uint8 [ceil(N / 16), K / 32, 16, 4]), d float16 [ceil(N / 16), K / 32, 16]
+// (Q5_0: element = (q - 16) d) or d and m [ceil(N / 16), K / 32, 2, 16] (Q5_1: element = q d + m).
+at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth, const at::Tensor& scale,
+                       int64_t N);
+at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth,
+                       const at::Tensor& scale_min, int64_t N);
 // The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
 std::string int4_linear_isa();
 
@@ -58,9 +65,9 @@ void rotary_embedding_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const 
 class LlamaLayerOps {
  public:
   // One linear on GGUF blocks: parts side by side (a GGUF may store q and v in different types), each a GGML type
-  // with its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum), Q4_K (12) packed for
-  // q4_k_linear (a, b, c = nibbles, scales_mins, supers) or as stored, any other type's rows of blocks in a for
-  // gguf_linear; n outputs in all.
+  // with its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum); Q4_K (12), Q5_0 (6) and
+  // Q5_1 (7) packed for q4_k_linear (a, b, c = nibbles, scales_mins, supers), q5_0_linear and q5_1_linear (nibbles,
+  // fifth bits, scales) or as stored; any other type's rows of blocks in a for gguf_linear; n outputs in all.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).

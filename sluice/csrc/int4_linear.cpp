@@ -1,13 +1,16 @@
-// Weight-only int4 linear (Q4_1 or Q4_K weights, int8 activations) for calls of any size, as llama.cpp runs its
-// Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d and minimum m,
-// element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m, Q4_KScales below). Each input row is
+// Weight-only int4 (and int5) linear (Q4_1, Q4_K, Q5_0 or Q5_1 weights, int8 activations) for calls of any size, as
+// llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d and
+// minimum m, element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth
+// bit per code, Q5_0's minimum -16 d; the policies below). Each input row is
 // quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
-// with xsum the float sum of the group's inputs. The inner sums are exact integer dot products (u8 x s8 -> s32),
-// so every instruction set below computes the same values; only the final float sums may round in another order.
+// with xsum the float sum of the group's inputs (Q5_0, Q5_1: dx times the sum of the int8 codes, as llama.cpp's
+// Q8_1 activations carry it, so that Q5_0's (q - 16) * qx sums exactly). The inner sums are exact integer dot
+// products (u8 x s8 -> s32), so every instruction set below computes the same values; only the final float sums may
+// round in another order.
 //
-// Layout (gguf_blocks.py's pack_q4_1 and pack_q4_k, a permutation of the codes' nibbles): outputs in blocks of
-// 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o of the
+// Layout (gguf_blocks.py's pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles): outputs in
+// blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o of the
 // block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and j + 16
 // (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs
 // 16+4c..16+4c+3: four consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd) sums
@@ -21,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "row_blocks.h"
@@ -38,6 +42,14 @@ inline ivec i4_zero() { return _mm512_setzero_si512(); }
 inline ivec i4_bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 inline ivec i4_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }
 inline ivec i4_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+// Bit `from` of every byte of v, moved to bit 4 (the fifth bit of a code): 16-bit shifts, which never carry a
+// byte's bits into bit 4 of its neighbour for shifts below 5.
+inline ivec i4_bit4(ivec v, int from) {
+  const ivec moved = from <= 4 ? _mm512_sll_epi16(v, _mm_cvtsi32_si128(4 - from))
+                               : _mm512_srl_epi16(v, _mm_cvtsi32_si128(from - 4));
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+}
+inline ivec i4_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 inline fvec f_zero() { return _mm512_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm512_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm512_cvtepi32_ps(v); }
@@ -64,6 +76,12 @@ inline ivec i4_dot(ivec acc, ivec w, ivec x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 inline ivec i4_add(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec i4_bit4(ivec v, int from) {  // as the AVX-512 one
+  const ivec moved = from <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - from))
+                               : _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - 4));
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+inline ivec i4_or(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 inline fvec f_zero() { return _mm256_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm256_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm256_cvtepi32_ps(v); }
@@ -86,15 +104,16 @@ constexpr int64_t kBlock = 16;                // outputs per block
 constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
-// One input row quantized per group: int8 values, scale and float sum per group.
+// One input row quantized per group: int8 values, scale, float sum and scale times the codes' sum per group.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> scale, sum;
+  std::vector<float> scale, sum, code_sum;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t groups = M * K / kGroup;
-  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<float>(groups)};
+  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<float>(groups),
+                    std::vector<float>(groups)};
   for (int64_t i = 0; i < groups; ++i) {
     const float* xg = x + i * kGroup;
     float amax = 0.f, total = 0.f;
@@ -103,9 +122,14 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
       total += xg[j];
     }
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) out.q[i * kGroup + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+    int32_t codes = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      out.q[i * kGroup + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      codes += out.q[i * kGroup + j];
+    }
     out.scale[i] = d;
     out.sum[i] = total;
+    out.code_sum[i] = d * static_cast<float>(codes);
   }
   return out;
 }
@@ -113,6 +137,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 // Where a group's scale and minimum come from, for each of a block's 16 outputs (element = q * scale + minimum).
 // Q4_1: float16 [blocks, G, 16] each.
 struct Q4_1Scales {
+  static constexpr bool kFifthBit = false, kCodeSum = false;
   const uint16_t* d;
   const uint16_t* m;
   int64_t G;
@@ -131,6 +156,7 @@ struct Q4_1Scales {
 // Q4_K as the file has it: per group a 6-bit scale and minimum (uint8 [blocks, G, 2, 16]), per eight groups a
 // float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
 struct Q4_KScales {
+  static constexpr bool kFifthBit = false, kCodeSum = false;
   const uint8_t* sm;
   const uint16_t* super;
   int64_t G;
@@ -154,6 +180,42 @@ struct Q4_KScales {
   }
   float minimum_at(int64_t b, int64_t g, int64_t o) const {
     return static_cast<float>(six_bit(b, g, 1)[o]) * half_to_float(supers(b, g, 1)[o]);
+  }
+};
+
+// Q5_0 and Q5_1: Q4_1's nibbles with a fifth bit per code, uint8 [blocks, G, 16, 4]: output o's four bytes of a
+// group line up with its four code bytes of each chunk c, byte t holding in bit c the fifth bit of input 4c + t
+// (chunk c's low nibble) and in bit 4 + c that of input 16 + 4c + t (its high nibble). Q5_0: element = (q - 16) d,
+// d float16 [blocks, G, 16]; Q5_1 (WithMinimum): element = q d + m, d and m float16 [blocks, G, 2, 16].
+template <bool WithMinimum>
+struct Q5Scales {
+  static constexpr bool kFifthBit = true, kCodeSum = true;
+  static constexpr int64_t kHalves = WithMinimum ? 2 : 1;
+  const uint8_t* fifth;
+  const uint16_t* dm;
+  int64_t G;
+  const uint8_t* fifth_bits(int64_t b, int64_t g) const { return fifth + (b * G + g) * kBlock * 4; }
+  const uint16_t* at(int64_t b, int64_t g) const { return dm + (b * G + g) * kHalves * kBlock; }
+  void prefetch(int64_t b, int64_t g) const {  // 4 + 2 (+ 2) bytes where the codes take 16
+    sluice::prefetch(fifth_bits(b, g) + sluice::kPrefetchBytes / 4, 4 * kBlock);
+    sluice::prefetch(at(b, g) + sluice::kPrefetchBytes / 16 * kHalves, 2 * kHalves * kBlock);
+  }
+#ifdef I4_LANES
+  fvec scale(int64_t b, int64_t g, int h) const { return f_half(at(b, g) + h * I4_LANES); }
+  fvec minimum(int64_t b, int64_t g, int h) const {
+    if constexpr (WithMinimum) return f_half(at(b, g) + kBlock + h * I4_LANES);
+    return f_mul(f_set1(-16.f), scale(b, g, h));
+  }
+#endif
+  float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(at(b, g)[o]); }
+  float minimum_at(int64_t b, int64_t g, int64_t o) const {
+    if constexpr (WithMinimum) return half_to_float(at(b, g)[kBlock + o]);
+    return -16.f * scale_at(b, g, o);
+  }
+  // The fifth bits of output o's code byte t of chunk c: for the low nibble and for the high one.
+  int low_bit(int64_t b, int64_t g, int64_t o, int c, int t) const { return fifth_bits(b, g)[o * 4 + t] >> c & 1; }
+  int high_bit(int64_t b, int64_t g, int64_t o, int c, int t) const {
+    return fifth_bits(b, g)[o * 4 + t] >> (4 + c) & 1;
   }
 };
 
@@ -181,7 +243,12 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
       for (int c = 0; c < 4; ++c) {
         for (int h = 0; h < kVecs; ++h) {
           const ivec v = i4_load(qblock + g * kGroupBytes + c * 64 + h * I4_LANES * 4);
-          const ivec wl = i4_low(v), wh = i4_high(v);
+          ivec wl = i4_low(v), wh = i4_high(v);
+          if constexpr (Scales::kFifthBit) {
+            const ivec fifth = i4_load(scales.fifth_bits(b, g) + h * I4_LANES * 4);
+            wl = i4_or(wl, i4_bit4(fifth, c));
+            wh = i4_or(wh, i4_bit4(fifth, 4 + c));
+          }
           for (int r = 0; r < Rows; ++r) {
             const int8_t* xg = qx + r * K + g * kGroup;
             lo[r][h] = i4_dot(lo[r][h], wl, i4_bcast(xg + 4 * c));
@@ -210,7 +277,12 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
           for (int c = 0; c < 4; ++c) {
             const uint8_t* w = qblock + g * kGroupBytes + c * 64 + o * 4;
             for (int t = 0; t < 4; ++t) {
-              dot += (w[t] & 0x0F) * xg[4 * c + t] + (w[t] >> 4) * xg[16 + 4 * c + t];
+              int low = w[t] & 0x0F, high = w[t] >> 4;
+              if constexpr (Scales::kFifthBit) {
+                low |= scales.low_bit(b, g, o, c, t) << 4;
+                high |= scales.high_bit(b, g, o, c, t) << 4;
+              }
+              dot += low * xg[4 * c + t] + high * xg[16 + 4 * c + t];
             }
           }
           total = std::fma(static_cast<float>(dot), scales.scale_at(b, g, o) * dx[r * G + g], total);
@@ -248,7 +320,8 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
-      rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, qx.sum.data() + r * G, K, qp, scales, b0, b1,
+      const std::vector<float>& sums = std::decay_t<decltype(scales)>::kCodeSum ? qx.code_sum : qx.sum;
+      rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, sums.data() + r * G, K, qp, scales, b0, b1,
                      yp + r * N, N);
     });
   });
@@ -284,6 +357,35 @@ at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     return Q4_KScales{scales_mins.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()),
                       G};
   });
+}
+
+namespace {
+
+template <bool WithMinimum>
+at::Tensor q5_linear(const char* name, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth,
+                     const at::Tensor& dm, int64_t N) {
+  return packed_linear(name, x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(has_shape(fifth, at::kByte, {blocks, G, kBlock, 4}), name,
+                ": fifth uint8 [ceil(N / 16), K / 32, 16, 4], contiguous");
+    const bool shaped = WithMinimum ? has_shape(dm, at::kHalf, {blocks, G, 2, kBlock})
+                                    : has_shape(dm, at::kHalf, {blocks, G, kBlock});
+    TORCH_CHECK(shaped, name, WithMinimum ? ": scale_min float16 [ceil(N / 16), K / 32, 2, 16], contiguous"
+                                          : ": scale float16 [ceil(N / 16), K / 32, 16], contiguous");
+    return Q5Scales<WithMinimum>{fifth.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()),
+                                 G};
+  });
+}
+
+}  // namespace
+
+at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth, const at::Tensor& scale,
+                       int64_t N) {
+  return q5_linear<false>("q5_0_linear", x, qs, fifth, scale, N);
+}
+
+at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth,
+                       const at::Tensor& scale_min, int64_t N) {
+  return q5_linear<true>("q5_1_linear", x, qs, fifth, scale_min, N);
 }
 
 std::string int4_linear_isa() { return I4_SIMD; }

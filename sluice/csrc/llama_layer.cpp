@@ -13,6 +13,8 @@ namespace {
 
 constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row blocks
 constexpr int64_t kQ4_K = 12;       // GGML's Q4_K: packed for q4_k_linear where b holds its scales
+constexpr int64_t kQ5_0 = 6;        // GGML's Q5_0 and Q5_1: packed for q5_0_linear, q5_1_linear where b holds the
+constexpr int64_t kQ5_1 = 7;        // fifth bits
 constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' type) in oneDNN's packed layout
 
 }  // namespace
@@ -46,6 +48,8 @@ at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
       const bool packed = p.b.defined() && p.b.numel() > 0;
       outs.push_back(p.type == kPackedQ4_1               ? int4_linear(x, p.a, p.b, p.c, p.n)
                      : p.type == kQ4_K && packed         ? q4_k_linear(x, p.a, p.b, p.c, p.n)
+                     : p.type == kQ5_0 && packed         ? q5_0_linear(x, p.a, p.b, p.c, p.n)
+                     : p.type == kQ5_1 && packed         ? q5_1_linear(x, p.a, p.b, p.c, p.n)
                                                          : gguf_linear(x, p.a, p.type));
     }
   }

@@ -1,7 +1,7 @@
 """GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
 Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
-`--quantization int8 | int4` stores), and the repacking of Q4_1 and Q4_K into csrc/int4_linear.cpp's blocks of 16
-rows.
+`--quantization int8 | int4` stores), and the repacking of Q4_1, Q4_K, Q5_0 and Q5_1 into csrc/int4_linear.cpp's
+blocks of 16 rows.
 """
 
 from __future__ import annotations
@@ -192,3 +192,61 @@ def unpack_q4_k(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.
     head = torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
     blocks = torch.cat([head, _k4_scale_bytes(sm[..., 0], sm[..., 1]), qs], dim=-1)
     return blocks.reshape(-1, nb * 144)[:n]
+
+
+def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
+    """Q5 blocks' fifth bits [nb, 4] (bit j of the little-endian word: element j) → int4_linear.cpp's order [nb, 4]:
+    byte t holds in bit c element 4c + t's and in bit 4 + c element 16 + 4c + t's."""
+    bits = _bits32(qh).reshape(-1, 2, 4, 4)  # [nb, half, c, t]
+    return (bits << _FIFTH_SHIFTS).sum((1, 2), dtype=torch.uint8)
+
+
+_FIFTH_SHIFTS = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)  # half h, chunk c → bit 4h + c
+
+
+def _qh_bytes(fifth: torch.Tensor) -> torch.Tensor:
+    """The inverse of _fifth_bit_bytes."""
+    bits = ((fifth[:, None, None, :] >> _FIFTH_SHIFTS) & 1).reshape(-1, 4, 8)  # element 8i + k: byte i, bit k
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def _pack_q5(data: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_0 (head 2: d) or Q5_1 (head 4: d, m) rows → nibbles, fifth bits, float16 scales (see pack_q5_0)."""
+    n, nbytes = data.shape[0], head + 20
+    blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // nbytes, nbytes)
+    packs, _, groups, _ = blocks.shape
+    nibbles = _interleave(blocks[..., head + 4:])
+    fifth = _fifth_bit_bytes(blocks[..., head:head + 4].reshape(-1, 4)).reshape(packs, PACK_ROWS, groups, 4)
+    halves = blocks[..., :head].contiguous().view(torch.float16)  # [P, 16, G, head / 2]
+    scales = halves.permute(0, 2, 3, 1).contiguous()  # [P, G, head / 2, 16]
+    return nibbles, fifth.transpose(1, 2).contiguous(), scales.squeeze(2) if head == 2 else scales
+
+
+def _unpack_q5(nibbles: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor, n: int, head: int) -> torch.Tensor:
+    packs, groups = nibbles.shape[:2]
+    qh = _qh_bytes(fifth.transpose(1, 2).reshape(-1, 4)).reshape(packs, PACK_ROWS, groups, 4)
+    halves = scales.reshape(packs, groups, head // 2, PACK_ROWS).permute(0, 3, 1, 2).contiguous()
+    blocks = torch.cat([halves.view(torch.uint8), qh, _deinterleave(nibbles)], dim=-1)
+    return blocks.reshape(packs * PACK_ROWS, -1)[:n]
+
+
+def pack_q5_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_0 rows uint8 [N, G * 22] → q5_0_linear's blocks of 16 rows (N padded with zero rows): the low four bits of
+    the codes as int4_linear's nibbles [N/16, G, 4, 16, 4], their fifth bits uint8 [N/16, G, 16, 4] (int4_linear.cpp
+    gives the order), d float16 [N/16, G, 16]. 22 bytes per 22, every bit kept (unpack_q5_0)."""
+    return _pack_q5(data, 2)
+
+
+def unpack_q5_0(nibbles: torch.Tensor, fifth: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q5_0: the first n rows as Q5_0 blocks, uint8 [n, G * 22]."""
+    return _unpack_q5(nibbles, fifth, scale, n, 2)
+
+
+def pack_q5_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_1 rows uint8 [N, G * 24] → q5_1_linear's blocks: as pack_q5_0, with d and m float16 [N/16, G, 2, 16]."""
+    return _pack_q5(data, 4)
+
+
+def unpack_q5_1(nibbles: torch.Tensor, fifth: torch.Tensor, scale_min: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q5_1: the first n rows as Q5_1 blocks, uint8 [n, G * 24]."""
+    return _unpack_q5(nibbles, fifth, scale_min, n, 4)

@@ -1,9 +1,10 @@
 """Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Q4_1 and Q4_K run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at load (`pack_q4_1`, a
-permutation; `pack_q4_k`, which also gives each 6-bit scale a byte: several times faster than reading the rows as
-stored, docs/performance.md), for calls of any size, the activations rounded to int8 per 32 inputs as llama.cpp
+Q4_1, Q4_K, Q5_0 and Q5_1 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at load
+(`pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte; `pack_q5_0` and `pack_q5_1`,
+the fifth bits in the kernel's order: several times faster than reading the rows as stored, docs/performance.md),
+for calls of any size, the activations rounded to int8 per 32 inputs as llama.cpp
 does. Calls of few rows (decoding) of the other types run an integer-weight GEMV on the blocks: Q8_0 through
 csrc/q8_0_linear.cpp on float activations, the rest through csrc/gguf_linear.cpp on int8 activations; larger calls
 (prefill) dequantize a tile of output rows at a time into a scratch and multiply. Without the native build,
@@ -28,17 +29,21 @@ from sluice.service.engine.layers.gguf_blocks import (
     dequantize,
     pack_q4_1,
     pack_q4_k,
+    pack_q5_0,
+    pack_q5_1,
     quantize,
     unpack_q4_1,
     unpack_q4_k,
+    unpack_q5_0,
+    unpack_q5_1,
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
 # Rows a call may have for the GEMV, per type (above: dequantized tiles + GEMM). The GEMV unpacks every weight block
 # once per four input rows, the tiles once per call, so the tiles win past a crossover that lies between 32 and 64
 # rows for the K-quants and Q5_0 at SmolLM2's and 1.7B's shapes on Zen 4 (docs/performance.md). Q8_0 runs on float
-# activations, where the GEMV wins to 128 rows; packed Q4_1 and Q4_K take every prefill chunk (their kernel reads 16
-# output rows' blocks together).
+# activations, where the GEMV wins to 128 rows; the packed types (PACKINGS) take every prefill chunk (their kernel
+# reads 16 output rows' blocks together).
 KERNEL_MAX_ROWS = {"Q8_0": 128}
 KERNEL_MAX_ROWS_DEFAULT = 32
 PACKED_MAX_ROWS = 4096
@@ -57,7 +62,9 @@ class Packing:
 
 
 PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
-            "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k)}
+            "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k),
+            "Q5_0": Packing(("blocks", "fifth", "scale"), "q5_0_linear", pack_q5_0, unpack_q5_0),
+            "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1)}
 
 
 class GgufLinear(nn.Module):

@@ -1,0 +1,100 @@
+"""Q5_0 and Q5_1 regrouped for csrc/int4_linear.cpp (q5_0_linear, q5_1_linear): every bit of the file kept, the
+kernel against the exact product of the int8-rounded activations and the file's weights, every instruction set the
+same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama with Q5_0 and Q5_1
+linears through the fused layer and the Python path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sluice.service.engine.layers.gguf_blocks import (
+    BLOCK_TYPES,
+    GgufBlocks,
+    dequantize,
+    pack_q5_0,
+    pack_q5_1,
+    unpack_q5_0,
+    unpack_q5_1,
+)
+from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufLinear
+from tests.support.kernels import integer_kernels, variant_isas
+
+PACKS = {"Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear")}
+
+
+def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of `qtype` blocks that gguf's own quantizer made from random floats."""
+    import gguf
+
+    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype]))
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: rounded to int8 per 32 inputs with scale max|x| / 127 (half to even)."""
+    groups = x.double().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    return (torch.round(groups * torch.where(amax > 0, 127 / amax, 0.0)) * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+def test_packing_keeps_every_bit_in_the_files_size(qtype):
+    pack, unpack, _ = PACKS[qtype]
+    nbytes = BLOCK_TYPES[qtype][2]
+    blocks = quantized(qtype, 40, 512, seed=1)  # 40 rows: the last block of 16 is padded
+    nibbles, fifth, scales = pack(blocks)
+    assert nibbles.shape == (3, 16, 4, 16, 4) and fifth.shape == (3, 16, 16, 4)
+    assert scales.shape == ((3, 16, 16) if qtype == "Q5_0" else (3, 16, 2, 16)) and scales.dtype == torch.float16
+    assert torch.equal(unpack(nibbles, fifth, scales, 40), blocks)
+    raw = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (48, 16 * nbytes), dtype=np.uint8))
+    packed = pack(raw)  # any bytes, NaN scales too: a permutation
+    assert torch.equal(unpack(*packed, 48), raw)
+    assert sum(t.numel() * t.element_size() for t in packed) == raw.numel()
+
+
+def test_fifth_bits_sit_where_the_kernel_reads_them():
+    """Output o's byte t of a group holds in bit c the fifth bit of input 4c + t, in bit 4 + c that of 16 + 4c + t."""
+    blocks = torch.zeros(16, 22, dtype=torch.uint8)
+    blocks[3, 2:6] = torch.tensor([1 << 6, 0, 1 << 6, 0], dtype=torch.uint8)  # row 3: inputs 6 and 22
+    fifth = pack_q5_0(blocks)[1]
+    want = torch.zeros(16, 4, dtype=torch.uint8)
+    want[3, 2] = (1 << 1) | (1 << 5)  # 6 = 4 * 1 + 2 (low, chunk 1), 22 = 16 + 4 * 1 + 2 (high, chunk 1)
+    assert torch.equal(fifth[0, 0], want)
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+@pytest.mark.parametrize("rows", [1, 3, 33, 70])
+def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
+    n, k = 40, 768
+    blocks = quantized(qtype, n, k, seed=rows)
+    linear = GgufLinear(GgufBlocks(blocks, qtype, k), None, kernel)
+    assert linear.packed and linear.kernel_max_rows == PACKED_MAX_ROWS  # prefill chunks too
+    assert torch.equal(linear.stored_rows(), blocks) and torch.equal(linear.stored_rows(5, 21), blocks[5:21])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero group: scale 0
+    weight = dequantize(blocks, qtype, k).double()
+    # Q5_0's (q - 16) and Q5_1's minimum both multiply the rounded activations: the exact product is the reference,
+    # only the float sums' order differs (and, rarely, an activation within an ulp of a rounding tie).
+    got, want = linear(x).double(), int8_rounded(x) @ weight.T
+    scale = (x.double().abs() @ weight.abs().T).amax()
+    assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
+    assert (got - x.double() @ weight.T).abs().max() <= 0.01 * scale  # the int8 rounding, no more
+    op = linear.kernel_op()  # the fused layer's linear: the same kernel
+    assert op is not None and torch.equal(getattr(kernel, PACKS[qtype][2])(x, *linear._packed(), n), linear(x))
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+def test_every_instruction_set_computes_the_same(qtype, kernel):
+    pack, _, op = PACKS[qtype]
+    packed = pack(quantized(qtype, 48, 512, seed=6))
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(6))
+    want = getattr(kernel, op)(x, *packed, 48)
+    for isa in variant_isas():  # the same integer sums and the same float steps in the same order: the same bits
+        assert torch.equal(getattr(integer_kernels(isa), op)(x, *packed, 48), want), isa
+    with pytest.raises(RuntimeError, match="fifth uint8"):
+        getattr(kernel, op)(x, packed[0], packed[1][:, :, :8], packed[2], 48)
+    with pytest.raises(RuntimeError, match="float16"):
+        getattr(kernel, op)(x, packed[0], packed[1], packed[2].float(), 48)
+
