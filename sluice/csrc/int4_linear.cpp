@@ -10,12 +10,12 @@
 // round in another order.
 //
 // Layout (gguf_blocks.py's pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles): outputs in
-// blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o of the
-// block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and j + 16
-// (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs
+// blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o
+// of the block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and
+// j + 16 (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs
 // 16+4c..16+4c+3: four consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd) sums
-// against four activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales come
-// 16 at a time (Q4_1's scale and minimum: float16 [blocks, G, 16]).
+// against four activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales come 16
+// at a time (Q4_1's scale and minimum: float16 [blocks, G, 16]).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
