@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from sluice.service.bench.offline import OfflineRun
-from sluice.service.engine.layers.gguf_blocks import dequantize
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.models.weights import attention_shape
 
@@ -54,7 +53,7 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
 def checkpoint_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """The owned model's weights under transformers' names, plain (the inverse of `build`, for a transformers twin)."""
     embed = model.embed_tokens  # GGUF blocks under --quantization: dequantized
-    embedding = embed.weight if hasattr(embed, "weight") else dequantize(embed.blocks, embed.qtype, embed.embedding_dim)
+    embedding = embed.weight if hasattr(embed, "weight") else embed.table.dequantized()
     state = {"model.embed_tokens.weight": embedding, "model.norm.weight": model.norm.weight,
              "lm_head.weight": dense_weight(model.lm_head)}
 

@@ -1,10 +1,10 @@
-// Weight-only int4 (and int5) linear (Q4_1, Q4_K, Q5_0 or Q5_1 weights, int8 activations) for calls of any size, as
-// llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d and
-// minimum m, element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth
-// bit per code, Q5_0's minimum -16 d; the policies below). Each input row is
-// quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+// Weight-only int4 (and int5, int8) linear (Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for calls of any
+// size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d
+// and minimum m, element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit
+// per code, Q5_0's minimum -16 d; Q8_0: a byte per code, kept as q + 128, minimum -128 d; the policies below). Each
+// input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
-// with xsum the float sum of the group's inputs (Q5_0, Q5_1: dx times the sum of the int8 codes, as llama.cpp's
+// with xsum the float sum of the group's inputs (Q5_0, Q5_1, Q8_0: dx times the sum of the int8 codes, as llama.cpp's
 // Q8_1 activations carry it, so that Q5_0's (q - 16) * qx sums exactly). The inner sums are exact integer dot
 // products (u8 x s8 -> s32), so every instruction set below computes the same values; only the final float sums may
 // round in another order.
@@ -50,6 +50,7 @@ inline ivec i4_bit4(ivec v, int from) {
   return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
+inline ivec i8_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w: bytes 0..255
 inline fvec f_zero() { return _mm512_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm512_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm512_cvtepi32_ps(v); }
@@ -82,6 +83,13 @@ inline ivec i4_bit4(ivec v, int from) {  // as the AVX-512 one
   return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm256_or_si256(a, b); }
+// Bytes 0..255 against int8 would saturate pmaddubsw's pair sums (2 * 255 * 127): each nibble apart, the high
+// one's sum weighted 16 by pmaddwd. The same integer sums as vpdpbusd.
+inline ivec i8_dot(ivec acc, ivec w, ivec x) {
+  const ivec low = _mm256_maddubs_epi16(i4_low(w), x), high = _mm256_maddubs_epi16(i4_high(w), x);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(low, _mm256_set1_epi16(1)),
+                                                _mm256_madd_epi16(high, _mm256_set1_epi16(16))));
+}
 inline fvec f_zero() { return _mm256_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm256_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm256_cvtepi32_ps(v); }
@@ -101,7 +109,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;                // outputs per block
-constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes
+constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes of nibbles
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 // One input row quantized per group: int8 values, scale, float sum and scale times the codes' sum per group.
@@ -137,7 +145,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 // Where a group's scale and minimum come from, for each of a block's 16 outputs (element = q * scale + minimum).
 // Q4_1: float16 [blocks, G, 16] each.
 struct Q4_1Scales {
-  static constexpr bool kFifthBit = false, kCodeSum = false;
+  static constexpr bool kFifthBit = false, kCodeSum = false, kByteCodes = false;
   const uint16_t* d;
   const uint16_t* m;
   int64_t G;
@@ -156,7 +164,7 @@ struct Q4_1Scales {
 // Q4_K as the file has it: per group a 6-bit scale and minimum (uint8 [blocks, G, 2, 16]), per eight groups a
 // float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
 struct Q4_KScales {
-  static constexpr bool kFifthBit = false, kCodeSum = false;
+  static constexpr bool kFifthBit = false, kCodeSum = false, kByteCodes = false;
   const uint8_t* sm;
   const uint16_t* super;
   int64_t G;
@@ -189,7 +197,7 @@ struct Q4_KScales {
 // d float16 [blocks, G, 16]; Q5_1 (WithMinimum): element = q d + m, d and m float16 [blocks, G, 2, 16].
 template <bool WithMinimum>
 struct Q5Scales {
-  static constexpr bool kFifthBit = true, kCodeSum = true;
+  static constexpr bool kFifthBit = true, kCodeSum = true, kByteCodes = false;
   static constexpr int64_t kHalves = WithMinimum ? 2 : 1;
   const uint8_t* fifth;
   const uint16_t* dm;
@@ -219,13 +227,37 @@ struct Q5Scales {
   }
 };
 
+// Q8_0, packed as the nibbles are but a byte per code (8 chunks of 4 inputs per group: 512 bytes per group of a
+// block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d, d float16 [blocks, G, 16].
+struct Q8_0Scales {
+  static constexpr bool kFifthBit = false, kCodeSum = true, kByteCodes = true;
+  const uint16_t* d;
+  int64_t G;
+  void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 32
+    sluice::prefetch(d + (b * G + g) * kBlock + sluice::kPrefetchBytes / 32, 2 * kBlock);
+  }
+#ifdef I4_LANES
+  fvec scale(int64_t b, int64_t g, int h) const { return f_half(d + (b * G + g) * kBlock + h * I4_LANES); }
+  fvec minimum(int64_t b, int64_t g, int h) const { return f_mul(f_set1(-128.f), scale(b, g, h)); }
+#endif
+  float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(d[(b * G + g) * kBlock + o]); }
+  float minimum_at(int64_t b, int64_t g, int64_t o) const { return -128.f * scale_at(b, g, o); }
+};
+
+// Bytes of one group of one block: 16 outputs x 16 bytes of nibbles, or 32 bytes of codes.
+template <class Scales>
+constexpr int64_t group_bytes() {
+  return Scales::kByteCodes ? 2 * kGroupBytes : kGroupBytes;
+}
+
 // Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N.
 template <int Rows, class Scales>
 void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, const uint8_t* qs,
               const Scales& scales, int64_t b0, int64_t b1, float* y, int64_t N) {
   const int64_t G = K / kGroup;
+  constexpr int64_t kStride = group_bytes<Scales>();
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* qblock = qs + b * G * kGroupBytes;
+    const uint8_t* qblock = qs + b * G * kStride;
     float out[Rows][kBlock];
 #ifdef I4_LANES
     constexpr int kVecs = kBlock / I4_LANES;
@@ -234,15 +266,21 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
       for (int h = 0; h < kVecs; ++h) total[r][h] = f_zero();
     for (int64_t g = 0; g < G; ++g) {
       // The codes and the scale streams ahead.
-      sluice::prefetch(qblock + g * kGroupBytes + sluice::kPrefetchBytes, kGroupBytes);
+      sluice::prefetch(qblock + g * kStride + sluice::kPrefetchBytes, kStride);
       scales.prefetch(b, g);
       // Low and high nibbles in separate sums, so each group's integer chain is half as long.
       ivec lo[Rows][kVecs], hi[Rows][kVecs];
       for (int r = 0; r < Rows; ++r)
         for (int h = 0; h < kVecs; ++h) lo[r][h] = hi[r][h] = i4_zero();
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {  // a byte per code: inputs 4c..4c+3 per lane
         for (int h = 0; h < kVecs; ++h) {
-          const ivec v = i4_load(qblock + g * kGroupBytes + c * 64 + h * I4_LANES * 4);
+          const ivec w = i4_load(qblock + g * kStride + c * 64 + h * I4_LANES * 4);
+          for (int r = 0; r < Rows; ++r) lo[r][h] = i8_dot(lo[r][h], w, i4_bcast(qx + r * K + g * kGroup + 4 * c));
+        }
+      }
+      for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {
+        for (int h = 0; h < kVecs; ++h) {
+          const ivec v = i4_load(qblock + g * kStride + c * 64 + h * I4_LANES * 4);
           ivec wl = i4_low(v), wh = i4_high(v);
           if constexpr (Scales::kFifthBit) {
             const ivec fifth = i4_load(scales.fifth_bits(b, g) + h * I4_LANES * 4);
@@ -274,8 +312,12 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
         for (int64_t g = 0; g < G; ++g) {
           const int8_t* xg = qx + r * K + g * kGroup;
           int32_t dot = 0;
-          for (int c = 0; c < 4; ++c) {
-            const uint8_t* w = qblock + g * kGroupBytes + c * 64 + o * 4;
+          for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {
+            const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
+            for (int t = 0; t < 4; ++t) dot += w[t] * xg[4 * c + t];
+          }
+          for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {
+            const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
             for (int t = 0; t < 4; ++t) {
               int low = w[t] & 0x0F, high = w[t] >> 4;
               if constexpr (Scales::kFifthBit) {
@@ -301,26 +343,28 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
 
 namespace {
 
-// Checks x and the nibbles, quantizes x and runs rows_dot over every block with the scales `make(G)` builds.
+// Checks x and the codes, quantizes x and runs rows_dot over every block with the scales `make(blocks, G)` builds.
 template <class MakeScales>
 at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor& qs, int64_t N, MakeScales make) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x float32 [M, K]");
   const int64_t K = x.size(1), G = K / kGroup, blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK(K % kGroup == 0, name, ": K must be a multiple of 32");
-  TORCH_CHECK(N > 0 && qs.scalar_type() == at::kByte && qs.dim() == 5 && qs.size(0) == blocks && qs.size(1) == G &&
-                  qs.size(2) == 4 && qs.size(3) == kBlock && qs.size(4) == 4 && qs.is_contiguous(),
-              name, ": qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], contiguous");
   const auto scales = make(blocks, G);
+  using Scales = std::decay_t<decltype(scales)>;
+  constexpr int64_t chunks = group_bytes<Scales>() / 64;
+  TORCH_CHECK(N > 0 && qs.scalar_type() == at::kByte && qs.dim() == 5 && qs.size(0) == blocks && qs.size(1) == G &&
+                  qs.size(2) == chunks && qs.size(3) == kBlock && qs.size(4) == 4 && qs.is_contiguous(),
+              name, ": qs uint8 [ceil(N / 16), K / 32, ", chunks, ", 16, 4], contiguous");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
+  const std::vector<float>& sums = Scales::kCodeSum ? qx.code_sum : qx.sum;
   at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
-      const std::vector<float>& sums = std::decay_t<decltype(scales)>::kCodeSum ? qx.code_sum : qx.sum;
       rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, sums.data() + r * G, K, qp, scales, b0, b1,
                      yp + r * N, N);
     });
@@ -386,6 +430,14 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth,
                        const at::Tensor& scale_min, int64_t N) {
   return q5_linear<true>("q5_1_linear", x, qs, fifth, scale_min, N);
+}
+
+at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N) {
+  return packed_linear("q8_0_packed_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(has_shape(scale, at::kHalf, {blocks, G, kBlock}),
+                "q8_0_packed_linear: scale float16 [ceil(N / 16), K / 32, 16], contiguous");
+    return Q8_0Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), G};
+  });
 }
 
 std::string int4_linear_isa() { return I4_SIMD; }

@@ -17,6 +17,7 @@ from sluice.service.engine.layers.gguf_blocks import dequantize, pack_q4_1, quan
 from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufEmbedding, GgufLinear, QuantizeMethod
 from sluice.service.engine.layers.linear import PlainLinear
 from tests.support import tiny
+from tests.support.int8_rounding import RoundedActivations, greedy_gaps
 from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
 
@@ -178,12 +179,12 @@ class W4A8Reference(nn.Module):
 
 
 def _int4_twin(model: nn.Module) -> nn.Module:
-    """A copy of `model` computing what the int4 kernel computes, in plain torch: W4A8Reference linears (the head and
-    the embedding: float on the Q8_0-dequantized weight)."""
+    """A copy of `model` computing what the int4 kernels compute, in plain torch: W4A8Reference linears, the head a
+    float linear on the Q8_0-dequantized weight and int8-rounded activations, the embedding the Q8_0-dequantized
+    rows."""
     twin = copy.deepcopy(model)
     head, embed = twin.get_output_embeddings(), twin.get_input_embeddings()
-    head.weight = nn.Parameter(dequantize(quantize(head.weight, "Q8_0"), "Q8_0", head.in_features),
-                               requires_grad=False)
+    twin.set_output_embeddings(RoundedActivations(dequantize(quantize(head.weight, "Q8_0"), "Q8_0", head.in_features)))
     embed.weight = nn.Parameter(dequantize(quantize(embed.weight, "Q8_0"), "Q8_0", embed.embedding_dim),
                                 requires_grad=False)
     linears = [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear and m is not head]
@@ -217,18 +218,10 @@ def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, bu
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = [c.token_ids for c in engine.generate(prompts, params)]
     assert all(len(tokens) == MAX_NEW for tokens in got)
-    # Rounding activations to int8 is a step function: an upstream difference of one ulp (the paged attention's sums
-    # against sdpa's) now and then moves a value across a rounding boundary, a whole quantum. On this random model a
-    # 2e-7 relative nudge of every activation moves the reference's own logits by up to ~0.2 (their spread: ~1.6),
-    # so near-ties may break either way and greedy texts part. So each of the engine's tokens is checked against
-    # the reference's logits at that point of the engine's own text: the argmax, or within such a nudge of it.
-    gaps = []
-    with torch.inference_mode():
-        for prompt, tokens in zip(prompts, got, strict=True):
-            logits = reference(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-            chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-            gaps.append(logits.max(-1).values - chosen)
-    gaps = torch.cat(gaps)
+    # On this random model a 2e-7 relative nudge of every activation moves the reference's own logits by up to
+    # ~0.2 (their spread: ~1.6): each token is checked against the reference's logits at that point of the
+    # engine's own text, the argmax or within such a nudge of it (greedy_gaps says why).
+    gaps = greedy_gaps(reference, prompts, got)
     assert (gaps <= 0.3).all(), gaps.max()
     assert (gaps == 0).float().mean() > 0.9, gaps  # nearly always the very argmax
 

@@ -1,5 +1,6 @@
-"""--quantization int8 (GGUF Q8_0 blocks, float activations): the kernel against plain torch, and the int8 engine against transformers on the same
-dequantized weights (so the oracle stays exact: only the weights' precision changed, not the computation)."""
+"""--quantization int8 (GGUF Q8_0 blocks, int8 activations as llama.cpp's Q8_0): the kernel against plain torch, and
+the int8 engine against transformers on the same dequantized weights with its activations rounded as the kernel
+rounds them."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from torch import nn
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.layers import gguf_linear
 from sluice.service.engine.layers.gguf_blocks import dequantize, quantize
 from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufLinear
 from tests.support import tiny
-from tests.support.parity import MAX_NEW, build_pair, hf_greedy, mixed_prompts
+from tests.support.int8_rounding import RoundedActivations, greedy_gaps
+from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
 
 
 def test_quantize_weight_rounds_to_within_half_a_step_per_group():
@@ -50,13 +51,14 @@ def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows
     linear = nn.Linear(in_features, 130, bias=True)
     w = linear.weight.detach()
     layer = GgufLinear(GgufBlocks(quantize(w, "Q8_0"), "Q8_0", in_features), linear.bias.detach(), kernel)
-    assert [t.dtype for t in layer.buffers()] == [torch.uint8]  # the blocks only, no float copy
+    assert {t.dtype for t in layer.buffers()} == {torch.uint8, torch.float16}  # codes and scales, no float copy
     x = torch.randn(2, rows, in_features)
-    want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
     with torch.inference_mode():
-        layer.kernel_max_rows = 10**6
-        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # float activations: the float linear
-        layer.kernel_max_rows = 0
+        assert layer.packed and layer.kernel_max_rows >= 4096  # every call: int8 activations
+        rounded = RoundedActivations(layer.dequantized(), linear.bias.detach())
+        torch.testing.assert_close(layer(x), rounded(x), rtol=1e-4, atol=1e-4)
+        layer.kernel_max_rows = 0  # the dequantized tiles: the float linear
+        want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
 
@@ -85,15 +87,17 @@ def test_the_kernel_refuses_what_it_cannot_read(kernel):
 
 
 def _dequantized_twin(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose linear weights are what int8 quantization will make of them."""
+    """A copy of `model` computing what the int8 engine computes: each linear (the head too) a float linear on the
+    Q8_0-dequantized weight whose activations are rounded as the kernel rounds them, the embedding Q8_0 too."""
     twin = copy.deepcopy(model)
-    for module in twin.modules():
+    q8_0 = lambda w: dequantize(quantize(w, "Q8_0"), "Q8_0", w.shape[1])  # noqa: E731
+    for name, module in list(twin.named_modules()):
         if type(module) is nn.Linear:
-            module.weight = nn.Parameter(dequantize(quantize(module.weight, "Q8_0"), "Q8_0", module.in_features),
-                                         requires_grad=False)
+            parent, _, attr = name.rpartition(".")
+            setattr(twin.get_submodule(parent) if parent else twin, attr,
+                    RoundedActivations(q8_0(module.weight.detach()), module.bias))
     embed = twin.get_input_embeddings()  # kept in Q8_0 too
-    embed.weight = nn.Parameter(dequantize(quantize(embed.weight, "Q8_0"), "Q8_0", embed.embedding_dim),
-                                requires_grad=False)
+    embed.weight = nn.Parameter(q8_0(embed.weight.detach()), requires_grad=False)
     return twin
 
 
@@ -116,20 +120,19 @@ def test_int8_needs_cpu_float32_and_a_known_name():
         LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
 
 
-@pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches under and over the kernel's limit
-def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget, monkeypatch):
-    if budget == 8:
-        monkeypatch.setitem(gguf_linear.KERNEL_MAX_ROWS, "Q8_0", 4)
+@pytest.mark.parametrize("budget", [64, 8])  # 8: chunked prefill, decode batches of up to 8 rows
+def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, budget):
     reference, ours = build_pair("llama")
     reference = _dequantized_twin(reference)
     engine = int8_engine(ours, budget)
     assert all(type(m) is not nn.Linear for m in engine.model.modules())
     assert isinstance(engine.model.lm_head, GgufLinear) and engine.model.lm_head.qtype == "Q8_0"
     prompts = mixed_prompts(12)
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = [c.token_ids for c in engine.generate(prompts, params)]
-    want = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
-    assert got == want
+    gaps = greedy_gaps(reference, prompts, got)  # the argmax, or within an activation rounding's nudge of it
+    assert (gaps <= 0.3).all(), gaps.max()
+    assert (gaps == 0).float().mean() > 0.9, gaps
 
 
 def test_int8_method_quantizes_whole_groups_only():

@@ -1,7 +1,7 @@
 """GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
 Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
-`--quantization int8 | int4` stores), and the repacking of Q4_1, Q4_K, Q5_0 and Q5_1 into csrc/int4_linear.cpp's
-blocks of 16 rows.
+`--quantization int8 | int4` stores), and the repacking of Q4_1, Q4_K, Q5_0, Q5_1 and Q8_0 into
+csrc/int4_linear.cpp's blocks of 16 rows.
 """
 
 from __future__ import annotations
@@ -250,3 +250,22 @@ def pack_q5_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def unpack_q5_1(nibbles: torch.Tensor, fifth: torch.Tensor, scale_min: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_q5_1: the first n rows as Q5_1 blocks, uint8 [n, G * 24]."""
     return _unpack_q5(nibbles, fifth, scale_min, n, 4)
+
+
+def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows uint8 [N, G * 34] → q8_0_packed_linear's blocks of 16 rows (N padded with zero rows): the codes
+    q + 128 as uint8 [N/16, G, 8, 16, 4] (chunk c, row o: inputs 4c..4c+3 of row o's group) and d float16
+    [N/16, G, 16]. 34 bytes per 34, every bit kept (unpack_q8_0)."""
+    n = data.shape[0]
+    blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // 34, 34)
+    codes = (blocks[..., 2:] ^ 0x80).reshape(*blocks.shape[:3], 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    scale = blocks[..., :2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
+    return codes, scale
+
+
+def unpack_q8_0(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q8_0: the first n rows as Q8_0 blocks, uint8 [n, G * 34]."""
+    packs, groups = codes.shape[:2]
+    q = (codes ^ 0x80).permute(0, 3, 1, 2, 4).reshape(packs, PACK_ROWS, groups, 32)
+    d = scale.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2)
+    return torch.cat([d, q], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]

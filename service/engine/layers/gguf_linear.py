@@ -1,15 +1,14 @@
 """Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Q4_1, Q4_K, Q5_0 and Q5_1 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at load
+Q4_1, Q4_K, Q5_0, Q5_1 and Q8_0 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at load
 (`pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte; `pack_q5_0` and `pack_q5_1`,
-the fifth bits in the kernel's order: several times faster than reading the rows as stored, docs/performance.md),
-for calls of any size, the activations rounded to int8 per 32 inputs as llama.cpp
-does. Calls of few rows (decoding) of the other types run an integer-weight GEMV on the blocks: Q8_0 through
-csrc/q8_0_linear.cpp on float activations, the rest through csrc/gguf_linear.cpp on int8 activations; larger calls
-(prefill) dequantize a tile of output rows at a time into a scratch and multiply. Without the native build,
-`dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands its linears to
-csrc/llama_layer.cpp (`kernel_op`).
+the fifth bits in the kernel's order; `pack_q8_0`, a byte per code: several times faster than reading the rows as
+stored, docs/performance.md), for calls of any size, the activations rounded to int8 per 32 inputs as llama.cpp
+does. Calls of few rows (decoding) of the other types run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp,
+int8 activations); larger calls (prefill) dequantize a tile of output rows at a time into a scratch and multiply.
+Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
+its linears to csrc/llama_layer.cpp (`kernel_op`).
 """
 
 from __future__ import annotations
@@ -31,20 +30,21 @@ from sluice.service.engine.layers.gguf_blocks import (
     pack_q4_k,
     pack_q5_0,
     pack_q5_1,
+    pack_q8_0,
     quantize,
     unpack_q4_1,
     unpack_q4_k,
     unpack_q5_0,
     unpack_q5_1,
+    unpack_q8_0,
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
-# Rows a call may have for the GEMV, per type (above: dequantized tiles + GEMM). The GEMV unpacks every weight block
-# once per four input rows, the tiles once per call, so the tiles win past a crossover that lies between 32 and 64
-# rows for the K-quants and Q5_0 at SmolLM2's and 1.7B's shapes on Zen 4 (docs/performance.md). Q8_0 runs on float
-# activations, where the GEMV wins to 128 rows; the packed types (PACKINGS) take every prefill chunk (their kernel
-# reads 16 output rows' blocks together).
-KERNEL_MAX_ROWS = {"Q8_0": 128}
+# Rows a call of a type stored as is (Q4_0, Q5_K, Q6_K) may have for the GEMV (above: dequantized tiles + GEMM). The
+# GEMV unpacks every weight block once per four input rows, the tiles once per call, so the tiles win past a
+# crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
+# (docs/performance.md); the packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output rows'
+# blocks together).
 KERNEL_MAX_ROWS_DEFAULT = 32
 PACKED_MAX_ROWS = 4096
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
@@ -64,22 +64,22 @@ class Packing:
 PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
             "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k),
             "Q5_0": Packing(("blocks", "fifth", "scale"), "q5_0_linear", pack_q5_0, unpack_q5_0),
-            "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1)}
+            "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1),
+            "Q8_0": Packing(("blocks", "scale"), "q8_0_packed_linear", pack_q8_0, unpack_q8_0)}
 
 
 class GgufLinear(nn.Module):
     """y = x W^T + b with W in GGUF blocks; float activations in and out (computed in float32). `blocks`: the rows
-    as stored, or for Q4_1 and Q4_K with a kernel (unless `repack` is off: a head sharing the embedding's bytes) the
-    packed nibbles, with the type's scale buffers (PACKINGS)."""
+    as stored, or for the types PACKINGS names, with a kernel, the packed codes, with the type's other buffers."""
 
-    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True) -> None:
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None) -> None:
         super().__init__()
         _, qk, nbytes = BLOCK_TYPES[blocks.qtype]
         self.in_features, self.out_features = blocks.in_features, blocks.data.shape[0]
         if self.in_features % qk or blocks.data.shape[1] != self.in_features // qk * nbytes:
             raise ValueError(f"{blocks.qtype} rows of {blocks.data.shape[1]} bytes for {self.in_features} inputs")
         self.qtype, self.type_id = blocks.qtype, BLOCK_TYPES[blocks.qtype][0]
-        self.packed = kernel is not None and repack and blocks.qtype in PACKINGS
+        self.packed = kernel is not None and blocks.qtype in PACKINGS
         if self.packed:
             packing = PACKINGS[blocks.qtype]
             for name, t in zip(packing.buffers, packing.pack(blocks.data), strict=True):
@@ -88,8 +88,7 @@ class GgufLinear(nn.Module):
             self.register_buffer("blocks", blocks.data)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = kernel  # native.load(), or None: every call dequantizes tiles in torch
-        self.kernel_max_rows = 0 if kernel is None else PACKED_MAX_ROWS if self.packed else KERNEL_MAX_ROWS.get(
-            self.qtype, KERNEL_MAX_ROWS_DEFAULT)
+        self.kernel_max_rows = 0 if kernel is None else PACKED_MAX_ROWS if self.packed else KERNEL_MAX_ROWS_DEFAULT
         self.kernel_dtype = torch.float32  # what kernel_op's linear computes in
         self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // self.in_features // PACK_ROWS * PACK_ROWS)
 
@@ -123,6 +122,14 @@ class GgufLinear(nn.Module):
         rows = PACKINGS[self.qtype].unpack(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
         return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
+    def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` (int64 [n]) as GGUF stores them, uint8 [n, row_bytes]: an embedding's lookup."""
+        if not self.packed:
+            return self.blocks.index_select(0, ids)
+        packs, where = torch.unique(ids // PACK_ROWS, return_inverse=True)
+        rows = PACKINGS[self.qtype].unpack(*(t.index_select(0, packs) for t in self._packed()), len(packs) * PACK_ROWS)
+        return rows.view(len(packs), PACK_ROWS, -1)[where, ids % PACK_ROWS]
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] the blocks stand for (tests and references only)."""
         return dequantize(self.stored_rows(), self.qtype, self.in_features)
@@ -131,8 +138,9 @@ class GgufLinear(nn.Module):
         """This linear as csrc/llama_layer.cpp's LayerLinear, or None (no kernel, or a bias)."""
         if self.kernel is None or self.bias is not None or (self.qtype == "Q4_1" and not self.packed):
             return None
-        if self.packed:
-            return self.kernel.LayerLinear(self.type_id, *self._packed(), self.out_features)
+        if self.packed:  # a, b, c: the packed buffers, an empty c where there are two
+            tensors = [*self._packed(), torch.empty(0)][:3]
+            return self.kernel.LayerLinear(self.type_id, *tensors, self.out_features)
         empty = torch.empty(0)
         return self.kernel.LayerLinear(self.type_id, self.blocks, empty, empty, self.out_features)
 
@@ -142,16 +150,17 @@ class GgufLinear(nn.Module):
 
 
 class GgufEmbedding(nn.Module):
-    """Token embeddings in GGUF blocks: only the looked-up rows are dequantized, into `dtype`."""
+    """Token embeddings in GGUF blocks: only the looked-up rows are dequantized, into `dtype`. The blocks are a
+    GgufLinear's (`table`, packed where its type is), which a tied head runs: one copy of the bytes."""
 
     def __init__(self, blocks: GgufBlocks, dtype: torch.dtype, kernel=None) -> None:
         super().__init__()
         self.qtype, self.embedding_dim, self.dtype, self.kernel = blocks.qtype, blocks.in_features, dtype, kernel
-        self.register_buffer("blocks", blocks.data)
+        self.table = GgufLinear(blocks, None, kernel)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] → [..., E]."""
-        rows = self.blocks.index_select(0, ids.reshape(-1))
+        rows = self.table.rows_at(ids.reshape(-1))
         out = dequantize(rows, self.qtype, self.embedding_dim, self.kernel).to(self.dtype)
         return out.view(*ids.shape, self.embedding_dim)
 
@@ -212,7 +221,7 @@ class GgufBlockMethod(LinearMethod):
     def tied_head(self, embed):
         if isinstance(embed, GgufEmbedding):
             self.made[embed.qtype] += 1
-            return GgufLinear(GgufBlocks(embed.blocks, embed.qtype, embed.embedding_dim), None, self.kernel, repack=False)
+            return embed.table
         return super().tied_head(embed)
 
     def describe(self) -> str:

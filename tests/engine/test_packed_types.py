@@ -1,7 +1,7 @@
-"""Q5_0 and Q5_1 regrouped for csrc/int4_linear.cpp (q5_0_linear, q5_1_linear): every bit of the file kept, the
-kernel against the exact product of the int8-rounded activations and the file's weights, every instruction set the
-same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama with Q5_0 and Q5_1
-linears through the fused layer and the Python path)."""
+"""Q5_0, Q5_1 and Q8_0 regrouped for csrc/int4_linear.cpp (q5_0_linear, q5_1_linear, q8_0_packed_linear): every
+bit of the file kept, the kernel against the exact product of the int8-rounded activations and the file's weights,
+every instruction set the same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama
+with Q5_0, Q5_1 and Q8_0 linears through the fused layer and the Python path)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,21 @@ from sluice.service.engine.layers.gguf_blocks import (
     dequantize,
     pack_q5_0,
     pack_q5_1,
+    pack_q8_0,
+    quantize,
     unpack_q5_0,
     unpack_q5_1,
+    unpack_q8_0,
 )
 from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufLinear
+from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
-PACKS = {"Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear")}
+PACKS = {"Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
+         "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear")}
+SHAPES = {"Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
+          "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
+          "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)]}  # codes (bytes), scales
 
 
 def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -32,26 +40,27 @@ def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype]))
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: rounded to int8 per 32 inputs with scale max|x| / 127 (half to even)."""
-    groups = x.double().reshape(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    return (torch.round(groups * torch.where(amax > 0, 127 / amax, 0.0)) * (amax / 127)).reshape(x.shape)
-
-
 @pytest.mark.parametrize("qtype", list(PACKS))
 def test_packing_keeps_every_bit_in_the_files_size(qtype):
     pack, unpack, _ = PACKS[qtype]
     nbytes = BLOCK_TYPES[qtype][2]
     blocks = quantized(qtype, 40, 512, seed=1)  # 40 rows: the last block of 16 is padded
-    nibbles, fifth, scales = pack(blocks)
-    assert nibbles.shape == (3, 16, 4, 16, 4) and fifth.shape == (3, 16, 16, 4)
-    assert scales.shape == ((3, 16, 16) if qtype == "Q5_0" else (3, 16, 2, 16)) and scales.dtype == torch.float16
-    assert torch.equal(unpack(nibbles, fifth, scales, 40), blocks)
+    packed = pack(blocks)
+    assert [tuple(t.shape) for t in packed] == SHAPES[qtype] and packed[-1].dtype == torch.float16
+    assert torch.equal(unpack(*packed, 40), blocks)
     raw = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (48, 16 * nbytes), dtype=np.uint8))
     packed = pack(raw)  # any bytes, NaN scales too: a permutation
     assert torch.equal(unpack(*packed, 48), raw)
     assert sum(t.numel() * t.element_size() for t in packed) == raw.numel()
+
+
+def test_q8_0_codes_sit_where_the_kernel_reads_them():
+    """Chunk c, lane o of a group: bytes q + 128 of inputs 4c..4c+3 of row o."""
+    blocks = quantize(torch.arange(32.0).repeat(16, 1) - 16, "Q8_0")  # row o: -16..15, d = 16 / 127
+    codes, scale = pack_q8_0(blocks)
+    q = blocks[:, 2:].view(torch.int8)
+    assert torch.equal(codes[0, 0, 2, 5].view(torch.int8), q[5, 8:12] ^ -128)
+    assert torch.equal(scale[0, 0], blocks[:, :2].contiguous().view(torch.float16)[:, 0])
 
 
 def test_fifth_bits_sit_where_the_kernel_reads_them():
@@ -77,7 +86,7 @@ def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     weight = dequantize(blocks, qtype, k).double()
     # Q5_0's (q - 16) and Q5_1's minimum both multiply the rounded activations: the exact product is the reference,
     # only the float sums' order differs (and, rarely, an activation within an ulp of a rounding tie).
-    got, want = linear(x).double(), int8_rounded(x) @ weight.T
+    got, want = linear(x).double(), int8_rounded(x).double() @ weight.T
     scale = (x.double().abs() @ weight.abs().T).amax()
     assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
     assert (got - x.double() @ weight.T).abs().max() <= 0.01 * scale  # the int8 rounding, no more
@@ -93,8 +102,12 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
     want = getattr(kernel, op)(x, *packed, 48)
     for isa in variant_isas():  # the same integer sums and the same float steps in the same order: the same bits
         assert torch.equal(getattr(integer_kernels(isa), op)(x, *packed, 48), want), isa
-    with pytest.raises(RuntimeError, match="fifth uint8"):
-        getattr(kernel, op)(x, packed[0], packed[1][:, :, :8], packed[2], 48)
     with pytest.raises(RuntimeError, match="float16"):
-        getattr(kernel, op)(x, packed[0], packed[1], packed[2].float(), 48)
+        getattr(kernel, op)(x, *packed[:-1], packed[-1].float(), 48)
+    with pytest.raises(RuntimeError, match="qs uint8"):  # the other layout's codes
+        getattr(kernel, op)(x, pack_q5_0(quantized("Q5_0", 48, 512, 6))[0] if qtype == "Q8_0" else
+                            pack_q8_0(quantized("Q8_0", 48, 512, 6))[0], *packed[1:], 48)
+    if qtype != "Q8_0":
+        with pytest.raises(RuntimeError, match="fifth uint8"):
+            getattr(kernel, op)(x, packed[0], packed[1][:, :, :8], packed[2], 48)
 
