@@ -7,10 +7,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
-// y = x @ W.T for few rows of x float32 [M, K], W in GGUF Q8_0 blocks as stored (uint8 [N, K / 32 * 34]), the
-// activations kept float.
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
-
 // y = x @ dequant(q).T for Q4_1 weights (float16 scale d and minimum m per 32 inputs, element = q * d + m) with the
 // activations quantized to int8 per group of 32, as llama.cpp runs Q4_1. Weights packed 16 outputs to a block
 // (int4_linear.cpp says how): qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], scale and minimum float16

@@ -3,8 +3,8 @@
 // them. Every block unpacks in registers to integer codes q (int8), a scale per 16 inputs and an offset per 32, so
 // that element i = scale[i / 16] * q[i] + offset[i / 32] for every type (Q4_K: scale = d * sc, offset = -dmin * m).
 //
-// gguf_linear (few rows, decoding; Q8_0 goes to q8_0_linear.cpp): each input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as
-// llama.cpp quantizes activations, so
+// gguf_linear (few rows, decoding; the engine runs Q4_1, Q4_K, Q5_0, Q5_1 and Q8_0 packed, int4_linear.cpp): each
+// input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as llama.cpp quantizes activations, so
 //   y[r, n] = sum_g dx[r, g] * (sum_{i in g} scale[i / 16] q[i] qx[r, i]) + offset[g] * dx[r, g] * sum_{i in g} qx[r, i]
 // where the inner sums are exact integer dot products (u8 x s8 -> s32 with the sign trick), one per 16 inputs'
 // scale. A block is unpacked once and used for up to kRowBlock rows.
@@ -357,7 +357,6 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t K) {
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
-  if (type == 8) return q8_0_linear(x, w);  // float activations on Q8_0 (q8_0_linear.cpp says why)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
   const int64_t K = x.size(1), N = w.size(0);
   check_blocks(w, type, K);

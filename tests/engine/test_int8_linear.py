@@ -13,7 +13,7 @@ from torch import nn
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.layers.gguf_blocks import dequantize, quantize
+from sluice.service.engine.layers.gguf_blocks import dequantize, pack_q8_0, quantize
 from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufLinear
 from tests.support import tiny
 from tests.support.int8_rounding import RoundedActivations, greedy_gaps
@@ -76,12 +76,17 @@ def test_the_kernel_runs_on_every_torch_thread(kernel):
 
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
     blocks = quantize(torch.randn(8, 64), "Q8_0")
-    with pytest.raises(RuntimeError, match="q8_0_linear"):
+    with pytest.raises(RuntimeError, match="gguf_linear"):
         kernel.gguf_linear(torch.randn(2, 48), blocks, 8)
-    with pytest.raises(RuntimeError, match="q8_0_linear"):
+    with pytest.raises(RuntimeError, match="gguf_linear"):
         kernel.gguf_linear(torch.randn(2, 64).double(), blocks, 8)
-    with pytest.raises(RuntimeError, match="q8_0_linear"):
+    with pytest.raises(RuntimeError, match="gguf_linear"):
         kernel.gguf_linear(torch.randn(2, 64), blocks[:, :-1].contiguous(), 8)
+    codes, scale = pack_q8_0(blocks)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.q8_0_packed_linear(torch.randn(2, 48), codes, scale, 8)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel.q8_0_packed_linear(torch.randn(2, 64), codes, scale.float(), 8)
     with pytest.raises(ValueError, match="divisible by 32"):
         quantize(torch.randn(4, 40), "Q8_0")
 

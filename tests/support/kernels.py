@@ -56,7 +56,7 @@ MARCHES = {"portable": "-march=x86-64", "avx2": "-march=x86-64-v3"}
 
 
 def integer_kernels(isa: str):
-    """The integer-weight linears (int4_linear.cpp, gguf_linear.cpp and the Q8_0 kernel it calls) built for `isa`
+    """The integer-weight linears (int4_linear.cpp, gguf_linear.cpp) built for `isa`
     (a key of MARCHES) as torch ops: `torch.ops.sluice_test_int_<isa>`, with int4_linear, q4_k_linear, q5_0_linear,
     q5_1_linear, q8_0_packed_linear, isa, gguf_linear and gguf_dequantize."""
     binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
@@ -65,7 +65,7 @@ def integer_kernels(isa: str):
                'm.def("q5_1_linear", &q5_1_linear); m.def("q8_0_packed_linear", &q8_0_packed_linear); '
                'm.def("isa", &int4_linear_isa); m.def("gguf_linear", &gguf_linear); '
                'm.def("gguf_dequantize", &gguf_dequantize); }\n')
-    build_variant(f"int_{isa}", ["int4_linear.cpp", "gguf_linear.cpp", "q8_0_linear.cpp"], binding,
+    build_variant(f"int_{isa}", ["int4_linear.cpp", "gguf_linear.cpp"], binding,
                   ["-O3", MARCHES[isa]], python_module=False)
     return getattr(torch.ops, f"sluice_test_int_{isa}")
 
