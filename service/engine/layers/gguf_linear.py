@@ -70,16 +70,17 @@ PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_
 
 class GgufLinear(nn.Module):
     """y = x W^T + b with W in GGUF blocks; float activations in and out (computed in float32). `blocks`: the rows
-    as stored, or for the types PACKINGS names, with a kernel, the packed codes, with the type's other buffers."""
+    as stored, or for the types PACKINGS names, with a kernel, the packed codes, with the type's other buffers
+    (`repack=False` keeps the rows: bench/packed_linears.py times the packing against them)."""
 
-    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None) -> None:
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True) -> None:
         super().__init__()
         _, qk, nbytes = BLOCK_TYPES[blocks.qtype]
         self.in_features, self.out_features = blocks.in_features, blocks.data.shape[0]
         if self.in_features % qk or blocks.data.shape[1] != self.in_features // qk * nbytes:
             raise ValueError(f"{blocks.qtype} rows of {blocks.data.shape[1]} bytes for {self.in_features} inputs")
         self.qtype, self.type_id = blocks.qtype, BLOCK_TYPES[blocks.qtype][0]
-        self.packed = kernel is not None and blocks.qtype in PACKINGS
+        self.packed = kernel is not None and repack and blocks.qtype in PACKINGS
         if self.packed:
             packing = PACKINGS[blocks.qtype]
             for name, t in zip(packing.buffers, packing.pack(blocks.data), strict=True):
