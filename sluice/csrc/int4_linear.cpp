@@ -268,14 +268,18 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
       // The codes and the scale streams ahead.
       sluice::prefetch(qblock + g * kStride + sluice::kPrefetchBytes, kStride);
       scales.prefetch(b, g);
-      // Low and high nibbles in separate sums, so each group's integer chain is half as long.
+      // Low and high nibbles (Q8_0: chunks 0-3 and 4-7) in separate sums, so each group's integer chain is half as
+      // long.
       ivec lo[Rows][kVecs], hi[Rows][kVecs];
       for (int r = 0; r < Rows; ++r)
         for (int h = 0; h < kVecs; ++h) lo[r][h] = hi[r][h] = i4_zero();
       for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {  // a byte per code: inputs 4c..4c+3 per lane
         for (int h = 0; h < kVecs; ++h) {
           const ivec w = i4_load(qblock + g * kStride + c * 64 + h * I4_LANES * 4);
-          for (int r = 0; r < Rows; ++r) lo[r][h] = i8_dot(lo[r][h], w, i4_bcast(qx + r * K + g * kGroup + 4 * c));
+          for (int r = 0; r < Rows; ++r) {
+            ivec& sum = c < 4 ? lo[r][h] : hi[r][h];  // two chains of four, as the nibbles' two
+            sum = i8_dot(sum, w, i4_bcast(qx + r * K + g * kGroup + 4 * c));
+          }
         }
       }
       for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {

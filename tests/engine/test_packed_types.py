@@ -21,7 +21,7 @@ from sluice.service.engine.layers.gguf_blocks import (
     unpack_q5_1,
     unpack_q8_0,
 )
-from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufLinear
+from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufEmbedding, GgufLinear
 from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
@@ -111,3 +111,15 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
         with pytest.raises(RuntimeError, match="fifth uint8"):
             getattr(kernel, op)(x, packed[0], packed[1][:, :, :8], packed[2], 48)
 
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
+    blocks = quantized(qtype, 40, 256, seed=3)
+    embed = GgufEmbedding(GgufBlocks(blocks, qtype, 256), torch.float32, kernel)
+    assert embed.table.packed  # the one copy of the bytes, which a tied head runs
+    ids = torch.tensor([[39, 0, 17], [16, 39, 5]])
+    want = dequantize(blocks[ids.reshape(-1)], qtype, 256, kernel).view(2, 3, 256)
+    assert torch.equal(embed(ids), want)
+    with pytest.raises(IndexError):
+        embed(torch.tensor([40]))  # a padding row of the last block of 16 is no token

@@ -127,6 +127,8 @@ class GgufLinear(nn.Module):
         """The weight's rows `ids` (int64 [n]) as GGUF stores them, uint8 [n, row_bytes]: an embedding's lookup."""
         if not self.packed:
             return self.blocks.index_select(0, ids)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:  # as index_select refuses
+            raise IndexError(f"row ids out of range for {self.out_features} rows")
         packs, where = torch.unique(ids // PACK_ROWS, return_inverse=True)
         rows = PACKINGS[self.qtype].unpack(*(t.index_select(0, packs) for t in self._packed()), len(packs) * PACK_ROWS)
         return rows.view(len(packs), PACK_ROWS, -1)[where, ids % PACK_ROWS]
@@ -146,7 +148,7 @@ class GgufLinear(nn.Module):
         return self.kernel.LayerLinear(self.type_id, self.blocks, empty, empty, self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = (", packed int4 GEMV" if self.packed else ", integer GEMV") if self.kernel is not None else ""
+        kernel = (", packed, int4_linear.cpp" if self.packed else ", integer GEMV") if self.kernel is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}{kernel}"
 
 
