@@ -337,7 +337,7 @@ def forced_gaps(model, prompts, texts) -> list[float]:
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_tiny_llama_gguf_greedy_equals_the_float_weights(tiny_gguf, native, kernel, monkeypatch):
+def test_tiny_llama_gguf_greedy_follows_the_float_weights(tiny_gguf, native, kernel, monkeypatch):
     """The file's blocks (q/k unpermuted) against the owned model on the dequantized float weights. Through
     torch's dequantize + matmul, against plain float linears: identical greedy tokens. Through the integer kernels
     (every call here has at most 32 rows, the step budget), against float linears on activations rounded as the

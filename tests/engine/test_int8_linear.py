@@ -95,7 +95,10 @@ def _dequantized_twin(model: nn.Module) -> nn.Module:
     """A copy of `model` computing what the int8 engine computes: each linear (the head too) a float linear on the
     Q8_0-dequantized weight whose activations are rounded as the kernel rounds them, the embedding Q8_0 too."""
     twin = copy.deepcopy(model)
-    q8_0 = lambda w: dequantize(quantize(w, "Q8_0"), "Q8_0", w.shape[1])  # noqa: E731
+
+    def q8_0(w: torch.Tensor) -> torch.Tensor:
+        return dequantize(quantize(w, "Q8_0"), "Q8_0", w.shape[1])
+
     for name, module in list(twin.named_modules()):
         if type(module) is nn.Linear:
             parent, _, attr = name.rpartition(".")
