@@ -269,3 +269,12 @@ def unpack_q8_0(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tenso
     q = (codes ^ 0x80).permute(0, 3, 1, 2, 4).reshape(packs, PACK_ROWS, groups, 32)
     d = scale.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2)
     return torch.cat([d, q], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]
+
+
+def q8_0_rows(codes: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [n]) of pack_q8_0's buffers as Q8_0 blocks, uint8 [n, G * 34], each read where it lies."""
+    packs, lanes = ids // PACK_ROWS, ids % PACK_ROWS
+    q = codes[packs, :, :, lanes] ^ 0x80  # [n, G, 8, 4]
+    d = scale[packs, :, lanes].contiguous().view(torch.uint8)  # [n, G * 2]
+    n, groups = q.shape[:2]
+    return torch.cat([d.view(n, groups, 2), q.reshape(n, groups, 32)], dim=-1).reshape(n, -1)

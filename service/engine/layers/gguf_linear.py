@@ -31,6 +31,7 @@ from sluice.service.engine.layers.gguf_blocks import (
     pack_q5_0,
     pack_q5_1,
     pack_q8_0,
+    q8_0_rows,
     quantize,
     unpack_q4_1,
     unpack_q4_k,
@@ -53,19 +54,21 @@ TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 @dataclass(frozen=True, slots=True)
 class Packing:
     """How a type is regrouped for csrc/int4_linear.cpp: its buffers (the nibbles first), the kernel op reading
-    them, and the functions to them from rows as stored and back."""
+    them, and the functions to them from rows as stored and back (`rows`: single rows read in place, where an
+    embedding looks them up: without it, each row's whole block of 16 is unpacked)."""
 
     buffers: tuple[str, ...]
     kernel_op: str
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     unpack: Callable[..., torch.Tensor]
+    rows: Callable[..., torch.Tensor] | None = None
 
 
 PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
             "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k),
             "Q5_0": Packing(("blocks", "fifth", "scale"), "q5_0_linear", pack_q5_0, unpack_q5_0),
             "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1),
-            "Q8_0": Packing(("blocks", "scale"), "q8_0_packed_linear", pack_q8_0, unpack_q8_0)}
+            "Q8_0": Packing(("blocks", "scale"), "q8_0_packed_linear", pack_q8_0, unpack_q8_0, q8_0_rows)}
 
 
 class GgufLinear(nn.Module):
@@ -129,8 +132,11 @@ class GgufLinear(nn.Module):
             return self.blocks.index_select(0, ids)
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:  # as index_select refuses
             raise IndexError(f"row ids out of range for {self.out_features} rows")
+        packing = PACKINGS[self.qtype]
+        if packing.rows is not None:
+            return packing.rows(*self._packed(), ids)
         packs, where = torch.unique(ids // PACK_ROWS, return_inverse=True)
-        rows = PACKINGS[self.qtype].unpack(*(t.index_select(0, packs) for t in self._packed()), len(packs) * PACK_ROWS)
+        rows = packing.unpack(*(t.index_select(0, packs) for t in self._packed()), len(packs) * PACK_ROWS)
         return rows.view(len(packs), PACK_ROWS, -1)[where, ids % PACK_ROWS]
 
     def dequantized(self) -> torch.Tensor:
