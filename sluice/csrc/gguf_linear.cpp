@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quantize_rows.h"
 #include "row_blocks.h"
 #include "simd.h"
 
@@ -218,40 +219,17 @@ struct Q6_K {
   }
 };
 
-// Activations quantized per 32: codes, scale dx and dx * (sum of the codes) per group.
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale, scaled_sum;
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = M * K / kGroup;
-  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<float>(groups)};
-  for (int64_t i = 0; i < groups; ++i) {
-    const float* xg = x + i * kGroup;
-    float amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t total = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const int8_t v = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
-      out.q[i * kGroup + j] = v;
-      total += v;
-    }
-    out.scale[i] = d;
-    out.scaled_sum[i] = d * static_cast<float>(total);
-  }
-  return out;
-}
+using sluice::QuantizedRows;
+using sluice::quantize_rows;
 
 template <class F, int Rows>
 void rows_dot(const QuantizedRows& x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
               int64_t m, float* y, int64_t N) {
   constexpr int kGroups = F::kQK / kGroup;
   const int64_t G = K / kGroup, blocks = K / F::kQK;
-  const int8_t* qx = x.q.data() + m * K;
-  const float* dx = x.scale.data() + m * G;
-  const float* sx = x.scaled_sum.data() + m * G;
+  const int8_t* qx = x.q.get() + m * K;
+  const float* dx = x.scale.get() + m * G;
+  const float* sx = x.code_sum.get() + m * G;
   Unpacked<F::kQK> u;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;

@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quantize_rows.h"
 #include "row_blocks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -112,35 +113,8 @@ constexpr int64_t kBlock = 16;                // outputs per block
 constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes of nibbles
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
-// One input row quantized per group: int8 values, scale, float sum and scale times the codes' sum per group.
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale, sum, code_sum;
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = M * K / kGroup;
-  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<float>(groups), std::vector<float>(groups),
-                    std::vector<float>(groups)};
-  for (int64_t i = 0; i < groups; ++i) {
-    const float* xg = x + i * kGroup;
-    float amax = 0.f, total = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(xg[j]));
-      total += xg[j];
-    }
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t codes = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      out.q[i * kGroup + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
-      codes += out.q[i * kGroup + j];
-    }
-    out.scale[i] = d;
-    out.sum[i] = total;
-    out.code_sum[i] = d * static_cast<float>(codes);
-  }
-  return out;
-}
+using sluice::QuantizedRows;
+using sluice::quantize_rows;
 
 // Where a group's scale and minimum come from, for each of a block's 16 outputs (element = q * scale + minimum).
 // Q4_1: float16 [blocks, G, 16] each.
@@ -362,15 +336,14 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
-  const std::vector<float>& sums = Scales::kCodeSum ? qx.code_sum : qx.sum;
+  const float* sums = Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();
   at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
-      rows_dot<rows>(qx.q.data() + r * K, qx.scale.data() + r * G, sums.data() + r * G, K, qp, scales, b0, b1,
-                     yp + r * N, N);
+      rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * G, K, qp, scales, b0, b1, yp + r * N, N);
     });
   });
   return y;

@@ -94,6 +94,24 @@ def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     assert op is not None and torch.equal(getattr(kernel, PACKS[qtype][2])(x, *linear._packed(), n), linear(x))
 
 
+def test_halfway_activations_round_to_even_in_every_instruction_set(kernel):
+    # Scale 1 (each group's largest is 127), so x.5 lands exactly halfway: half to even, as torch.round and
+    # llama.cpp's nearbyint; away from zero would move a code by one, a thousandth of the output.
+    k = 64
+    blocks = quantized("Q8_0", 16, k, seed=9)
+    x = torch.zeros(9, k)  # 9 rows: a pass of 8 and one of 1 on AVX-512
+    for g in (0, 32):
+        x[:, g] = 127.0
+        x[:, g + 1:g + 32] = torch.arange(31) - 15.5 + torch.arange(9)[:, None] % 2
+    want = int8_rounded(x).double() @ dequantize(blocks, "Q8_0", k).double().T
+    halfway = torch.tensor([[-16.0, -14, -14], [-14, -14, -12]])  # -15.5, -14.5, -13.5 and one more
+    assert torch.equal(int8_rounded(x)[:, 1:4], halfway.repeat(5, 1)[:9])
+    for isa in ("native", *variant_isas()):
+        ops = kernel if isa == "native" else integer_kernels(isa)
+        got = ops.q8_0_packed_linear(x, *pack_q8_0(blocks), 16).double()
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), isa
+
+
 @pytest.mark.parametrize("qtype", list(PACKS))
 def test_every_instruction_set_computes_the_same(qtype, kernel):
     pack, _, op = PACKS[qtype]
