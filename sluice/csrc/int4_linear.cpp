@@ -111,6 +111,13 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;                // outputs per block
 constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes of nibbles
+// Input rows per pass over a block: each weight vector unpacked serves this many. AVX-512's 32 registers hold 8
+// rows' sums (16 AVX2 registers, 4).
+#if defined(I4_LANES) && I4_LANES == 16
+constexpr int kRowsPerPass = 8;
+#else
+constexpr int kRowsPerPass = 4;
+#endif
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 using sluice::QuantizedRows;
@@ -242,16 +249,20 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
       // The codes and the scale streams ahead.
       sluice::prefetch(qblock + g * kStride + sluice::kPrefetchBytes, kStride);
       scales.prefetch(b, g);
-      // Low and high nibbles (Q8_0: chunks 0-3 and 4-7) in separate sums, so each group's integer chain is half as
-      // long.
-      ivec lo[Rows][kVecs], hi[Rows][kVecs];
-      for (int r = 0; r < Rows; ++r)
-        for (int h = 0; h < kVecs; ++h) lo[r][h] = hi[r][h] = i4_zero();
+      // Up to four rows, low and high nibbles (Q8_0: chunks 0-3 and 4-7) in separate sums, so each group's integer
+      // chain is half as long; more rows are chains enough, and two sums each would not fit the registers.
+      constexpr int kChains = Rows <= 4 ? 2 : 1;
+      ivec acc[kChains][Rows][kVecs];
+      for (int s = 0; s < kChains; ++s)
+        for (int r = 0; r < Rows; ++r)
+          for (int h = 0; h < kVecs; ++h) acc[s][r][h] = i4_zero();
+      auto& lo = acc[0];
+      auto& hi = acc[kChains - 1];
       for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {  // a byte per code: inputs 4c..4c+3 per lane
         for (int h = 0; h < kVecs; ++h) {
           const ivec w = i4_load(qblock + g * kStride + c * 64 + h * I4_LANES * 4);
           for (int r = 0; r < Rows; ++r) {
-            ivec& sum = c < 4 ? lo[r][h] : hi[r][h];  // two chains of four, as the nibbles' two
+            ivec& sum = c < 4 ? lo[r][h] : hi[r][h];  // chains of four, as the nibbles'
             sum = i8_dot(sum, w, i4_bcast(qx + r * K + g * kGroup + 4 * c));
           }
         }
@@ -275,7 +286,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
       for (int h = 0; h < kVecs; ++h) {
         const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
         for (int r = 0; r < Rows; ++r) {
-          const fvec dot = f_cvt(i4_add(lo[r][h], hi[r][h]));
+          const fvec dot = f_cvt(kChains == 2 ? i4_add(acc[0][r][h], acc[kChains - 1][r][h]) : acc[0][r][h]);
           total[r][h] = f_fmadd(dot, f_mul(dg, f_set1(dx[r * G + g])), total[r][h]);
           total[r][h] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][h]);
         }
@@ -342,7 +353,7 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   float* yp = y.data_ptr<float>();
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    sluice::for_each_row_block(M, [&](auto rows, int64_t r) {
+    sluice::for_each_row_block<kRowsPerPass>(M, [&](auto rows, int64_t r) {
       rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * G, K, qp, scales, b0, b1, yp + r * N, N);
     });
   });

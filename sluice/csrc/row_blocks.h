@@ -19,23 +19,31 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at);
 }
 
-// Calls fn(std::integral_constant<int, R>{}) with R = rows (1..4) known at compile time, so the kernel's per-row
-// arrays and loops unroll.
-template <typename Fn>
+// Calls fn(std::integral_constant<int, R>{}) with R = rows (1..kMax, kMax at most 8) known at compile time, so the
+// kernel's per-row arrays and loops unroll.
+template <int kMax = kRowBlock, typename Fn>
 inline void with_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, 4>{}); break;
+  static_assert(kMax >= 1 && kMax <= 8);
+  const auto call = [&](auto r) {
+    if constexpr (decltype(r)::value <= kMax) fn(r);
+  };
+  switch (std::min<int64_t>(rows, kMax)) {
+    case 1: call(std::integral_constant<int, 1>{}); break;
+    case 2: call(std::integral_constant<int, 2>{}); break;
+    case 3: call(std::integral_constant<int, 3>{}); break;
+    case 4: call(std::integral_constant<int, 4>{}); break;
+    case 5: call(std::integral_constant<int, 5>{}); break;
+    case 6: call(std::integral_constant<int, 6>{}); break;
+    case 7: call(std::integral_constant<int, 7>{}); break;
+    default: call(std::integral_constant<int, 8>{}); break;
   }
 }
 
-// Calls fn(std::integral_constant<int, R>{}, m) for each block [m, m + R) of M rows (see with_rows).
-template <typename Fn>
+// Calls fn(std::integral_constant<int, R>{}, m) for each block [m, m + R) of M rows, R up to kMax (see with_rows).
+template <int kMax = kRowBlock, typename Fn>
 inline void for_each_row_block(int64_t M, Fn&& fn) {
-  for (int64_t m = 0; m < M; m += kRowBlock) {
-    with_rows(std::min(kRowBlock, M - m), [&](auto rows) { fn(rows, m); });
+  for (int64_t m = 0; m < M; m += kMax) {
+    with_rows<kMax>(M - m, [&](auto rows) { fn(rows, m); });
   }
 }
 
