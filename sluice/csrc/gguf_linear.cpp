@@ -7,7 +7,7 @@
 // input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as llama.cpp quantizes activations, so
 //   y[r, n] = sum_g dx[r, g] * (sum_{i in g} scale[i / 16] q[i] qx[r, i]) + offset[g] * dx[r, g] * sum_{i in g} qx[r, i]
 // where the inner sums are exact integer dot products (u8 x s8 -> s32 with the sign trick), one per 16 inputs'
-// scale. A block is unpacked once and used for up to kRowBlock rows.
+// scale. A block is unpacked once and used for up to kRowsPerPass rows.
 // gguf_dequantize (many rows): the float rows [n0, n1) of the weight, for a tile of a prefill GEMM.
 #include "cpu_ops.h"
 
@@ -29,6 +29,13 @@ constexpr int64_t kGroup = 32;
 // Weight rows a pass of every input row block walks: their bytes stay in L1/L2 (16 rows of a 2,048-input Q4_K
 // weight: 18 KiB) while each block of input rows reads them again.
 constexpr int64_t kTileRows = 16;
+// Input rows per pass over a weight row, each unpacked block serving them all: AVX-512VL's 32 vector registers hold
+// 8 rows' sums (AVX2's 16, 4).
+#if defined(__AVX512VL__)
+constexpr int kRowsPerPass = 8;
+#else
+constexpr int kRowsPerPass = 4;
+#endif
 
 inline float f16(const uint8_t* p) {
   uint16_t bits;
@@ -350,7 +357,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
     at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
       for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
         const int64_t t1 = std::min(n1, t0 + kTileRows);
-        sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
+        sluice::for_each_row_block<kRowsPerPass>(M, [&](auto rows, int64_t m) {
           rows_dot<F, rows>(qx, K, wp, row_bytes, t0, t1, m, yp + m * N, N);
         });
       }
