@@ -103,13 +103,14 @@ inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum,
 
 }  // namespace detail
 
-// x float32 [M, K], K a multiple of 32, quantized on torch's threads (at least 256 groups each).
+// x float32 [M, K], K a multiple of 32, quantized on torch's threads past 1,024 groups (a decode row stays on one:
+// forking costs more than it saves).
 inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t groups = M * K / kQuantGroup;
   // Every element is written below: no zeroing.
   QuantizedRows out{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[groups]),
                     std::unique_ptr<float[]>(new float[groups]), std::unique_ptr<float[]>(new float[groups])};
-  at::parallel_for(0, groups, 256, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, 1024, [&](int64_t g0, int64_t g1) {
     for (int64_t i = g0; i < g1; ++i) {
       detail::quantize_group(x + i * kQuantGroup, out.q.get() + i * kQuantGroup, &out.scale[i], &out.sum[i],
                              &out.code_sum[i]);
