@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #include "quantize_rows.h"
 #include "row_blocks.h"
@@ -286,7 +285,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
       for (int h = 0; h < kVecs; ++h) {
         const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
         for (int r = 0; r < Rows; ++r) {
-          const fvec dot = f_cvt(kChains == 2 ? i4_add(acc[0][r][h], acc[kChains - 1][r][h]) : acc[0][r][h]);
+          const fvec dot = f_cvt(kChains == 2 ? i4_add(lo[r][h], hi[r][h]) : lo[r][h]);
           total[r][h] = f_fmadd(dot, f_mul(dg, f_set1(dx[r * G + g])), total[r][h]);
           total[r][h] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][h]);
         }

@@ -12,11 +12,11 @@
 #include <cstdint>
 #include <memory>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "simd.h"
+
+#if defined(SLUICE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define SLUICE_QUANTIZE_AVX512 1
-#elif defined(__AVX2__)
-#include <immintrin.h>
+#elif defined(SLUICE_AVX2)
 #define SLUICE_QUANTIZE_AVX2 1
 #endif
 
@@ -39,7 +39,7 @@ inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum,
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 p = _mm512_add_ps(a, b);  // x[l] + x[l + 16]; then its halves added
   const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1));
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(p), high);
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(p), high);
 #elif defined(SLUICE_QUANTIZE_AVX2)
   const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
                x3 = _mm256_loadu_ps(xg + 24);
@@ -50,7 +50,7 @@ inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum,
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
   // x[l] + x[l + 16] for l < 8 and for 8 <= l < 16, then those two halves added
-  __m256 s8 = _mm256_add_ps(_mm256_add_ps(x0, x2), _mm256_add_ps(x1, x3));
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(x0, x2), _mm256_add_ps(x1, x3));
 #else
   float amax = 0.f, p[16];
   for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(xg[l]));
@@ -58,10 +58,8 @@ inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum,
   for (int w = 8; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) p[l] = p[l] + p[l + w];
 #endif
-#if defined(SLUICE_QUANTIZE_AVX512) || defined(SLUICE_QUANTIZE_AVX2)
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  *sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
+#ifdef SLUICE_AVX2
+  *sum = hsum(s8);  // halves of 4, 2, 1 as the portable tree
 #else
   *sum = p[0];
 #endif

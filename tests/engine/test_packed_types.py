@@ -130,7 +130,6 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
             getattr(kernel, op)(x, packed[0], packed[1][:, :, :8], packed[2], 48)
 
 
-
 @pytest.mark.parametrize("qtype", list(PACKS))
 def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
     blocks = quantized(qtype, 40, 256, seed=3)
