@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -27,6 +28,9 @@ logger = logging.getLogger("sluice.native")
 
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ("-O3", "-march=native")
+# GCC's first instruction scheduling pass, aware of register pressure (off by default on x86). Without it the int4
+# kernel's AVX2 passes hoist every pmaddubsw of a group and spill their sums to the stack. Clang has no such pass.
+GCC_FLAGS = ("-fschedule-insns", "-fsched-pressure")
 # at::parallel_for is a header template around `#pragma omp parallel`, and the decode kernel's own pragmas need it
 # too: compiled without -fopenmp both run on one thread. Linked with -fopenmp the extension needs libgomp.so.1,
 # which resolves to the copy torch already loaded (torch's own threads, not a second runtime). Never -ffast-math:
@@ -67,7 +71,7 @@ def load():
         return None
     start, wall_start = time.monotonic(), time.time()
     try:
-        ops = build(CFLAGS)
+        ops = build(CFLAGS + (GCC_FLAGS if is_gcc(compiler) else ()))
     except Exception as e:  # a failed build must not stop the server: it only costs speed
         logger.warning("native kernels: the build failed (%s): %s", str(e)[-500:], FALLBACK)
         return None
@@ -76,6 +80,15 @@ def load():
                 made, ops.__name__, time.monotonic() - start, ops.__file__, ops.paged_decode_isa(), ops.int4_linear_isa(),
                 "AVX512_BF16" if ops.bf16_linear_is_native() else "not native")
     return ops
+
+
+def is_gcc(compiler: str) -> bool:
+    """Whether `compiler` is GCC (clang answers `--version` with its own name, even when called gcc or c++)."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "clang" not in version.lower() and ("gcc" in version.lower() or "free software foundation" in version.lower())
 
 
 def build(cflags: tuple[str, ...]):

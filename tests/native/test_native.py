@@ -86,3 +86,16 @@ def test_without_a_compiler_quantized_weights_serve_on_dequantized_tiles(model_d
     assert all(layer._layer_ops is None for layer in engine.model.layers)
     outputs = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
     assert all(len(t) == GREEDY.max_tokens for t in outputs)
+
+
+@pytest.mark.parametrize(("banner", "gcc"), [
+    ("c++ (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.", True),
+    ("Apple clang version 15.0.0 (clang-1500.3.9.4)\nTarget: arm64-apple-darwin23.4.0", False),
+    ("Ubuntu clang version 17.0.6\nInstalledDir: /usr/bin", False),
+])
+def test_gcc_alone_gets_its_scheduling_flags(tmp_path, banner, gcc):
+    compiler = tmp_path / "c++"
+    compiler.write_text(f"#!/bin/sh\nprintf '%s\\n' '{banner}'\n")
+    compiler.chmod(0o755)
+    assert native.is_gcc(str(compiler)) is gcc
+    assert native.is_gcc(str(tmp_path / "missing")) is False
