@@ -68,7 +68,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Same result as nn.Linear.forward, up to float32 summation order."""
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.gemv_max_rows:
+        if self.gemv_layout and rows.shape[0] <= self.gemv_max_rows:
             out = packed_gemv.gemv(rows, self.packed_ptr, self.out_features, self.gemv_layout)
             if self.bias is not None:
                 out += self.bias
