@@ -44,27 +44,25 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
-// Columns [c, c + 4 lanes) of one fp32 block (row stride B) for R input rows, written to y (row stride ldy).
-template <int R>
+// Columns [c, c + V lanes) of one fp32 block (row stride B) for R input rows, written to y (row stride ldy).
+template <int R, int V = 4>
 void f32_chunk(const float* x, int64_t K, const float* w, int64_t B, float* y, int64_t ldy, int64_t valid) {
 #if defined(__AVX512F__) || defined(SLUICE_AVX2)
-  Vec acc[R][4];
-  for (int r = 0; r < R; ++r) for (int v = 0; v < 4; ++v) acc[r][v] = vzero();
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r) for (int v = 0; v < V; ++v) acc[r][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * B;
-    const Vec w0 = vload(wk), w1 = vload(wk + kLanes), w2 = vload(wk + 2 * kLanes), w3 = vload(wk + 3 * kLanes);
+    Vec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = vload(wk + v * kLanes);
     for (int r = 0; r < R; ++r) {
       const Vec xr = vset1(x[r * K + k]);
-      acc[r][0] = vfma(xr, w0, acc[r][0]);
-      acc[r][1] = vfma(xr, w1, acc[r][1]);
-      acc[r][2] = vfma(xr, w2, acc[r][2]);
-      acc[r][3] = vfma(xr, w3, acc[r][3]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(xr, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    float out[4 * kLanes];
-    for (int v = 0; v < 4; ++v) vstore(out + v * kLanes, acc[r][v]);
-    std::memcpy(y + r * ldy, out, sizeof(float) * std::min<int64_t>(valid, 4 * kLanes));
+    float out[V * kLanes];
+    for (int v = 0; v < V; ++v) vstore(out + v * kLanes, acc[r][v]);
+    std::memcpy(y + r * ldy, out, sizeof(float) * std::min<int64_t>(valid, V * kLanes));
   }
 #else
   for (int r = 0; r < R; ++r) {
@@ -186,10 +184,15 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
   const float* xp = xc.data_ptr<float>();
   const float* wp = reinterpret_cast<const float*>(weight_ptr);
   float* yp = y.data_ptr<float>();
-  for_each_block(M, N, block, 4 * kLanes, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+  // AVX2's chunk (4 vectors, 32 columns) is half a 64-column block, so a pass reads every other pair of cache lines.
+  // One row's sums fit the registers for the whole block (8 vectors): the weights then stream in order.
+  constexpr int64_t kWhole = 64 / kLanes;
+  const int64_t width = M == 1 && block % 64 == 0 ? 64 : 4 * kLanes;
+  for_each_block(M, N, block, width, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
     const float* w = wp + b * block * k_rows + c;
     float* out = yp + m * N + b * block + c;
     const float* xm = xp + m * K;
+    if (width == 64) return f32_chunk<1, kWhole>(xm, K, w, block, out, N, valid);
     sluice::with_rows(rows, [&](auto r) { f32_chunk<r>(xm, K, w, block, out, N, valid); });
   });
   return y;
