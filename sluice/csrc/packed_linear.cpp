@@ -187,12 +187,13 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
   // AVX2's chunk (4 vectors, 32 columns) is half a 64-column block, so a pass reads every other pair of cache lines.
   // One row's sums fit the registers for the whole block (8 vectors): the weights then stream in order.
   constexpr int64_t kWhole = 64 / kLanes;
-  const int64_t width = M == 1 && block % 64 == 0 ? 64 : 4 * kLanes;
-  for_each_block(M, N, block, width, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+  const bool whole = M == 1 && block % 64 == 0;
+  for_each_block(M, N, block, whole ? 64 : 4 * kLanes, [&](int64_t b, int64_t c, int64_t m, int64_t rows,
+                                                            int64_t valid) {
     const float* w = wp + b * block * k_rows + c;
     float* out = yp + m * N + b * block + c;
     const float* xm = xp + m * K;
-    if (width == 64) return f32_chunk<1, kWhole>(xm, K, w, block, out, N, valid);
+    if (whole) return f32_chunk<1, kWhole>(xm, K, w, block, out, N, valid);
     sluice::with_rows(rows, [&](auto r) { f32_chunk<r>(xm, K, w, block, out, N, valid); });
   });
   return y;

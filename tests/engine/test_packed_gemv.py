@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from sluice import native
 from sluice.service.engine import packed_gemv
 from sluice.service.engine.layers import packed_linear
 from sluice.service.engine.layers.packed_linear import PackedLinear, can_prepack, padded_rows
+from tests.support.kernels import MARCHES, build_variant, variant_isas
 
 
 def packed_of(linear: nn.Linear) -> PackedLinear:
@@ -116,3 +118,24 @@ def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
     weight = torch.randn(8, 64).to(dtype)
     assert PlainLinear(weight, None, pad=True, decode_kernel=True).kernel_rows == plain
     assert PlainLinear(weight, None, pad=True).kernel_rows == 0
+
+
+@pytest.mark.parametrize("isa", variant_isas())
+@pytest.mark.parametrize("block", [64, 128])
+def test_f32_gemv_of_every_instruction_set_reads_each_row(isa, block):
+    """packed_linear.cpp built portable and for AVX2, on a block layout made by hand: one row (whole blocks per
+    pass) and several (chunks of the block per pass) both match x @ W.T."""
+    binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
+               f'TORCH_LIBRARY(sluice_test_f32_{isa}, m) {{ m.def("packed_linear_f32", &packed_linear_f32); }}\n')
+    build_variant(f"f32_{isa}", ["packed_linear.cpp"], binding, ["-O3", MARCHES[isa], *native.OPENMP_FLAGS],
+                  python_module=False)
+    run = getattr(torch.ops, f"sluice_test_f32_{isa}").packed_linear_f32
+    n_out, k_in = 200, 96
+    weight = torch.randn(n_out, k_in, generator=torch.Generator().manual_seed(block))
+    blocks = -(-n_out // block)
+    padded = torch.zeros(blocks * block, k_in)
+    padded[:n_out] = weight
+    packed = padded.view(blocks, block, k_in).transpose(1, 2).contiguous()  # w[n, k] at (n / B) B K + k B + n % B
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k_in)
+        torch.testing.assert_close(run(x, packed.data_ptr(), n_out, block, k_in), x @ weight.T, rtol=1e-5, atol=1e-4)
