@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_k_linear", &q4_k_linear, "int4 linear on Q4_K weights (packed codes, the file's scales), few rows");
   m.def("q5_0_linear", &q5_0_linear, "int4 linear on Q5_0 weights (packed codes and fifth bits)");
   m.def("q5_1_linear", &q5_1_linear, "int4 linear on Q5_1 weights (packed codes and fifth bits)");
+  m.def("q6_k_linear", &q6_k_linear, "int4 linear on Q6_K weights (packed codes, their two high bits, the scales)");
   m.def("q8_0_packed_linear", &q8_0_packed_linear, "the int4 kernel's 8-bit sibling on packed Q8_0 weights");
   m.def("int4_linear_isa", &int4_linear_isa, "the int4 kernel's instruction set");
   m.def("packed_linear_f32", &packed_linear_f32, "float32 linear on a oneDNN-packed weight, few rows");

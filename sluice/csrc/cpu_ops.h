@@ -26,6 +26,11 @@ at::Tensor q5_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        int64_t N);
 at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& fifth,
                        const at::Tensor& scale_min, int64_t N);
+// The same kernel on Q6_K weights: the codes' low four bits packed as int4_linear's; per group high_scales uint8
+// [ceil(N / 16), K / 32, 160] (the codes' bits 4 and 5 in the fifth bits' layout, then the int8 scale of each 16
+// inputs [2, 16]); d float16 supers [ceil(N / 16), K / 256, 16]; element = d * sc * (q - 32). K a multiple of 256.
+at::Tensor q6_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& high_scales,
+                       const at::Tensor& supers, int64_t N);
 // The same kernel's 8-bit sibling on Q8_0 weights, a byte per code: qs uint8 [ceil(N / 16), K / 32, 8, 16, 4]
 // holding q + 128 (int4_linear.cpp, pack_q8_0), scale d float16 [ceil(N / 16), K / 32, 16]; element = q d.
 at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N);
@@ -66,8 +71,8 @@ class LlamaLayerOps {
   // One linear on GGUF blocks: parts side by side (a GGUF may store q and v in different types), each a GGML type with
   // its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum); Q4_K (12), Q5_0 (6) and Q5_1 (7)
   // packed for q4_k_linear (a, b, c = nibbles, scales_mins, supers), q5_0_linear and q5_1_linear (nibbles, fifth bits,
-  // scales), Q8_0 (8) for q8_0_packed_linear (a, b = codes, scale; c empty) or as stored; any other type's rows of
-  // blocks in a for gguf_linear; n outputs in all.
+  // scales), Q6_K (14) for q6_k_linear (nibbles, high_scales, supers), Q8_0 (8) for q8_0_packed_linear (a, b = codes,
+  // scale; c empty), each or as stored; any other type's rows of blocks in a for gguf_linear; n outputs in all.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).

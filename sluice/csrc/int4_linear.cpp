@@ -45,12 +45,13 @@ inline ivec i4_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w
 inline ivec i4_dot_short(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }
 inline ivec i4_widen(ivec acc) { return acc; }
 inline ivec i4_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
-// Bit `from` of every byte of v, moved to bit 4 (the fifth bit of a code): 16-bit shifts, which never carry a
-// byte's bits into bit 4 of its neighbour for shifts below 5.
-inline ivec i4_bit4(ivec v, int from) {
-  const ivec moved = from <= 4 ? _mm512_sll_epi16(v, _mm_cvtsi32_si128(4 - from))
-                               : _mm512_srl_epi16(v, _mm_cvtsi32_si128(from - 4));
-  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+inline ivec i4_set1(int32_t v) { return _mm512_set1_epi32(v); }
+// Bit `from` of every byte of v, moved to bit `to` (4 or 5: a code's fifth or sixth bit): in 16-bit lanes, where
+// the bit that lands in a byte's bit `to` is always that byte's own bit `from`.
+inline ivec i4_bit(ivec v, int from, int to) {
+  const ivec moved = from <= to ? _mm512_sll_epi16(v, _mm_cvtsi32_si128(to - from))
+                                : _mm512_srl_epi16(v, _mm_cvtsi32_si128(from - to));
+  return _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(1 << to)));
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 inline ivec i8_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w: bytes 0..255
@@ -60,6 +61,9 @@ inline fvec f_cvt(ivec v) { return _mm512_cvtepi32_ps(v); }
 inline fvec f_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline fvec f_u8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline fvec f_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline fvec f_fmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline fvec f_mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
@@ -84,10 +88,11 @@ inline ivec i4_dot(ivec acc, ivec w, ivec x) {
 inline ivec i4_dot_short(ivec acc, ivec w, ivec x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
 inline ivec i4_widen(ivec acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 inline ivec i4_add(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
-inline ivec i4_bit4(ivec v, int from) {  // as the AVX-512 one
-  const ivec moved = from <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - from))
-                               : _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - 4));
-  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+inline ivec i4_set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline ivec i4_bit(ivec v, int from, int to) {  // as the AVX-512 one
+  const ivec moved = from <= to ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - from))
+                                : _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - to));
+  return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << to)));
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 // Bytes 0..255 against int8 would saturate pmaddubsw's pair sums (2 * 255 * 127): each nibble apart, the high
@@ -103,6 +108,9 @@ inline fvec f_cvt(ivec v) { return _mm256_cvtepi32_ps(v); }
 inline fvec f_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline fvec f_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline fvec f_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline fvec f_fmadd(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline fvec f_mul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
@@ -132,7 +140,8 @@ using sluice::quantize_rows;
 // Where a group's scale and minimum come from, for each of a block's 16 outputs (element = q * scale + minimum).
 // Q4_1: float16 [blocks, G, 16] each.
 struct Q4_1Scales {
-  static constexpr bool kFifthBit = false, kCodeSum = false, kByteCodes = false;
+  static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
+                        kByteCodes = false;
   const uint16_t* d;
   const uint16_t* m;
   int64_t G;
@@ -151,7 +160,8 @@ struct Q4_1Scales {
 // Q4_K as the file has it: per group a 6-bit scale and minimum (uint8 [blocks, G, 2, 16]), per eight groups a
 // float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
 struct Q4_KScales {
-  static constexpr bool kFifthBit = false, kCodeSum = false, kByteCodes = false;
+  static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
+                        kByteCodes = false;
   const uint8_t* sm;
   const uint16_t* super;
   int64_t G;
@@ -184,7 +194,8 @@ struct Q4_KScales {
 // d float16 [blocks, G, 16]; Q5_1 (WithMinimum): element = q d + m, d and m float16 [blocks, G, 2, 16].
 template <bool WithMinimum>
 struct Q5Scales {
-  static constexpr bool kFifthBit = true, kCodeSum = true, kByteCodes = false;
+  static constexpr bool kFifthBit = true, kSixthBit = false, kHalfScales = false, kCodeSum = true,
+                        kByteCodes = false;
   static constexpr int64_t kHalves = WithMinimum ? 2 : 1;
   const uint8_t* fifth;
   const uint16_t* dm;
@@ -207,9 +218,9 @@ struct Q5Scales {
     if constexpr (WithMinimum) return half_to_float(at(b, g)[kBlock + o]);
     return -16.f * scale_at(b, g, o);
   }
-  // The fifth bits of output o's code byte t of chunk c: for the low nibble and for the high one.
-  int low_bit(int64_t b, int64_t g, int64_t o, int c, int t) const { return fifth_bits(b, g)[o * 4 + t] >> c & 1; }
-  int high_bit(int64_t b, int64_t g, int64_t o, int c, int t) const {
+  // The bits above the nibble (here the fifth) of output o's code byte t of chunk c: its low nibble's, its high one's.
+  int low_upper(int64_t b, int64_t g, int64_t o, int c, int t) const { return fifth_bits(b, g)[o * 4 + t] >> c & 1; }
+  int high_upper(int64_t b, int64_t g, int64_t o, int c, int t) const {
     return fifth_bits(b, g)[o * 4 + t] >> (4 + c) & 1;
   }
 };
@@ -217,7 +228,8 @@ struct Q5Scales {
 // Q8_0, packed as the nibbles are but a byte per code (8 chunks of 4 inputs per group: 512 bytes per group of a
 // block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d, d float16 [blocks, G, 16].
 struct Q8_0Scales {
-  static constexpr bool kFifthBit = false, kCodeSum = true, kByteCodes = true;
+  static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
+                        kByteCodes = true;
   const uint16_t* d;
   int64_t G;
   void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 32
@@ -229,6 +241,41 @@ struct Q8_0Scales {
 #endif
   float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(d[(b * G + g) * kBlock + o]); }
   float minimum_at(int64_t b, int64_t g, int64_t o) const { return -128.f * scale_at(b, g, o); }
+};
+
+// Q6_K: codes of 6 bits, element = d * sc * (q - 32), with a signed 8-bit sc per 16 inputs (a group's low nibbles,
+// then its high ones) and a float16 d per 256 inputs. Per group uint8 [blocks, G, 160]: the codes' bit 4 and bit 5
+// in two planes of Q5's fifth-bit order ([16, 4] each), then sc [2, 16]; d float16 [blocks, G / 8, 16]. Each half's
+// -32 q offset comes off its integer sum: 32 times the sum of that half's activation codes (`xsum`, [G, 2] a row).
+struct Q6_KScales {
+  static constexpr bool kFifthBit = true, kSixthBit = true, kHalfScales = true, kCodeSum = true, kByteCodes = false;
+  static constexpr int64_t kGroupHigh = 160;
+  const uint8_t* high;
+  const uint16_t* d;
+  int64_t G;
+  const uint8_t* fifth_bits(int64_t b, int64_t g) const { return high + (b * G + g) * kGroupHigh; }
+  const uint8_t* sixth_bits(int64_t b, int64_t g) const { return fifth_bits(b, g) + kBlock * 4; }
+  const int8_t* sub_scales(int64_t b, int64_t g, int half) const {
+    return reinterpret_cast<const int8_t*>(fifth_bits(b, g) + 2 * kBlock * 4) + half * kBlock;
+  }
+  const uint16_t* super(int64_t b, int64_t g) const { return d + (b * (G / 8) + g / 8) * kBlock; }
+  void prefetch(int64_t b, int64_t g) const {  // 10 bytes where the codes take 16
+    sluice::prefetch(fifth_bits(b, g) + sluice::kPrefetchBytes / 16 * 10, kGroupHigh);
+  }
+#ifdef I4_LANES
+  fvec half_scale(int64_t b, int64_t g, int h, int half) const {
+    return f_mul(f_i8(sub_scales(b, g, half) + h * I4_LANES), f_half(super(b, g) + h * I4_LANES));
+  }
+#endif
+  float half_scale_at(int64_t b, int64_t g, int64_t o, int half) const {
+    return static_cast<float>(sub_scales(b, g, half)[o]) * half_to_float(super(b, g)[o]);
+  }
+  int low_upper(int64_t b, int64_t g, int64_t o, int c, int t) const {
+    return (fifth_bits(b, g)[o * 4 + t] >> c & 1) | (sixth_bits(b, g)[o * 4 + t] >> c & 1) << 1;
+  }
+  int high_upper(int64_t b, int64_t g, int64_t o, int c, int t) const {
+    return (fifth_bits(b, g)[o * 4 + t] >> (4 + c) & 1) | (sixth_bits(b, g)[o * 4 + t] >> (4 + c) & 1) << 1;
+  }
 };
 
 // Bytes of one group of one block: 16 outputs x 16 bytes of nibbles, or 32 bytes of codes.
@@ -252,7 +299,8 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
     constexpr bool kShort = !Scales::kFifthBit && !Scales::kByteCodes;
     // Sums per row: low and high nibbles (Q8_0: chunks 0-3 and 4-7) apart, so each group's chain is half as long,
     // up to four rows; more rows are chains enough. AVX2's narrow sums add in one cycle and need no second.
-    constexpr int kChains = Rows <= 4 && !(kShort && kVecs == 2) ? 2 : 1;
+    // Q6_K keeps them apart at any row count: each half has its own scale.
+    constexpr int kChains = Scales::kHalfScales || (Rows <= 4 && !(kShort && kVecs == 2)) ? 2 : 1;
     // AVX2's block is two vectors wide. Past two rows their sums outgrow its 16 registers, so each half walks the
     // groups in turn, the second from cache; at one or two rows one walk keeps the weight stream busy.
     constexpr int kWalks = Rows > 2 ? kVecs : 1, kPer = kVecs / kWalks;
@@ -287,8 +335,13 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
             ivec wl = i4_low(v), wh = i4_high(v);
             if constexpr (Scales::kFifthBit) {
               const ivec fifth = i4_load(scales.fifth_bits(b, g) + h * I4_LANES * 4);
-              wl = i4_or(wl, i4_bit4(fifth, c));
-              wh = i4_or(wh, i4_bit4(fifth, 4 + c));
+              wl = i4_or(wl, i4_bit(fifth, c, 4));
+              wh = i4_or(wh, i4_bit(fifth, 4 + c, 4));
+            }
+            if constexpr (Scales::kSixthBit) {
+              const ivec sixth = i4_load(scales.sixth_bits(b, g) + h * I4_LANES * 4);
+              wl = i4_or(wl, i4_bit(sixth, c, 5));
+              wh = i4_or(wh, i4_bit(sixth, 4 + c, 5));
             }
             for (int r = 0; r < Rows; ++r) {
               const int8_t* xg = qx + r * K + g * kGroup;
@@ -302,14 +355,29 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
             }
           }
         }
-        for (int j = 0; j < kPer; ++j) {
-          const int h = walk * kPer + j;
-          const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
-          for (int r = 0; r < Rows; ++r) {
-            ivec sum = kShort ? i4_widen(lo[r][j]) : lo[r][j];
-            if constexpr (kChains == 2) sum = i4_add(sum, kShort ? i4_widen(hi[r][j]) : hi[r][j]);
-            total[r][j] = f_fmadd(f_cvt(sum), f_mul(dg, f_set1(dx[r * G + g])), total[r][j]);
-            total[r][j] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][j]);
+        if constexpr (Scales::kHalfScales) {
+          for (int j = 0; j < kPer; ++j) {
+            const int h = walk * kPer + j;
+            const fvec d_lo = scales.half_scale(b, g, h, 0), d_hi = scales.half_scale(b, g, h, 1);
+            for (int r = 0; r < Rows; ++r) {
+              const float* offsets = xsum + (r * G + g) * 2;  // this group's halves' code sums
+              const fvec dxr = f_set1(dx[r * G + g]);
+              const ivec sum_lo = i4_add(lo[r][j], i4_set1(-32 * static_cast<int32_t>(offsets[0])));
+              const ivec sum_hi = i4_add(hi[r][j], i4_set1(-32 * static_cast<int32_t>(offsets[1])));
+              total[r][j] = f_fmadd(f_cvt(sum_lo), f_mul(d_lo, dxr), total[r][j]);
+              total[r][j] = f_fmadd(f_cvt(sum_hi), f_mul(d_hi, dxr), total[r][j]);
+            }
+          }
+        } else {
+          for (int j = 0; j < kPer; ++j) {
+            const int h = walk * kPer + j;
+            const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
+            for (int r = 0; r < Rows; ++r) {
+              ivec sum = kShort ? i4_widen(lo[r][j]) : lo[r][j];
+              if constexpr (kChains == 2) sum = i4_add(sum, kShort ? i4_widen(hi[r][j]) : hi[r][j]);
+              total[r][j] = f_fmadd(f_cvt(sum), f_mul(dg, f_set1(dx[r * G + g])), total[r][j]);
+              total[r][j] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][j]);
+            }
           }
         }
       }
@@ -322,24 +390,32 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) {
           const int8_t* xg = qx + r * K + g * kGroup;
-          int32_t dot = 0;
+          int32_t dot[2] = {0, 0};  // inputs 0..15 of the group, 16..31
           for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {
             const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
-            for (int t = 0; t < 4; ++t) dot += w[t] * xg[4 * c + t];
+            for (int t = 0; t < 4; ++t) dot[c / 4] += w[t] * xg[4 * c + t];
           }
           for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {
             const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
             for (int t = 0; t < 4; ++t) {
               int low = w[t] & 0x0F, high = w[t] >> 4;
               if constexpr (Scales::kFifthBit) {
-                low |= scales.low_bit(b, g, o, c, t) << 4;
-                high |= scales.high_bit(b, g, o, c, t) << 4;
+                low |= scales.low_upper(b, g, o, c, t) << 4;
+                high |= scales.high_upper(b, g, o, c, t) << 4;
               }
-              dot += low * xg[4 * c + t] + high * xg[16 + 4 * c + t];
+              dot[0] += low * xg[4 * c + t];
+              dot[1] += high * xg[16 + 4 * c + t];
             }
           }
-          total = std::fma(static_cast<float>(dot), scales.scale_at(b, g, o) * dx[r * G + g], total);
-          total = std::fma(scales.minimum_at(b, g, o), xsum[r * G + g], total);
+          if constexpr (Scales::kHalfScales) {
+            for (int half = 0; half < 2; ++half) {
+              const int32_t sum = dot[half] - 32 * static_cast<int32_t>(xsum[(r * G + g) * 2 + half]);
+              total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[r * G + g], total);
+            }
+          } else {
+            total = std::fma(static_cast<float>(dot[0] + dot[1]), scales.scale_at(b, g, o) * dx[r * G + g], total);
+            total = std::fma(scales.minimum_at(b, g, o), xsum[r * G + g], total);
+          }
         }
         out[r][o] = total;
       }
@@ -353,6 +429,19 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
 }  // namespace
 
 namespace {
+
+// The sum of each 16 activation codes (exact in a float), [M, K / 16]: Q6_K's offsets, one per scale.
+std::unique_ptr<float[]> code_sums_by_half(const int8_t* q, int64_t M, int64_t K) {
+  std::unique_ptr<float[]> sums(new float[M * K / 16]);
+  at::parallel_for(0, M * K / 16, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int32_t total = 0;
+      for (int l = 0; l < 16; ++l) total += q[i * 16 + l];
+      sums[i] = static_cast<float>(total);
+    }
+  });
+  return sums;
+}
 
 // Checks x and the codes, quantizes x and runs rows_dot over every block with the scales `make(blocks, G)` builds.
 template <class MakeScales>
@@ -369,14 +458,18 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
-  const float* sums = Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();
+  std::unique_ptr<float[]> half_sums;
+  if constexpr (Scales::kHalfScales) half_sums = code_sums_by_half(qx.q.get(), M, K);
+  const float* sums = Scales::kHalfScales ? half_sums.get() : Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();
+  const int64_t sums_per_row = Scales::kHalfScales ? 2 * G : G;
   at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     sluice::for_each_row_block<kRowsPerPass>(M, [&](auto rows, int64_t r) {
-      rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * G, K, qp, scales, b0, b1, yp + r * N, N);
+      rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * sums_per_row, K, qp, scales, b0, b1,
+                     yp + r * N, N);
     });
   });
   return y;
@@ -447,6 +540,19 @@ at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const a
     TORCH_CHECK(has_shape(scale, at::kHalf, {blocks, G, kBlock}),
                 "q8_0_packed_linear: scale float16 [ceil(N / 16), K / 32, 16], contiguous");
     return Q8_0Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), G};
+  });
+}
+
+at::Tensor q6_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& high_scales,
+                       const at::Tensor& supers, int64_t N) {
+  return packed_linear("q6_k_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(G % 8 == 0, "q6_k_linear: K must be a multiple of 256");
+    TORCH_CHECK(has_shape(high_scales, at::kByte, {blocks, G, Q6_KScales::kGroupHigh}) &&
+                    has_shape(supers, at::kHalf, {blocks, G / 8, kBlock}),
+                "q6_k_linear: high_scales uint8 [ceil(N / 16), K / 32, 160], supers float16 [ceil(N / 16), K / 256, "
+                "16], contiguous");
+    return Q6_KScales{high_scales.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()),
+                      G};
   });
 }
 

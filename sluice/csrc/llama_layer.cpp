@@ -15,6 +15,7 @@ constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row bloc
 constexpr int64_t kQ4_K = 12;       // GGML's Q4_K: packed for q4_k_linear where b holds its scales
 constexpr int64_t kQ5_0 = 6;        // GGML's Q5_0 and Q5_1: packed for q5_0_linear, q5_1_linear where b holds the
 constexpr int64_t kQ5_1 = 7;        // fifth bits
+constexpr int64_t kQ6_K = 14;       // GGML's Q6_K: packed for q6_k_linear where b holds its high bits and scales
 constexpr int64_t kQ8_0 = 8;        // GGML's Q8_0: packed for q8_0_packed_linear where b holds its scales
 constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' type) in oneDNN's packed layout
 
@@ -51,6 +52,7 @@ at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
                      : p.type == kQ4_K && packed         ? q4_k_linear(x, p.a, p.b, p.c, p.n)
                      : p.type == kQ5_0 && packed         ? q5_0_linear(x, p.a, p.b, p.c, p.n)
                      : p.type == kQ5_1 && packed         ? q5_1_linear(x, p.a, p.b, p.c, p.n)
+                     : p.type == kQ6_K && packed         ? q6_k_linear(x, p.a, p.b, p.c, p.n)
                      : p.type == kQ8_0 && packed         ? q8_0_packed_linear(x, p.a, p.b, p.n)
                                                          : gguf_linear(x, p.a, p.type));
     }

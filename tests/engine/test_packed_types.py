@@ -1,4 +1,5 @@
-"""Q5_0, Q5_1 and Q8_0 regrouped for csrc/int4_linear.cpp (q5_0_linear, q5_1_linear, q8_0_packed_linear): every
+"""Q5_0, Q5_1, Q6_K and Q8_0 regrouped for csrc/int4_linear.cpp (q5_0_linear, q5_1_linear, q6_k_linear,
+q8_0_packed_linear): every
 bit of the file kept, the kernel against the exact product of the int8-rounded activations and the file's weights,
 every instruction set the same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama
 with Q5_0, Q5_1 and Q8_0 linears through the fused layer and the Python path)."""
@@ -15,10 +16,12 @@ from sluice.service.engine.layers.gguf_blocks import (
     dequantize,
     pack_q5_0,
     pack_q5_1,
+    pack_q6_k,
     pack_q8_0,
     quantize,
     unpack_q5_0,
     unpack_q5_1,
+    unpack_q6_k,
     unpack_q8_0,
 )
 from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufEmbedding, GgufLinear
@@ -26,17 +29,24 @@ from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
 PACKS = {"Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
-         "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear")}
+         "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"), "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear")}
 SHAPES = {"Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
           "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
+          "Q6_K": [(3, 16, 4, 16, 4), (3, 16, 160), (3, 2, 16)],  # nibbles, high bits and scales, d per 256
           "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)]}  # codes (bytes), scales
 
 
 def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Rows of `qtype` blocks that gguf's own quantizer made from random floats."""
+    """Rows of `qtype` blocks that gguf's own quantizer made from random floats; Q6_K, which it cannot make: random
+    codes and scales with a small d (elements around 0.1)."""
     import gguf
 
-    x = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    if qtype == "Q6_K":
+        blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
+        blocks[:, 208:] = (rng.random(len(blocks)) * 2e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return torch.from_numpy(blocks.reshape(n, -1))
+    x = rng.standard_normal((n, k)).astype(np.float32)
     return torch.from_numpy(gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype]))
 
 
@@ -126,8 +136,8 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
         getattr(kernel, op)(x, pack_q5_0(quantized("Q5_0", 48, 512, 6))[0] if qtype == "Q8_0" else
                             pack_q8_0(quantized("Q8_0", 48, 512, 6))[0], *packed[1:], 48)
     if qtype != "Q8_0":
-        with pytest.raises(RuntimeError, match="fifth uint8"):
-            getattr(kernel, op)(x, packed[0], packed[1][:, :, :8], packed[2], 48)
+        with pytest.raises(RuntimeError, match="high_scales uint8" if qtype == "Q6_K" else "fifth uint8"):
+            getattr(kernel, op)(x, packed[0], packed[1][:, :, :8].contiguous(), packed[2], 48)
 
 
 @pytest.mark.parametrize("qtype", list(PACKS))

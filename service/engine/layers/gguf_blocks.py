@@ -1,6 +1,6 @@
 """GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
 Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
-`--quantization int8 | int4` stores), and the repacking of Q4_1, Q4_K, Q5_0, Q5_1 and Q8_0 into
+`--quantization int8 | int4` stores), and the repacking of Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 into
 csrc/int4_linear.cpp's blocks of 16 rows.
 """
 
@@ -194,11 +194,20 @@ def unpack_q4_k(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.
     return blocks.reshape(-1, nb * 144)[:n]
 
 
+def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
+    """One bit of each of a group's 32 codes [X, 32] → int4_linear.cpp's order [X, 4]: byte t holds in bit c input
+    4c + t's and in bit 4 + c input 16 + 4c + t's."""
+    return (bits.reshape(-1, 2, 4, 4) << _FIFTH_SHIFTS).sum((1, 2), dtype=torch.uint8)  # [X, half, c, t]
+
+
+def _plane_bits(plane: torch.Tensor) -> torch.Tensor:
+    """The inverse of _bit_plane: [X, 4] → [X, 32]."""
+    return ((plane[:, None, None, :] >> _FIFTH_SHIFTS) & 1).reshape(-1, 32)
+
+
 def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
-    """Q5 blocks' fifth bits [nb, 4] (bit j of the little-endian word: element j) → int4_linear.cpp's order [nb, 4]:
-    byte t holds in bit c element 4c + t's and in bit 4 + c element 16 + 4c + t's."""
-    bits = _bits32(qh).reshape(-1, 2, 4, 4)  # [nb, half, c, t]
-    return (bits << _FIFTH_SHIFTS).sum((1, 2), dtype=torch.uint8)
+    """Q5 blocks' fifth bits [nb, 4] (bit j of the little-endian word: element j) → int4_linear.cpp's order [nb, 4]."""
+    return _bit_plane(_bits32(qh))
 
 
 _FIFTH_SHIFTS = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)  # half h, chunk c → bit 4h + c
@@ -206,7 +215,7 @@ _FIFTH_SHIFTS = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)  # half h, c
 
 def _qh_bytes(fifth: torch.Tensor) -> torch.Tensor:
     """The inverse of _fifth_bit_bytes."""
-    bits = ((fifth[:, None, None, :] >> _FIFTH_SHIFTS) & 1).reshape(-1, 4, 8)  # element 8i + k: byte i, bit k
+    bits = _plane_bits(fifth).reshape(-1, 4, 8)  # element 8i + k: byte i, bit k
     return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
 
 
@@ -250,6 +259,50 @@ def pack_q5_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def unpack_q5_1(nibbles: torch.Tensor, fifth: torch.Tensor, scale_min: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_q5_1: the first n rows as Q5_1 blocks, uint8 [n, G * 24]."""
     return _unpack_q5(nibbles, fifth, scale_min, n, 4)
+
+
+_Q6_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
+def _q6_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [B, 210] → their 6-bit codes in input order, uint8 [B, 256]."""
+    ql = _nibbles(b[:, :128].reshape(-1, 2, 64))  # per 128 inputs: bytes 0..63's low nibbles, then their high ones
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> _Q6_HIGH_SHIFTS[:, None]) & 3  # input 32i + l: byte l, bits 2i, 2i+1
+    return (ql | (qh.reshape(-1, 2, 128) << 4)).reshape(-1, 256)
+
+
+def pack_q6_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K rows uint8 [N, nb * 210] → q6_k_linear's blocks of 16 rows (N padded with zero rows): the codes' low four
+    bits as int4_linear's nibbles [N/16, G, 4, 16, 4] (G = 8 nb groups of 32); per group uint8 [N/16, G, 160], the
+    bit-4 and bit-5 planes of the codes (each [16, 4] in the fifth bits' order, pack_q5_0) and the int8 scales of the
+    group's two 16 inputs [2, 16]; each 256 inputs' d float16 [N/16, nb, 16]. 210 bytes per 210, every bit kept."""
+    n, nb = data.shape[0], data.shape[1] // 210
+    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 210)
+    codes = _q6_k_codes(b).reshape(-1, 32)  # [rows * G, 32]
+    low = codes & 15
+    nibbles = _interleave((low[:, :16] | (low[:, 16:] << 4)).reshape(-1, PACK_ROWS, nb * 8, 16))
+    planes = torch.stack([_bit_plane((codes >> bit) & 1) for bit in (4, 5)], dim=1)  # [rows * G, 2, 4]
+    planes = planes.reshape(-1, PACK_ROWS, nb * 8, 2, 4).permute(0, 2, 3, 1, 4).reshape(-1, nb * 8, 128)
+    scales = _by_block(b[:, 192:208].reshape(-1, nb * 8, 2)).reshape(-1, nb * 8, 32)
+    supers = _by_block(b[:, 208:210].contiguous().view(torch.float16).reshape(-1, nb, 1)).reshape(-1, nb, PACK_ROWS)
+    return nibbles, torch.cat([planes, scales], dim=-1).contiguous(), supers
+
+
+def unpack_q6_k(nibbles: torch.Tensor, high_scales: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q6_k: the first n rows as Q6_K blocks, uint8 [n, nb * 210]."""
+    packs, groups = nibbles.shape[:2]
+    nb = groups // 8
+    rows = _deinterleave(nibbles).reshape(-1, 16)  # [rows * G, 16]
+    planes = high_scales[..., :128].reshape(packs, groups, 2, PACK_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(-1, 4)
+    high = _plane_bits(planes).reshape(-1, 2, 32)  # [rows * G, bit 4 | bit 5, 32]
+    codes = torch.cat([rows & 15, rows >> 4], dim=-1) | (high[:, 0] << 4) | (high[:, 1] << 5)
+    e = codes.reshape(-1, 2, 2, 64)  # per 128 inputs: 0..63, 64..127
+    ql = (e[:, :, 0] & 15) | ((e[:, :, 1] & 15) << 4)  # [B, 2, 64]
+    qh = ((e.reshape(-1, 2, 4, 32) >> 4) << _Q6_HIGH_SHIFTS[:, None]).sum(2, dtype=torch.uint8)  # [B, 2, 32]
+    scales = _by_row(high_scales[..., 128:].reshape(packs, groups, 2, PACK_ROWS)).reshape(-1, 16)
+    d = _by_row(supers.reshape(packs, nb, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
+    blocks = torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), scales, d], dim=-1)
+    return blocks.reshape(-1, nb * 210)[:n]
 
 
 def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
