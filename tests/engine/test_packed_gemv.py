@@ -105,6 +105,26 @@ def test_crossover_keeps_the_rows_up_to_the_first_step_the_kernel_loses():
     assert run(lambda r: 1.0 if r != 2 else 9.0, lambda r: 2.0) == 1  # a later win past a loss does not count
 
 
+def test_crossover_takes_each_sides_best_of_rounds_timed_in_turn():
+    from sluice.service.engine.layers import crossover
+
+    order, kernel_calls = [], []
+
+    def timer(call):
+        kind, rows = call()
+        order.append(kind)
+        if kind == "gemm":
+            return 2.0
+        kernel_calls.append(rows)
+        return 9.0 if len(kernel_calls) == 1 else 1.0  # a burst of other work slows the first kernel timing alone
+
+    limit = crossover.crossover(lambda x: ("kernel", x.shape[0]), lambda x: ("gemm", x.shape[0]), 8, torch.float32,
+                                timer=timer)
+    assert limit == crossover.ROW_STEPS[-1]  # one slow timing no longer sends decoding to oneDNN
+    assert order[:4] == ["kernel", "gemm", "kernel", "gemm"]
+    assert len(order) == 2 * crossover.ROUNDS * len(crossover.ROW_STEPS)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
     from sluice.service.engine.layers.crossover import ROW_STEPS
