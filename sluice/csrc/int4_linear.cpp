@@ -304,7 +304,17 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
     // AVX2's block is two vectors wide. Past two rows their sums outgrow its 16 registers, so each half walks the
     // groups in turn, the second from cache; at one or two rows one walk keeps the weight stream busy.
     constexpr int kWalks = Rows > 2 ? kVecs : 1, kPer = kVecs / kWalks;
+    // A group's integer sums: narrow for 4-bit codes, widened once per group; 32-bit for wider codes.
+    const auto dot = [](ivec acc, ivec w, ivec x) {
+      if constexpr (kShort) return i4_dot_short(acc, w, x);
+      else return i4_dot(acc, w, x);
+    };
+    const auto widen = [](ivec acc) {
+      if constexpr (kShort) return i4_widen(acc);
+      else return acc;
+    };
     for (int walk = 0; walk < kWalks; ++walk) {
+      const int h0 = walk * kPer;  // this walk's first vector of the block: vector h0 + j is its j-th
       fvec total[Rows][kPer];
       for (int r = 0; r < Rows; ++r)
         for (int j = 0; j < kPer; ++j) total[r][j] = f_zero();
@@ -321,7 +331,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
         auto& hi = acc[kChains - 1];
         for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {  // a byte per code: inputs 4c..4c+3 per lane
           for (int j = 0; j < kPer; ++j) {
-            const ivec w = i4_load(qblock + g * kStride + c * 64 + (walk * kPer + j) * I4_LANES * 4);
+            const ivec w = i4_load(qblock + g * kStride + c * 64 + (h0 + j) * I4_LANES * 4);
             for (int r = 0; r < Rows; ++r) {
               ivec& sum = c < 4 ? lo[r][j] : hi[r][j];  // chains of four, as the nibbles'
               sum = i8_dot(sum, w, i4_bcast(qx + r * K + g * kGroup + 4 * c));
@@ -330,7 +340,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
         }
         for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {
           for (int j = 0; j < kPer; ++j) {
-            const int h = walk * kPer + j;
+            const int h = h0 + j;
             const ivec v = i4_load(qblock + g * kStride + c * 64 + h * I4_LANES * 4);
             ivec wl = i4_low(v), wh = i4_high(v);
             if constexpr (Scales::kFifthBit) {
@@ -345,19 +355,14 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
             }
             for (int r = 0; r < Rows; ++r) {
               const int8_t* xg = qx + r * K + g * kGroup;
-              if constexpr (kShort) {
-                lo[r][j] = i4_dot_short(lo[r][j], wl, i4_bcast(xg + 4 * c));
-                hi[r][j] = i4_dot_short(hi[r][j], wh, i4_bcast(xg + 16 + 4 * c));
-              } else {
-                lo[r][j] = i4_dot(lo[r][j], wl, i4_bcast(xg + 4 * c));
-                hi[r][j] = i4_dot(hi[r][j], wh, i4_bcast(xg + 16 + 4 * c));
-              }
+              lo[r][j] = dot(lo[r][j], wl, i4_bcast(xg + 4 * c));
+              hi[r][j] = dot(hi[r][j], wh, i4_bcast(xg + 16 + 4 * c));
             }
           }
         }
         if constexpr (Scales::kHalfScales) {
           for (int j = 0; j < kPer; ++j) {
-            const int h = walk * kPer + j;
+            const int h = h0 + j;
             const fvec d_lo = scales.half_scale(b, g, h, 0), d_hi = scales.half_scale(b, g, h, 1);
             for (int r = 0; r < Rows; ++r) {
               const float* offsets = xsum + (r * G + g) * 2;  // this group's halves' code sums
@@ -370,11 +375,11 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
           }
         } else {
           for (int j = 0; j < kPer; ++j) {
-            const int h = walk * kPer + j;
+            const int h = h0 + j;
             const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
             for (int r = 0; r < Rows; ++r) {
-              ivec sum = kShort ? i4_widen(lo[r][j]) : lo[r][j];
-              if constexpr (kChains == 2) sum = i4_add(sum, kShort ? i4_widen(hi[r][j]) : hi[r][j]);
+              ivec sum = widen(lo[r][j]);
+              if constexpr (kChains == 2) sum = i4_add(sum, widen(hi[r][j]));
               total[r][j] = f_fmadd(f_cvt(sum), f_mul(dg, f_set1(dx[r * G + g])), total[r][j]);
               total[r][j] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][j]);
             }
@@ -382,7 +387,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, int64_t K, c
         }
       }
       for (int r = 0; r < Rows; ++r)
-        for (int j = 0; j < kPer; ++j) f_store(out[r] + (walk * kPer + j) * I4_LANES, total[r][j]);
+        for (int j = 0; j < kPer; ++j) f_store(out[r] + (h0 + j) * I4_LANES, total[r][j]);
     }
 #else
     for (int r = 0; r < Rows; ++r) {
