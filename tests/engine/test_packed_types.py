@@ -150,3 +150,22 @@ def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
     assert torch.equal(embed(ids), want)
     with pytest.raises(IndexError):
         embed(torch.tensor([40]))  # a padding row of the last block of 16 is no token
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_largest_five_bit_codes_against_the_largest_activations_sum_exactly(qtype, kernel):
+    # Every code 31 against every activation code +-127: the largest sums a group's products reach, exact in every
+    # instruction set (16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 such products).
+    n, k = 16, 256
+    head = 2 if qtype == "Q5_0" else 4
+    block = torch.full((BLOCK_TYPES[qtype][2],), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
+    block[:head] = torch.tensor([1.0, 0.0][:head // 2], dtype=torch.float16).view(torch.uint8)  # d = 1 (m = 0)
+    blocks = block.repeat(n, k // 32)
+    x = torch.full((3, k), 1.0)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    linear = GgufLinear(GgufBlocks(blocks, qtype, k), None, kernel)
+    want = int8_rounded(x).double() @ dequantize(blocks, qtype, k).double().T
+    assert torch.equal(linear(x).double(), want)
+    for isa in variant_isas():
+        assert torch.equal(getattr(integer_kernels(isa), PACKS[qtype][2])(x, *linear._packed(), n).double(), want)
