@@ -153,14 +153,13 @@ def test_every_instruction_set_computes_packed_q4_k_the_same(kernel):
         kernel.q4_k_linear(x, packed[0], packed[1].float(), packed[2], 48)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_K", "Q6_K"])  # Q6_K kept as stored: packed, it rounds activations
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_K", "Q6_K"])  # not the packed types (int8 activations)
 @pytest.mark.parametrize("native", [True, False])
 def test_linear_prefill_tiles_equal_float_matmul(qtype, native, kernel):
     n, k = 300, 512
     blocks = random_blocks(qtype, n, k, seed=7)
     weight = reference_dequantize(blocks, qtype)
-    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), qtype, k), torch.randn(n), kernel if native else None,
-                        repack=False)
+    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), qtype, k), torch.randn(n), kernel if native else None)
     linear.tile_rows = 64  # several tiles, the last one partial
     x = torch.randn(2, 17, k)
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, linear.bias), rtol=1e-5, atol=1e-4)
