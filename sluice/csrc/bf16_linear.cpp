@@ -73,8 +73,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
-      rows_dot<rows>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
+    sluice::for_each_tile(M, n0, n1, K * int64_t(sizeof(uint16_t)), [&](auto rows, int64_t m, int64_t t0, int64_t t1) {
+      rows_dot<rows>(xp + m * K, K, wp, t0, t1, yp + m * N, N);
     });
   });
   return y;

@@ -1,7 +1,8 @@
 // float32 linear for the few-row batches of decoding, reading the plain [N, K] weight that torch's own path reads
 // too, so nothing is copied. At batch 1 a linear streams its weight once: oneDNN's GEMV (prepacked or plain)
 // streamed SmolLM2's fp32 weights at ~20 GB/s on 2 Zen 4 cores, this loop at ~31 GB/s. Each weight row is read
-// once and used for up to kRowBlock input rows; threads split the output rows (at::parallel_for, -fopenmp).
+// once and used for up to kRowBlock input rows (more rows take turns on tiles of it in cache); threads split the
+// output rows (at::parallel_for, -fopenmp).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -64,8 +65,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    sluice::for_each_row_block(M, [&](auto rows, int64_t m) {
-      rows_dot<rows>(xp + m * K, K, wp, n0, n1, yp + m * N, N);
+    sluice::for_each_tile(M, n0, n1, K * int64_t(sizeof(float)), [&](auto rows, int64_t m, int64_t t0, int64_t t1) {
+      rows_dot<rows>(xp + m * K, K, wp, t0, t1, yp + m * N, N);
     });
   });
   return y;

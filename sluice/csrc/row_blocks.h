@@ -47,4 +47,20 @@ inline void for_each_row_block(int64_t M, Fn&& fn) {
   }
 }
 
+// Bytes of weights a tile holds when several row blocks read them: they stay in L2 (at least 512 KiB on the CPUs
+// these kernels build for) from the first block's pass to the last's.
+constexpr int64_t kTileBytes = 128 * 1024;
+
+// Calls fn(std::integral_constant<int, R>{}, m, t0, t1) for each block [m, m + R) of M rows over each tile
+// [t0, t1) of the output units [u0, u1), a tile holding about kTileBytes of weights (unit_bytes a unit): past
+// kMax rows the row blocks then take turns on a tile in cache instead of each streaming the weights again.
+template <int kMax = kRowBlock, typename Fn>
+inline void for_each_tile(int64_t M, int64_t u0, int64_t u1, int64_t unit_bytes, Fn&& fn) {
+  const int64_t tile = M <= kMax ? u1 - u0 : std::max<int64_t>(1, kTileBytes / std::max<int64_t>(1, unit_bytes));
+  for (int64_t t0 = u0; t0 < u1; t0 += tile) {
+    const int64_t t1 = std::min(u1, t0 + tile);
+    for_each_row_block<kMax>(M, [&](auto rows, int64_t m) { fn(rows, m, t0, t1); });
+  }
+}
+
 }  // namespace sluice

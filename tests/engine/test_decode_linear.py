@@ -28,6 +28,15 @@ def test_f32_kernel_matches_torch(kernel, rows, in_features):
     torch.testing.assert_close(got, x.double().mm(w.double().T).float(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [5, 9, 13])
+def test_f32_kernel_rows_past_one_block_share_weight_tiles(kernel, rows):
+    # Past four rows the row blocks take turns on tiles of ~128 KiB of weight rows (56 of 576 inputs): 1,000
+    # outputs split over the threads end tiles mid-range and leave short last tiles.
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 576), torch.randn(1000, 576)
+    torch.testing.assert_close(kernel.f32_linear(x, w), x.double().mm(w.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
 def test_f32_kernel_refuses_what_it_cannot_read(kernel):
     with pytest.raises(RuntimeError, match="f32_linear"):
         kernel.f32_linear(torch.randn(2, 8), torch.randn(8, 4))  # [M, K] against [N, K] with another K

@@ -3,7 +3,10 @@ decode path without prepacking. The CPU is faked: these tests pass the same on a
 
 from __future__ import annotations
 
+import ast
 import logging
+import re
+from collections import Counter
 
 import pytest
 import torch
@@ -12,7 +15,6 @@ from sluice import native
 from sluice.service.config import SluiceConfig
 from sluice.service.engine import model_loader
 from sluice.service.engine.cpu import native_bf16_flags
-from sluice.service.engine.layers import packed_linear
 from sluice.service.engine.layers.linear import PlainLinear
 from sluice.service.engine.layers.packed_linear import PackedLinear
 from sluice.service.engine.model_loader import auto_dtype, resolve_device_dtype
@@ -45,9 +47,16 @@ def test_no_cpuinfo_asks_torch(tmp_path, monkeypatch):
     assert native_bf16_flags(tmp_path / "absent") == []
 
 
-def gemv_log(rows: int) -> str:
-    """What the start-up log says of packed linears whose GEMV takes up to `rows` rows (as measured here)."""
-    return f"read by the packed-layout GEMV: {{{rows}:" if rows else "read by the packed-layout GEMV: none"
+def logged_gemv_rows(log: str) -> dict[int, int]:
+    """What the start-up log says of the packed linears' GEMV: {most rows: linears} (each shape measured here)."""
+    logged = re.search(r"read by the packed-layout GEMV: (\{[^}]*\}|none)", log).group(1)
+    return {} if logged == "none" else ast.literal_eval(logged)
+
+
+def packed_gemv_rows(eng) -> dict[int, int]:
+    """The engine's packed linears counted by the most rows their GEMV takes (those that take none left out)."""
+    return dict(Counter(m.gemv_max_rows for m in eng.model.modules()
+                        if isinstance(m, PackedLinear) and m.gemv_max_rows))
 
 
 def fake_cpu(monkeypatch, flags: list[str]):
@@ -104,7 +113,7 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
     assert plain and all(m.pad and m.decode_kernel == bf16_native for m in plain)  # the tied head, or every linear
     if bf16_native:
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert gemv_log(packed_linear.gemv_max_rows(torch.bfloat16)) in caplog.text
+        assert logged_gemv_rows(caplog.text) == packed_gemv_rows(eng)
     else:
         assert "model path: Sluice's own Llama-family forward; linears plain" in caplog.text
     (out,) = eng.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -121,7 +130,7 @@ def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
     if native.load() is not None and packed(eng):
         assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
-        assert gemv_log(packed_linear.gemv_max_rows(torch.float32)) in caplog.text
+        assert logged_gemv_rows(caplog.text) == packed_gemv_rows(eng)
 
 
 def test_fp32_engine_without_prepacking_runs_plain_weights(tmp_path_factory, monkeypatch):

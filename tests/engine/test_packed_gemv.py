@@ -99,7 +99,7 @@ def test_crossover_keeps_the_rows_up_to_the_first_step_the_kernel_loses():
         return crossover.crossover(lambda x: ("kernel", x.shape[0]), lambda x: ("gemm", x.shape[0]), 8,
                                    torch.float32, timer=timer)
 
-    assert run(lambda r: 1.0 * r, lambda r: 6.0) == 4  # 1, 2, 4 rows win; 8 loses
+    assert run(lambda r: 1.0 * r, lambda r: 6.0) == 5  # 1 to 5 rows win; 6 ties, which loses
     assert run(lambda r: 1.0 * r, lambda r: 0.5) == 0  # oneDNN wins from one row: the GEMV is never taken
     assert run(lambda r: 0.1, lambda r: 1.0) == crossover.ROW_STEPS[-1]
     assert run(lambda r: 1.0 if r != 2 else 9.0, lambda r: 2.0) == 1  # a later win past a loss does not count
@@ -130,14 +130,40 @@ def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
     from sluice.service.engine.layers.crossover import ROW_STEPS
     from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_max_rows
 
-    limit = packed_linear.gemv_max_rows(dtype)
-    assert limit in (0, *ROW_STEPS) and packed_linear.gemv_max_rows(dtype) == limit  # measured once
-    assert packed_of(nn.Linear(64, 128, bias=False).to(dtype)).gemv_max_rows == limit
-    plain = decode_kernel_max_rows(dtype)
+    limit = packed_linear.gemv_max_rows(dtype, (128, 64))
+    assert limit in (0, *ROW_STEPS) and packed_linear.gemv_max_rows(dtype, (128, 64)) == limit  # measured once
+    assert packed_of(nn.Linear(64, 128, bias=False).to(dtype)).gemv_max_rows == limit  # per shape
+    plain = decode_kernel_max_rows(dtype, (8, 64))
     assert plain in (0, *ROW_STEPS)
     weight = torch.randn(8, 64).to(dtype)
     assert PlainLinear(weight, None, pad=True, decode_kernel=True).kernel_rows == plain
     assert PlainLinear(weight, None, pad=True).kernel_rows == 0
+
+
+def test_probe_weights_stream_past_the_last_level_cache(monkeypatch):
+    from sluice.service.engine.layers import crossover
+
+    monkeypatch.setattr(crossover, "last_level_cache_bytes", lambda: 1 << 20)
+    narrow = crossover.probe_weights((512, 256), torch.float32)  # 512 KiB each: 4 copies make twice the cache
+    assert len(narrow) == 4 and all(w.shape == (512, 256) for w in narrow)
+    assert not torch.equal(narrow[0], narrow[1])  # distinct bytes: no copy is served from another's cache lines
+    wide = crossover.probe_weights((49152, 576), torch.float32)  # a head: rows cut to whole blocks, one copy
+    assert len(wide) == 1 and wide[0].shape[1] == 576 and wide[0].shape[0] % 64 == 0
+    assert 2 << 20 <= wide[0].numel() * 4 < (2 << 20) + 64 * 576 * 4
+    tiny = crossover.probe_weights((64, 32), torch.bfloat16)  # a model of such linears lives in the caches
+    assert len(tiny) == 1 and tiny[0].dtype == torch.bfloat16
+
+
+def test_last_level_cache_is_the_largest_sysfs_cache(tmp_path):
+    from sluice.service.engine.layers import crossover
+
+    for index, size in (("index0", "32K"), ("index2", "512K"), ("index3", "32768K\n"), ("index4", "bogus")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size)
+    assert crossover.largest_cache_bytes(tmp_path) == 32 << 20
+    assert crossover.largest_cache_bytes(tmp_path / "absent") is None
+    assert crossover.last_level_cache_bytes() > 0
+
 
 
 @pytest.mark.parametrize("isa", variant_isas())

@@ -1,10 +1,12 @@
-"""Where a few-row C++ kernel stops beating oneDNN's GEMM, timed once on this CPU.
+"""Where a few-row C++ kernel stops beating oneDNN's GEMM, timed once per weight shape on this CPU.
 
 The GEMVs stream each weight once per block of input rows; oneDNN's GEMM pays a fixed cost per call but computes
 many rows at the rate of the CPU's matrix units. Where the two cross depends on the CPU, not only its flags: on
 a Zen 4 the packed GEMV won up to 16-32 rows, on a Xeon with AMX oneDNN won from 4 (docs/performance.md, "Weight
-formats on CPU"). So the limit is measured, on one weight the size of a small model's linear, the first time a
-layer asks.
+formats on CPU"). It depends on the shape too (oneDNN's cost per call weighs more on a small model's narrow
+linears), and on where the weights come from: a model's linears stream from memory, one after the other, while
+one weight timed again and again sits in the last-level cache. So the limit is measured the first time a linear
+of a given shape asks, on random weights of that shape, enough of them to stream past the caches.
 """
 
 from __future__ import annotations
@@ -12,27 +14,61 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-ROW_STEPS = (1, 2, 4, 8, 16, 32)
-PROBE_SHAPE = (2048, 2048)  # out, in: 8-16 MiB, past the L2 caches, as a model's linears are
+ROW_STEPS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # finer where verify steps (1 + drafts rows) fall
 ROUNDS = 3
+CACHE_BYTES_DEFAULT = 32 << 20  # where sysfs does not say how large the last-level cache is
+SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+MAX_PROBE_COPIES = 128  # past this many copies a model of such linears would itself live in the caches
+MAX_PROBE_BYTES = 96 << 20  # a server CPU's whole cache (a VM's share of it is far less) would slow start-up
 
 
-def best_time(call: Callable[[], object], rounds: int = ROUNDS) -> float:
-    """The shortest of `rounds` timed calls, after one untimed call (first-call allocations, oneDNN's kernel)."""
+def largest_cache_bytes(caches: Path) -> int | None:
+    """The size of the largest cache listed under a sysfs cache directory (index*/size: "32768K"), or None."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for path in caches.glob("index*/size"):
+        try:
+            text = path.read_text().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        except (ValueError, OSError):
+            continue
+    return max(sizes, default=None)
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The size of this CPU's last-level cache, or CACHE_BYTES_DEFAULT where sysfs does not say."""
+    return largest_cache_bytes(SYSFS_CACHES) or CACHE_BYTES_DEFAULT
+
+
+def probe_weights(shape: tuple[int, int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Random weights of `shape` [N, K] that together stream past the last-level cache as a model's linears do:
+    about twice its size, at most MAX_PROBE_BYTES. A weight larger than that has its output rows cut to whole
+    64-row blocks; one copy where so many would be needed that a model of such linears would fit in the caches."""
+    n, k = shape
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    stream = min(2 * last_level_cache_bytes(), MAX_PROBE_BYTES)
+    n = min(n, -(-stream // (k * itemsize * 64)) * 64)  # whole blocks, one copy at least `stream` bytes
+    copies = -(-stream // (n * k * itemsize))
+    copies = 1 if copies > MAX_PROBE_COPIES else copies
+    base = torch.randn(min(n * k, 1 << 20), generator=torch.Generator().manual_seed(0)).to(dtype)
+    # Tiled from one random run: generating every element would take longer than the timing itself.
+    return [base.repeat(-(-n * k // base.numel()))[: n * k].view(n, k).roll(i) for i in range(copies)]
+
+
+def elapsed(call: Callable[[], object]) -> float:
+    """Seconds one call takes."""
+    start = time.perf_counter()
     call()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return time.perf_counter() - start
 
 
 def crossover(kernel: Callable[[torch.Tensor], object], gemm: Callable[[torch.Tensor], object], in_features: int,
-              dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] = best_time) -> int:
+              dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] = elapsed) -> int:
     """The largest count of ROW_STEPS up to which `kernel(x)` beat `gemm(x)` at every step (0: never), x [rows,
     in_features] random in `dtype`. The two are timed in turn ROUNDS times and each keeps its best: a burst of
     other work on a shared machine (a process exiting, a neighbour's job) then slows both or neither, where timing
@@ -41,6 +77,7 @@ def crossover(kernel: Callable[[torch.Tensor], object], gemm: Callable[[torch.Te
     generator = torch.Generator().manual_seed(0)
     for rows in ROW_STEPS:
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        kernel(x), gemm(x)  # untimed: first-call allocations, oneDNN building its kernel for the shape
         kernel_time = gemm_time = float("inf")
         for _ in range(ROUNDS):
             kernel_time = min(kernel_time, timer(functools.partial(kernel, x)))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice import native
-from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
+from sluice.service.engine.layers.crossover import crossover, probe_weights
 from sluice.service.engine.layers.packed_linear import PackedLinear, onednn_linear, pad_rows
 
 logger = logging.getLogger("sluice.engine")
@@ -57,13 +57,16 @@ def plain_gemm(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @functools.cache
-def decode_kernel_max_rows(dtype: torch.dtype) -> int:
-    """The most rows a call may have to take the plain-layout C++ GEMV here (0: never), timed once per dtype."""
+def decode_kernel_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
+    """The most rows a call may have to take the plain-layout C++ GEMV here for a weight of `shape` [N, K] (0:
+    never), timed once per dtype and shape."""
     if not decode_kernel_wins(dtype):
         return 0
-    weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return crossover(lambda x: plain_gemv(x, weight), lambda x: plain_gemm(x, weight, None, dtype == torch.float32),
-                     weight.shape[1], dtype)
+    weights = probe_weights(shape, dtype)
+    onednn = dtype == torch.float32
+    return crossover(lambda x: [plain_gemv(x, w) for w in weights],
+                     lambda x: [plain_gemm(pad_rows(x, shape[1])[0], w, None, onednn) for w in weights], shape[1],
+                     dtype)
 
 
 class PlainLinear(nn.Module):
@@ -80,7 +83,7 @@ class PlainLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.pad, self.decode_kernel = pad, decode_kernel
-        self.kernel_rows = decode_kernel_max_rows(weight.dtype) if decode_kernel else 0
+        self.kernel_rows = decode_kernel_max_rows(weight.dtype, tuple(weight.shape)) if decode_kernel else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N]."""
@@ -140,11 +143,17 @@ class PlainMethod(LinearMethod):
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.pad = device.type == "cpu"
         self.decode_kernel = self.pad and decode_kernel_wins(dtype)
-        rows = decode_kernel_max_rows(dtype) if self.decode_kernel else 0
-        self.name = "plain" + (f" (C++ GEMV up to {rows} rows)" if rows else "")
+        self.kernel_rows = Counter()
+        self.name = "plain"
 
     def make(self, weight, bias, parts, sizes, tied=False):
-        return PlainLinear(weight, bias, self.pad, self.decode_kernel)
+        linear = PlainLinear(weight, bias, self.pad, self.decode_kernel)
+        self.kernel_rows[linear.kernel_rows] += 1
+        return linear
+
+    def describe(self) -> str:
+        gemv = {rows: n for rows, n in self.kernel_rows.items() if rows}
+        return self.name + (f", C++ GEMV: {gemv} (rows: linears)" if gemv else "")
 
 
 class PackedMethod(PlainMethod):
@@ -164,4 +173,6 @@ class PackedMethod(PlainMethod):
 
     def describe(self) -> str:
         gemv = {rows: n for rows, n in self.gemv_rows.items() if rows}
-        return f"{self.name}, read by the packed-layout GEMV: {gemv or 'none'} (rows: linears)"
+        plain = {rows: n for rows, n in self.kernel_rows.items() if rows}
+        tied = f"; the tied head plain, C++ GEMV: {plain}" if plain else ""
+        return f"{self.name}, read by the packed-layout GEMV: {gemv or 'none'} (rows: linears){tied}"

@@ -17,7 +17,7 @@ from torch import nn
 
 from sluice import native
 from sluice.service.engine import packed_gemv
-from sluice.service.engine.layers.crossover import PROBE_SHAPE, crossover
+from sluice.service.engine.layers.crossover import crossover, probe_weights
 
 PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
 
@@ -62,7 +62,7 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.gemv_layout = packed_gemv.gemv_layout(self.packed, weight)
-        self.gemv_max_rows = gemv_max_rows(weight.dtype) if self.gemv_layout else 0
+        self.gemv_max_rows = gemv_max_rows(weight.dtype, tuple(weight.shape)) if self.gemv_layout else 0
         self.packed_ptr = torch.ops.mkldnn.data_ptr(self.packed) if self.gemv_layout else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,17 +112,18 @@ def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @functools.cache
-def gemv_max_rows(dtype: torch.dtype) -> int:
-    """The most rows a call may have to take the packed-layout GEMV here (0: oneDNN always wins), timed once per
-    dtype on a probe weight packed as PackedLinear packs its own."""
-    weight = torch.randn(PROBE_SHAPE, generator=torch.Generator().manual_seed(0)).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-    layout = packed_gemv.gemv_layout(packed, weight)
+def gemv_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
+    """The most rows a call may have to take the packed-layout GEMV here for a weight of `shape` [N, K] (0: oneDNN
+    always wins), timed once per dtype and shape on probe weights packed as PackedLinear packs its own."""
+    weights = probe_weights(shape, dtype)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+    layout = packed_gemv.gemv_layout(packed[0], weights[0])
     if layout is None:
         return 0
-    ptr, n = torch.ops.mkldnn.data_ptr(packed), weight.shape[0]
-    return crossover(lambda x: packed_gemv.gemv(x, ptr, n, layout), lambda x: onednn_linear(x, packed, None),
-                     weight.shape[1], dtype)
+    n, ptrs = weights[0].shape[0], [torch.ops.mkldnn.data_ptr(p) for p in packed]
+    del weights
+    return crossover(lambda x: [packed_gemv.gemv(x, ptr, n, layout) for ptr in ptrs],
+                     lambda x: [onednn_linear(pad_rows(x, shape[1])[0], p, None) for p in packed], shape[1], dtype)
 
 
 def pad_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
