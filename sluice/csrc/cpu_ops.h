@@ -133,6 +133,9 @@ std::string paged_decode_isa();
 // float32 [M, K], activations quantized to int8 per 32; gguf_dequantize: W as float32 [N, K].
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type);
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K);
+// q6_k_linear's packed Q6_K blocks (pack_q6_k) as float32 rows [16 P, K].
+at::Tensor q6_k_dequantize(const at::Tensor& nibbles, const at::Tensor& high_scales,
+                           const at::Tensor& supers);
 
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

@@ -83,7 +83,7 @@ def test_fifth_bits_sit_where_the_kernel_reads_them():
     assert torch.equal(fifth[0, 0], want)
 
 
-SERVED = [q for q in PACKS if q != "Q6_K"]  # GgufLinear packs these; Q6_K's kernel is tested alone (below)
+WHOLE_CALLS = [q for q in PACKS if q != "Q6_K"]  # packed for calls of every size; Q6_K's prefill is float (below)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 33, 70])
@@ -96,10 +96,37 @@ def test_q6_k_kernel_computes_the_int8_activation_linear(rows, kernel):
     got, want = kernel.q6_k_linear(x, *pack_q6_k(blocks), n).double(), int8_rounded(x).double() @ weight.T
     scale = (x.double().abs() @ weight.abs().T).amax()
     assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
-    assert not GgufLinear(GgufBlocks(blocks, "Q6_K", k), None, kernel).packed  # served as stored (gguf_linear.py)
 
 
-@pytest.mark.parametrize("qtype", SERVED)
+def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
+    # Served packed, Q6_K keeps the numerics of its rows read as stored: int8 activations up to 32 rows (the
+    # GEMV's), float tiles past them (which SmolLM2's first layers' downs need, gguf_linear.py).
+    n, k = 40, 768  # 40 rows: the last pack of 16 is part padding
+    blocks = quantized("Q6_K", n, k, seed=11)
+    packed = GgufLinear(GgufBlocks(blocks, "Q6_K", k), torch.randn(n), kernel)
+    stored = GgufLinear(GgufBlocks(blocks, "Q6_K", k), packed.bias.data, kernel, repack=False)
+    assert packed.packed and not stored.packed and packed.kernel_max_rows == stored.kernel_max_rows == 32
+    assert torch.equal(kernel.q6_k_dequantize(*packed._packed())[:n], dequantize(blocks, "Q6_K", k, kernel))
+    assert torch.equal(packed.float_rows(16, 40), dequantize(blocks[16:], "Q6_K", k))
+    weight = dequantize(blocks, "Q6_K", k).double()
+    for rows in (1, 5, 32):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(packed(x), stored(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x).double(), int8_rounded(x).double() @ weight.T + packed.bias.double(),
+                                   rtol=1e-5, atol=1e-5)
+    packed.tile_rows = stored.tile_rows = 16  # several tiles, the last one partial
+    x = torch.randn(2, 17, k, generator=torch.Generator().manual_seed(2))  # 34 rows: prefill
+    torch.testing.assert_close(packed(x), stored(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(packed(x).double(), x.double() @ weight.T + packed.bias.double(), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(RuntimeError, match="high_scales uint8"):
+        kernel.q6_k_dequantize(packed._packed()[0], packed._packed()[1][:, :, :8].contiguous(), packed._packed()[2])
+    for isa in variant_isas():  # the portable loop and the AVX2 lanes unpack the same codes
+        assert torch.equal(integer_kernels(isa).q6_k_dequantize(*packed._packed()), kernel.q6_k_dequantize(
+            *packed._packed())), isa
+
+
+@pytest.mark.parametrize("qtype", WHOLE_CALLS)
 @pytest.mark.parametrize("rows", [1, 3, 33, 70])
 def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     n, k = 40, 768
@@ -156,7 +183,7 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
             getattr(kernel, op)(x, packed[0], packed[1][:, :, :8].contiguous(), packed[2], 48)
 
 
-@pytest.mark.parametrize("qtype", SERVED)
+@pytest.mark.parametrize("qtype", list(PACKS))
 def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
     blocks = quantized(qtype, 40, 256, seed=3)
     embed = GgufEmbedding(GgufBlocks(blocks, qtype, 256), torch.float32, kernel)

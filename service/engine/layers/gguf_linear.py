@@ -1,15 +1,16 @@
 """Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Q4_1, Q4_K, Q5_0, Q5_1 and Q8_0 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at load
-(`pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte; `pack_q5_0` and `pack_q5_1`,
-the fifth bits in the kernel's order; `pack_q8_0`, a byte per code: several times faster than reading the rows as
-stored, docs/performance.md), for calls of any size, the activations rounded to int8 per 32 inputs as llama.cpp
-does. Q6_K is not among them although `q6_k_linear` reads `pack_q6_k`'s layout: SmolLM2's first layers keep their
-down projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations changed its greedy
-answers (docs/performance.md), so Q6_K keeps float activations past KERNEL_MAX_ROWS_DEFAULT rows. Calls of few rows
-(decoding) of the other types (Q4_0, Q5_K, Q6_K) run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp,
-int8 activations); larger calls (prefill) dequantize a tile of output rows at a time into a scratch and multiply.
+Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at
+load (`pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte; `pack_q5_0` and `pack_q5_1`,
+the fifth bits in the kernel's order; `pack_q6_k`, its two high bits so; `pack_q8_0`, a byte per code: several times
+faster than reading the rows as stored, docs/performance.md), the activations rounded to int8 per 32 inputs as
+llama.cpp does; for calls of any size, except Q6_K (`prefill_op`): SmolLM2's first layers keep their down
+projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations changed its greedy
+answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized (`q6_k_dequantize`) and
+multiplied in float, as for the types read as stored. Calls of few rows (decoding) of the other types (Q4_0, Q5_K) run an integer-weight
+GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill) dequantize a tile of output
+rows at a time into a scratch and multiply.
 Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
 its linears to csrc/llama_layer.cpp (`kernel_op`).
 """
@@ -33,6 +34,7 @@ from sluice.service.engine.layers.gguf_blocks import (
     pack_q4_k,
     pack_q5_0,
     pack_q5_1,
+    pack_q6_k,
     pack_q8_0,
     q8_0_rows,
     quantize,
@@ -40,11 +42,12 @@ from sluice.service.engine.layers.gguf_blocks import (
     unpack_q4_k,
     unpack_q5_0,
     unpack_q5_1,
+    unpack_q6_k,
     unpack_q8_0,
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
-# Rows a call of a type stored as is (Q4_0, Q5_K, Q6_K) may have for the GEMV (above: dequantized tiles + GEMM). The
+# Rows a call of a type stored as is (Q4_0, Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles + GEMM). The
 # GEMV unpacks every weight block once per four input rows, the tiles once per call, so the tiles win past a
 # crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
 # (docs/performance.md); the packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output rows'
@@ -58,19 +61,24 @@ TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 class Packing:
     """How a type is regrouped for csrc/int4_linear.cpp: its buffers (the nibbles first), the kernel op reading
     them, and the functions to them from rows as stored and back (`rows`: single rows read in place, where an
-    embedding looks them up: without it, each row's whole block of 16 is unpacked)."""
+    embedding looks them up: without it, each row's whole block of 16 is unpacked). `prefill_op`: the kernel op that
+    turns whole packs into float32 rows, for a type whose calls past KERNEL_MAX_ROWS_DEFAULT rows multiply float
+    tiles instead of int8-rounded activations (None: the packed kernel takes calls of every size)."""
 
     buffers: tuple[str, ...]
     kernel_op: str
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     unpack: Callable[..., torch.Tensor]
     rows: Callable[..., torch.Tensor] | None = None
+    prefill_op: str | None = None
 
 
 PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
             "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k),
             "Q5_0": Packing(("blocks", "fifth", "scale"), "q5_0_linear", pack_q5_0, unpack_q5_0),
             "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1),
+            "Q6_K": Packing(("blocks", "high_scales", "supers"), "q6_k_linear", pack_q6_k, unpack_q6_k,
+                            prefill_op="q6_k_dequantize"),
             "Q8_0": Packing(("blocks", "scale"), "q8_0_packed_linear", pack_q8_0, unpack_q8_0, q8_0_rows)}
 
 
@@ -95,7 +103,8 @@ class GgufLinear(nn.Module):
             self.register_buffer("blocks", blocks.data)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = kernel  # native.load(), or None: every call dequantizes tiles in torch
-        self.kernel_max_rows = 0 if kernel is None else PACKED_MAX_ROWS if self.packed else KERNEL_MAX_ROWS_DEFAULT
+        whole_calls = self.packed and PACKINGS[self.qtype].prefill_op is None
+        self.kernel_max_rows = 0 if kernel is None else PACKED_MAX_ROWS if whole_calls else KERNEL_MAX_ROWS_DEFAULT
         self.kernel_dtype = torch.float32  # what kernel_op's linear computes in
         self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // self.in_features // PACK_ROWS * PACK_ROWS)
 
@@ -107,7 +116,7 @@ class GgufLinear(nn.Module):
         else:
             out = torch.empty(rows.shape[0], self.out_features)
             for n in range(0, self.out_features, self.tile_rows):
-                tile = dequantize(self.stored_rows(n, n + self.tile_rows), self.qtype, self.in_features, self.kernel)
+                tile = self.float_rows(n, n + self.tile_rows)
                 torch.mm(rows, tile.t(), out=out[:, n:n + tile.shape[0]])
         if self.bias is not None:
             out += self.bias
@@ -127,6 +136,16 @@ class GgufLinear(nn.Module):
             return self.blocks[start:stop]
         first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
         rows = PACKINGS[self.qtype].unpack(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
+        return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
+
+    def float_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the weight as float32 [rows, K] (`start` a multiple of PACK_ROWS where packed)."""
+        stop = min(stop, self.out_features)
+        op = PACKINGS[self.qtype].prefill_op if self.packed else None
+        if op is None:
+            return dequantize(self.stored_rows(start, stop), self.qtype, self.in_features, self.kernel)
+        first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
+        rows = getattr(self.kernel, op)(*(t[first:last] for t in self._packed()))
         return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
     def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
