@@ -7,10 +7,10 @@ the fifth bits in the kernel's order; `pack_q6_k`, its two high bits so; `pack_q
 faster than reading the rows as stored, docs/performance.md), the activations rounded to int8 per 32 inputs as
 llama.cpp does; for calls of any size, except Q6_K (`prefill_op`): SmolLM2's first layers keep their down
 projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations changed its greedy
-answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized (`q6_k_dequantize`) and
-multiplied in float, as for the types read as stored. Calls of few rows (decoding) of the other types (Q4_0, Q5_K) run an integer-weight
-GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill) dequantize a tile of output
-rows at a time into a scratch and multiply.
+answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized (`q6_k_dequantize`)
+and multiplied in float, as for the types read as stored. Calls of few rows (decoding) of the other types (Q4_0,
+Q5_K) run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill)
+dequantize a tile of output rows at a time into a scratch and multiply.
 Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
 its linears to csrc/llama_layer.cpp (`kernel_op`).
 """
@@ -47,11 +47,11 @@ from sluice.service.engine.layers.gguf_blocks import (
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
-# Rows a call of a type stored as is (Q4_0, Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles + GEMM). The
-# GEMV unpacks every weight block once per four input rows, the tiles once per call, so the tiles win past a
-# crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
-# (docs/performance.md); the packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output rows'
-# blocks together).
+# Rows a call of a type stored as is (Q4_0, Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles +
+# GEMM). The GEMV unpacks every weight block once per four input rows, the tiles once per call, so the tiles win
+# past a crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
+# (docs/performance.md); the other packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output
+# rows' blocks together).
 KERNEL_MAX_ROWS_DEFAULT = 32
 PACKED_MAX_ROWS = 4096
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
@@ -134,18 +134,20 @@ class GgufLinear(nn.Module):
         stop = self.out_features if stop is None else min(stop, self.out_features)
         if not self.packed:
             return self.blocks[start:stop]
-        first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
-        rows = PACKINGS[self.qtype].unpack(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
-        return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
+        return self._from_packs(start, stop, PACKINGS[self.qtype].unpack)
 
     def float_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the weight as float32 [rows, K] (`start` a multiple of PACK_ROWS where packed)."""
+        """Rows [start, stop) of the weight as float32 [rows, K]: a prefill tile."""
         stop = min(stop, self.out_features)
         op = PACKINGS[self.qtype].prefill_op if self.packed else None
         if op is None:
             return dequantize(self.stored_rows(start, stop), self.qtype, self.in_features, self.kernel)
+        return self._from_packs(start, stop, lambda *packs: getattr(self.kernel, op)(*packs[:-1]))
+
+    def _from_packs(self, start: int, stop: int, convert: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Rows [start, stop) of convert(*the packed buffers of the packs holding them, those packs' row count)."""
         first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
-        rows = getattr(self.kernel, op)(*(t[first:last] for t in self._packed()))
+        rows = convert(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
         return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
     def rows_at(self, ids: torch.Tensor) -> torch.Tensor:

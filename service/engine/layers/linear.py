@@ -104,6 +104,11 @@ class PlainLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{kernel}"
 
 
+def taking_kernel(row_limits: Counter) -> dict[int, int]:
+    """{most rows: linears} of the linears whose kernel takes some rows, from a count of their row limits."""
+    return {rows: n for rows, n in row_limits.items() if rows}
+
+
 class LinearMethod(ABC):
     """Makes the module serving one (possibly fused) weight in this method's format."""
 
@@ -152,7 +157,7 @@ class PlainMethod(LinearMethod):
         return linear
 
     def describe(self) -> str:
-        gemv = {rows: n for rows, n in self.kernel_rows.items() if rows}
+        gemv = taking_kernel(self.kernel_rows)
         return self.name + (f", C++ GEMV: {gemv} (rows: linears)" if gemv else "")
 
 
@@ -172,7 +177,6 @@ class PackedMethod(PlainMethod):
         return packed
 
     def describe(self) -> str:
-        gemv = {rows: n for rows, n in self.gemv_rows.items() if rows}
-        plain = {rows: n for rows, n in self.kernel_rows.items() if rows}
+        gemv, plain = taking_kernel(self.gemv_rows), taking_kernel(self.kernel_rows)
         tied = f"; the tied head plain, C++ GEMV: {plain}" if plain else ""
         return f"{self.name}, read by the packed-layout GEMV: {gemv or 'none'} (rows: linears){tied}"
