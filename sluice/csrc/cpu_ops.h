@@ -7,6 +7,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <vector>
+
 // y = x @ dequant(q).T for Q4_1 weights (float16 scale d and minimum m per 32 inputs, element = q * d + m) with the
 // activations quantized to int8 per group of 32, as llama.cpp runs Q4_1. Weights packed 16 outputs to a block
 // (int4_linear.cpp says how): qs uint8 [ceil(N / 16), K / 32, 4, 16, 4], scale and minimum float16
@@ -125,6 +127,8 @@ class PagedDecodePlan {
   int64_t num_heads_, num_kv_heads_, head_dim_, block_size_;
   double scale_;
   int64_t num_threads_;
+  std::vector<int64_t> items_;  // (first row, row count) of each run of rows the kernel attends together
+  void plan_runs();
 };
 // The decode kernel's vector path: "avx512", "avx2" or "portable".
 std::string paged_decode_isa();

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <string>
 
 #include "row_blocks.h"
@@ -35,6 +36,8 @@ struct DecodePlan {
     int64_t table_stride;
     const int64_t *seq_lens;     /* [num_seqs], this step's token included */
     const int64_t *slot_mapping; /* [num_seqs]: the cache row each sequence's new K/V goes to (NULL: stored already) */
+    const int64_t *items;        /* [num_items, 2]: first row and row count of each run of rows attended together */
+    int64_t num_items;
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int64_t num_threads;
@@ -166,8 +169,35 @@ static inline vf vload_bf16(const uint16_t *p) {
 static inline vf vload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
+/* Queries (rows x query heads of one KV head) that the vector path attends in one pass over a sequence's K and V:
+ * a verify step's rows read the cache once per KV head, not once per row. */
+#define MAX_QUERIES 16
+
 #ifdef SLUICE_DECODE_SIMD
 #define MAX_D 256 /* head dims the vector path covers (up to MAX_D / VW vectors a row) */
+#define SCORE_TILE 8  /* tokens whose scores one query computes together: eight sums, one reduction */
+#define VALUE_TILE 32 /* tokens whose value rows every query of a run reads from L1 before the next tile's */
+#define VALUE_TILE_ROWS VALUE_TILE
+
+/* The eight horizontal sums of s[0..7], stored to dst[0..7], each bit for bit V_HSUM's (so a verify step's rows
+ * score as its decodes do): on AVX2 the same adds in the same order, transposed across the eight vectors, where a
+ * sum at a time costs a shuffle tree each. */
+static inline void reduce8_store(const vf *s, float *dst) {
+#if VW == 16
+    for (int i = 0; i < 8; i++) dst[i] = V_HSUM(s[i]);
+#else
+    __m256 h[4]; /* [halves of s[2i] added | those of s[2i + 1]]: V_HSUM's first add */
+    for (int i = 0; i < 4; i++)
+        h[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+    /* its second, element k + 2 onto k: lanes (s0, s2 | s1, s3) and (s4, s6 | s5, s7), two sums each */
+    const __m256 a = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
+    const __m256 b = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
+    /* its last, element 0 plus element 1: (t0, t2, t4, t6 | t1, t3, t5, t7), put in order */
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+    _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
+}
 
 /* exp(x) for x <= 0 (scores less their max): x = n ln2 + r, exp(r) = 1 + r + r^2 P(r) (Cephes' expf polynomial,
  * ~1 ulp), times 2^n built in the exponent bits; below -87 it is 0, as expf's result would be subnormal or zero. */
@@ -184,7 +214,19 @@ static inline vf vexp(vf x) {
     p = V_FMADD(p, V_MUL(r, r), V_ADD(r, V_SET1(1.0f)));
     return V_ZERO_BELOW(x, V_SET1(-87.0f), V_MUL(p, V_POW2(n)));
 }
+#else
+#define VALUE_TILE_ROWS 1 /* the portable loop needs no tile */
 #endif
+
+/* Whether the vector path covers this head shape (else every row takes the portable loop on its own). */
+static inline bool simd_covers(int64_t H, int64_t Hkv, int64_t D) {
+#ifdef SLUICE_DECODE_SIMD
+    return D % VW == 0 && D <= MAX_D && H / Hkv <= 8;
+#else
+    (void)H, (void)Hkv, (void)D;
+    return false;
+#endif
+}
 
 /* float32 queries and cache: sluice_paged_decode */
 #define Q_T float
@@ -285,6 +327,37 @@ PagedDecodePlan::PagedDecodePlan(at::Tensor block_tables, at::Tensor seq_lens,
         TORCH_CHECK(lens[i] >= 1 && lens[i] <= capacity, "paged decode: sequence length ", lens[i],
                     " outside 1..", capacity, " (its block table)");
     }
+    plan_runs();
+}
+
+// Work items: consecutive rows of one sequence (a verify step's: the same table, each one token longer) are one run,
+// as many as the vector path attends in a pass; runs are halved while there are fewer items than two per thread, so
+// that a lone verify step's KV heads still keep every thread busy.
+void PagedDecodePlan::plan_runs() {
+    const int64_t group = num_heads_ / num_kv_heads_, stride = block_tables_.size(1), n = seq_lens_.size(0);
+    const int64_t longest = simd_covers(num_heads_, num_kv_heads_, head_dim_) ? std::max<int64_t>(1, MAX_QUERIES / group)
+                                                                             : 1;
+    const int64_t* lens = seq_lens_.data_ptr<int64_t>();
+    const int64_t* tables = block_tables_.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t blocks = (lens[i] + block_size_ - 1) / block_size_;
+        const bool extends = !items_.empty() && items_.back() < longest && lens[i] == lens[i - 1] + 1 &&
+                             std::equal(tables + i * stride, tables + i * stride + blocks, tables + (i - 1) * stride);
+        if (extends) {
+            items_.back() += 1;
+        } else {
+            items_.push_back(i);
+            items_.push_back(1);
+        }
+    }
+    while (static_cast<int64_t>(items_.size() / 2) * num_kv_heads_ < 2 * num_threads_) {
+        size_t widest = 1;
+        for (size_t j = 3; j < items_.size(); j += 2) widest = items_[j] > items_[widest] ? j : widest;
+        if (items_[widest] < 2) break;
+        const int64_t first = items_[widest - 1], half = items_[widest] / 2;
+        items_[widest] -= half;
+        items_.insert(items_.begin() + static_cast<std::ptrdiff_t>(widest) + 1, {first + items_[widest], half});
+    }
 }
 
 at::Tensor PagedDecodePlan::step(const at::Tensor& query, const c10::optional<at::Tensor>& key,
@@ -313,7 +386,8 @@ at::Tensor PagedDecodePlan::step(const at::Tensor& query, const c10::optional<at
     }
     at::Tensor out = at::empty_like(q);
     const DecodePlan plan{block_tables_.data_ptr<int64_t>(), block_tables_.size(1), seq_lens_.data_ptr<int64_t>(),
-                          slot_mapping_ ? slot_mapping_->data_ptr<int64_t>() : nullptr, n, num_heads_, num_kv_heads_,
+                          slot_mapping_ ? slot_mapping_->data_ptr<int64_t>() : nullptr, items_.data(),
+                          static_cast<int64_t>(items_.size() / 2), n, num_heads_, num_kv_heads_,
                           head_dim_, block_size_, static_cast<float>(scale_), num_threads_};
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
     int failed;

@@ -5,13 +5,14 @@
  * output in float32. */
 static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        Q_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
+                        const int64_t *items, int64_t num_items, Q_T *out, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
 
 static int NAME(sluice_paged_decode)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        Q_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t num_threads) {
+                        const int64_t *items, int64_t num_items, Q_T *out, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                        int64_t num_threads) {
     int failed = 0;
     int64_t max_len = 1, tokens = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -22,11 +23,12 @@ static int NAME(sluice_paged_decode)(const Q_T *q, const KV_T *key_cache, const 
      * KV heads share the threads: its rows come from memory, not cache, at decode (the layers' weights stream
      * through it in between), and two cores wait on twice as many. SmolLM2, one sequence of 150 tokens, in a
      * decode step: 34 -> 22.5 us a layer. (The linears' kernels fork on every call anyway.) */
-    const int parallel = num_threads > 1 && num_seqs * num_kv_heads > 1 && tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
+    const int parallel = num_threads > 1 && num_items * num_kv_heads > 1 &&
+                         tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
 #pragma omp parallel num_threads((int)num_threads) if (parallel) reduction(| : failed)
     {
-        failed |= NAME(decode_range)(q, key_cache, value_cache, block_tables, table_stride, seq_lens, out, num_seqs,
-                               num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
+        failed |= NAME(decode_range)(q, key_cache, value_cache, block_tables, table_stride, seq_lens, items,
+                                     num_items, out, num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
     }
     return failed;
 }
@@ -48,8 +50,8 @@ int NAME(sluice_paged_decode_step)(const DecodePlan *p, const Q_T *q, const Q_T 
             }
         }
     }
-    return NAME(sluice_paged_decode)(q, key_cache, value_cache, p->block_tables, p->table_stride, p->seq_lens, out,
-                                     p->num_seqs, p->num_heads, p->num_kv_heads, p->head_dim, p->block_size,
+    return NAME(sluice_paged_decode)(q, key_cache, value_cache, p->block_tables, p->table_stride, p->seq_lens,
+                                     p->items, p->num_items, out, p->num_seqs, p->num_heads, p->num_kv_heads, p->head_dim, p->block_size,
                                      p->scale, p->num_threads);
 }
 
@@ -119,13 +121,125 @@ static inline __attribute__((always_inline)) void NAME(group_simd)(
     }
 }
 
-/* The vector path for one sequence's KV head g; 0 where its shape is not one it covers (then the portable loop
- * runs). */
+/* Token t's K or V row of this head as float32: in place for a float32 cache, else converted into `to`. */
+static inline const float *NAME(f32_row)(const KV_T *row, float *to, int64_t V) {
+    if (sizeof(KV_T) == sizeof(float)) return (const float *)row;
+    for (int64_t v = 0; v < V; v++) V_STOREU(to + VW * v, LOADV(row + VW * v));
+    return to;
+}
+
+/* KV head g's attention for R > 1 query rows of one sequence (a verify step's: row j sees lens[j] tokens), R x G
+ * queries, each K and V row read from the cache once for all of them: scores SCORE_TILE tokens at a time per query
+ * (one reduction for the tile), values VALUE_TILE tokens at a time with up to eight vectors of a query's output in
+ * registers. `tile`: VALUE_TILE x D floats of scratch. */
+static inline __attribute__((always_inline)) void NAME(rows_simd)(
+        const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, const int64_t *lens,
+        Q_T *out, int64_t g, int64_t H, int64_t block_size, int64_t token_stride, float scale, float *scores,
+        int64_t max_len, float *tile, const int64_t V, const int64_t G, const int64_t R) {
+    const int64_t D = V * VW, head = g * D, block_stride = block_size * token_stride, NQ = R * G;
+    vf qv[MAX_QUERIES][MAX_D / VW];
+    int64_t seen_by[MAX_QUERIES], hi = 0; /* the tokens query n sees: its row's length */
+    for (int64_t n = 0; n < NQ; n++) {
+        seen_by[n] = lens[n / G];
+        hi = seen_by[n] > hi ? seen_by[n] : hi;
+        for (int64_t v = 0; v < V; v++)
+            qv[n][v] = V_MUL(Q_LOADV(q + (n / G) * H * D + (g * G + n % G) * D + VW * v), V_SET1(scale));
+    }
+    /* Pass 1: scores. A row's scores past its own length are computed with the tile's others and never read. */
+    const int64_t full = hi - hi % SCORE_TILE;
+    for (int64_t t0 = 0; t0 < full; t0 += SCORE_TILE) {
+        const float *k[SCORE_TILE];
+        for (int64_t i = 0; i < SCORE_TILE; i++) {
+            if (t0 + i + kPrefetchTokens < hi)
+                sluice::prefetch(KV_ROW(key_cache, t0 + i + kPrefetchTokens), D * sizeof(KV_T));
+            k[i] = NAME(f32_row)(KV_ROW(key_cache, t0 + i), tile + i * D, V);
+        }
+        for (int64_t n = 0; n < NQ; n++) {
+            if (t0 >= seen_by[n]) continue;
+            vf s[SCORE_TILE];
+            for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_MUL(qv[n][0], V_LOADU(k[i]));
+            for (int64_t v = 1; v < V; v++)
+                for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_FMADD(qv[n][v], V_LOADU(k[i] + VW * v), s[i]);
+            reduce8_store(s, scores + n * max_len + t0);
+        }
+    }
+    for (int64_t t = full; t < hi; t++) {
+        const float *k = NAME(f32_row)(KV_ROW(key_cache, t), tile, V);
+        for (int64_t n = 0; n < NQ; n++) {
+            if (t >= seen_by[n]) continue;
+            vf s = V_MUL(qv[n][0], V_LOADU(k));
+            for (int64_t v = 1; v < V; v++) s = V_FMADD(qv[n][v], V_LOADU(k + VW * v), s);
+            scores[n * max_len + t] = V_HSUM(s);
+        }
+    }
+    /* Softmax numerators over each row's own length, VW scores at a time, the tail one by one. */
+    float sums[MAX_QUERIES];
+    for (int64_t n = 0; n < NQ; n++) {
+        const int64_t len = seen_by[n], whole = len - len % VW;
+        float *sc = scores + n * max_len;
+        vf m = V_SET1(-INFINITY), sum = V_ZERO();
+        for (int64_t t = 0; t < whole; t += VW) m = V_MAX(m, V_LOADU(sc + t));
+        float mx = V_HMAX(m), rest = 0.f;
+        for (int64_t t = whole; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
+        const vf mxv = V_SET1(mx);
+        for (int64_t t = 0; t < whole; t += VW) {
+            const vf e = vexp(V_SUB(V_LOADU(sc + t), mxv));
+            V_STOREU(sc + t, e);
+            sum = V_ADD(sum, e);
+        }
+        for (int64_t t = whole; t < len; t++) rest += sc[t] = expf(sc[t] - mx);
+        sums[n] = V_HSUM(sum) + rest;
+    }
+    /* Pass 2: the weighted values, a tile of rows at a time (a 128-wide head on AVX2 takes two turns a query). */
+    float accs[MAX_QUERIES][MAX_D];
+    for (int64_t n = 0; n < NQ; n++)
+        for (int64_t v = 0; v < V; v++) V_STOREU(accs[n] + VW * v, V_ZERO());
+    for (int64_t t0 = 0; t0 < hi; t0 += VALUE_TILE) {
+        const int64_t tn = hi - t0 < VALUE_TILE ? hi - t0 : VALUE_TILE;
+        const float *vr[VALUE_TILE];
+        for (int64_t i = 0; i < tn; i++) {
+            if (t0 + i + kPrefetchTokens < hi)
+                sluice::prefetch(KV_ROW(value_cache, t0 + i + kPrefetchTokens), D * sizeof(KV_T));
+            vr[i] = NAME(f32_row)(KV_ROW(value_cache, t0 + i), tile + i * D, V);
+        }
+        for (int64_t n = 0; n < NQ; n++) {
+            const int64_t seen = seen_by[n] - t0 < tn ? seen_by[n] - t0 : tn;
+            const float *p = scores + n * max_len + t0;
+            for (int64_t c = 0; c < V; c += 8) {
+                const int64_t cv = V - c < 8 ? V - c : 8;
+                vf a[8];
+                for (int64_t v = 0; v < cv; v++) a[v] = V_LOADU(accs[n] + VW * (c + v));
+                for (int64_t i = 0; i < seen; i++) {
+                    const vf pb = V_SET1(p[i]);
+                    for (int64_t v = 0; v < cv; v++) a[v] = V_FMADD(pb, V_LOADU(vr[i] + VW * (c + v)), a[v]);
+                }
+                for (int64_t v = 0; v < cv; v++) V_STOREU(accs[n] + VW * (c + v), a[v]);
+            }
+        }
+    }
+    for (int64_t n = 0; n < NQ; n++) {
+        const float inv = sums[n] > 0.f ? 1.f / sums[n] : 0.f;
+        Q_T *o = out + (n / G) * H * D + (g * G + n % G) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(accs[n][d] * inv);
+    }
+}
+
+/* The vector path for KV head g of R rows of one sequence (row j sees lens[j] tokens); 0 where its shape is not
+ * one it covers (then the portable loop runs). */
 static int NAME(head_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
-                           int64_t len, Q_T *out, int64_t g, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                           float scale, float *scores, int64_t max_len) {
-    const int64_t G = H / Hkv, token_stride = Hkv * D;
-    if (D % VW || D > MAX_D || G > 8) return 0;
+                           const int64_t *lens, int64_t R, Q_T *out, int64_t g, int64_t H, int64_t Hkv, int64_t D,
+                           int64_t block_size, float scale, float *scores, int64_t max_len, float *tile) {
+    const int64_t G = H / Hkv, token_stride = Hkv * D, len = lens[0];
+    if (!simd_covers(H, Hkv, D) || R * G > MAX_QUERIES) return 0;
+    if (R > 1) {
+#define ROWS(Dc) NAME(rows_simd)(q, key_cache, value_cache, table, lens, out, g, H, block_size, token_stride, scale, \
+                                 scores, max_len, tile, (Dc) / VW, G, R)
+        if (D == 64) ROWS(64);
+        else if (D == 128) ROWS(128);
+        else ROWS(D);
+#undef ROWS
+        return 1;
+    }
 #define GROUP(Dc, Gc) NAME(group_simd)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
                                        scale, scores, max_len, (Dc) / VW, Gc)
     if (D == 64 && G == 1) GROUP(64, 1);
@@ -141,96 +255,101 @@ static int NAME(head_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *valu
 }
 #endif
 
-/* Every sequence this thread is handed; 1 if its scratch buffers cannot be allocated. */
+/* Every work item this thread is handed; 1 if its scratch buffers cannot be allocated. */
 static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                        Q_T *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
+                        const int64_t *items, int64_t num_items, Q_T *out, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
     const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
-    /* scores [H][max_len]; acc [H][D] */
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(H * max_len));
+    const int64_t queries = H > MAX_QUERIES ? H : MAX_QUERIES;
+    /* scores [queries][max_len]; acc [H][D] */
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(queries * max_len));
     float *acc = (float *)malloc(sizeof(float) * (size_t)(H * D));
     float *sums = (float *)malloc(sizeof(float) * (size_t)H);
     float *qi = (float *)malloc(sizeof(float) * (size_t)(H * D)); /* this sequence's query, as float32 */
+    float *tile = (float *)malloc(sizeof(float) * (size_t)(VALUE_TILE_ROWS * D)); /* the vector path's K/V rows */
     /* No early return on failure: every thread of the team must reach the `omp for` below. */
-    const int ok = scores && acc && sums && qi;
-    /* One work item per sequence and KV head, so that even one sequence's heads can share the threads.
-     * dynamic: an item's work is its sequence's length, and lengths differ. */
+    const int ok = scores && acc && sums && qi && tile;
+    /* One work item per run of rows (items: first row, row count; rows of a run share a sequence) and KV head, so
+     * that even one sequence's heads can share the threads. dynamic: an item's work is its sequence's length. */
 #pragma omp for schedule(dynamic)
-    for (int64_t w = 0; w < num_seqs * num_kv_heads; w++) {
+    for (int64_t w = 0; w < num_items * num_kv_heads; w++) {
         if (!ok) continue;
-        const int64_t i = w / num_kv_heads, g = w % num_kv_heads;
-        const int64_t len = seq_lens[i];
-        const int64_t *table = block_tables + i * table_stride;
+        const int64_t first = items[2 * (w / num_kv_heads)], count = items[2 * (w / num_kv_heads) + 1];
+        const int64_t g = w % num_kv_heads;
+        const int64_t *table = block_tables + first * table_stride;
 #ifdef SLUICE_DECODE_SIMD
-        if (NAME(head_simd)(q + i * H * D, key_cache, value_cache, table, len, out + i * H * D, g, H, num_kv_heads, D,
-                            block_size, scale, scores, max_len))
+        if (NAME(head_simd)(q + first * H * D, key_cache, value_cache, table, seq_lens + first, count,
+                            out + first * H * D, g, H, num_kv_heads, D, block_size, scale, scores, max_len, tile))
             continue;
 #endif
-        const int64_t h0 = g * groups, h1 = h0 + groups; /* the query heads that read KV head g */
-        for (int64_t j = h0 * D; j < h1 * D; j++) qi[j] = Q_LOAD(q[i * H * D + j]);
-        /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
-         * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
-        for (int64_t hq = h0; hq < h1; hq++) {
-            const float *qh = qi + hq * D;
-            const int64_t head = g * D;
-            float *sc = scores + hq * max_len, m = -INFINITY;
-            int64_t t = 0;
-            for (; t + 4 <= len; t += 4) {
-                const KV_T *k0 = KV_ROW(key_cache, t);
-                const KV_T *k1 = KV_ROW(key_cache, t + 1);
-                const KV_T *k2 = KV_ROW(key_cache, t + 2);
-                const KV_T *k3 = KV_ROW(key_cache, t + 3);
-                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-                /* simd: these sums may be reordered (the vector lanes), the one loop that is allowed to. */
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-                for (int64_t d = 0; d < D; d++) {
-                    s0 += qh[d] * LOAD(k0[d]);
-                    s1 += qh[d] * LOAD(k1[d]);
-                    s2 += qh[d] * LOAD(k2[d]);
-                    s3 += qh[d] * LOAD(k3[d]);
+        for (int64_t i = first; i < first + count; i++) { /* the portable loop, a row at a time */
+            const int64_t len = seq_lens[i];
+            const int64_t h0 = g * groups, h1 = h0 + groups; /* the query heads that read KV head g */
+            for (int64_t j = h0 * D; j < h1 * D; j++) qi[j] = Q_LOAD(q[i * H * D + j]);
+            /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
+             * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
+            for (int64_t hq = h0; hq < h1; hq++) {
+                const float *qh = qi + hq * D;
+                const int64_t head = g * D;
+                float *sc = scores + hq * max_len, m = -INFINITY;
+                int64_t t = 0;
+                for (; t + 4 <= len; t += 4) {
+                    const KV_T *k0 = KV_ROW(key_cache, t);
+                    const KV_T *k1 = KV_ROW(key_cache, t + 1);
+                    const KV_T *k2 = KV_ROW(key_cache, t + 2);
+                    const KV_T *k3 = KV_ROW(key_cache, t + 3);
+                    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+                    /* simd: these sums may be reordered (the vector lanes), the one loop that is allowed to. */
+    #pragma omp simd reduction(+ : s0, s1, s2, s3)
+                    for (int64_t d = 0; d < D; d++) {
+                        s0 += qh[d] * LOAD(k0[d]);
+                        s1 += qh[d] * LOAD(k1[d]);
+                        s2 += qh[d] * LOAD(k2[d]);
+                        s3 += qh[d] * LOAD(k3[d]);
+                    }
+                    sc[t] = s0 * scale, sc[t + 1] = s1 * scale, sc[t + 2] = s2 * scale, sc[t + 3] = s3 * scale;
                 }
-                sc[t] = s0 * scale, sc[t + 1] = s1 * scale, sc[t + 2] = s2 * scale, sc[t + 3] = s3 * scale;
+                for (; t < len; t++) {
+                    const KV_T *kt = KV_ROW(key_cache, t);
+                    float s = 0.f;
+    #pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
+                    sc[t] = s * scale;
+                }
+                for (t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
+                float sum = 0.f;
+                for (t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+                sums[hq] = sum;
             }
-            for (; t < len; t++) {
-                const KV_T *kt = KV_ROW(key_cache, t);
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
-                sc[t] = s * scale;
+            /* Pass 2: weighted sum of the values, two tokens per update of the head's accumulator. */
+            memset(acc + h0 * D, 0, sizeof(float) * (size_t)(groups * D));
+            for (int64_t hq = h0; hq < h1; hq++) {
+                const float *sc = scores + hq * max_len;
+                const int64_t head = g * D;
+                float *a = acc + hq * D;
+                int64_t t = 0;
+                for (; t + 2 <= len; t += 2) {
+                    const KV_T *v0 = KV_ROW(value_cache, t);
+                    const KV_T *v1 = KV_ROW(value_cache, t + 1);
+                    const float p0 = sc[t], p1 = sc[t + 1];
+                    for (int64_t d = 0; d < D; d++) a[d] += p0 * LOAD(v0[d]) + p1 * LOAD(v1[d]);
+                }
+                for (; t < len; t++) {
+                    const KV_T *vt = KV_ROW(value_cache, t);
+                    const float p = sc[t];
+                    for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vt[d]);
+                }
             }
-            for (t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
-            float sum = 0.f;
-            for (t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
-            sums[hq] = sum;
-        }
-        /* Pass 2: weighted sum of the values, two tokens per update of the head's accumulator. */
-        memset(acc + h0 * D, 0, sizeof(float) * (size_t)(groups * D));
-        for (int64_t hq = h0; hq < h1; hq++) {
-            const float *sc = scores + hq * max_len;
-            const int64_t head = g * D;
-            float *a = acc + hq * D;
-            int64_t t = 0;
-            for (; t + 2 <= len; t += 2) {
-                const KV_T *v0 = KV_ROW(value_cache, t);
-                const KV_T *v1 = KV_ROW(value_cache, t + 1);
-                const float p0 = sc[t], p1 = sc[t + 1];
-                for (int64_t d = 0; d < D; d++) a[d] += p0 * LOAD(v0[d]) + p1 * LOAD(v1[d]);
+            for (int64_t hq = h0; hq < h1; hq++) {
+                const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
+                Q_T *o = out + (i * H + hq) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(acc[hq * D + d] * inv);
             }
-            for (; t < len; t++) {
-                const KV_T *vt = KV_ROW(value_cache, t);
-                const float p = sc[t];
-                for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vt[d]);
-            }
-        }
-        for (int64_t hq = h0; hq < h1; hq++) {
-            const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
-            Q_T *o = out + (i * H + hq) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(acc[hq * D + d] * inv);
         }
     }
-    free(scores); free(acc); free(sums); free(qi);
+    free(scores); free(acc); free(sums); free(qi); free(tile);
     return !ok;
 }
 

@@ -326,3 +326,43 @@ def test_a_few_rows_of_one_sequence_are_decodes_for_the_kernel():
     assert plain.decode is None and len(plain.prefills) == 2
     err, _ = run_case([(600, 5), (0, 3), (37, 1)], 16, num_heads=9, num_kv_heads=3, head_dim=64, kernel=kernel)
     assert err < 1e-4
+
+
+def _attend(kernel, q, kc, vc, tables, lens):
+    return kernel.decode_step(kernel.plan(q, kc, tables, lens, None, q.shape[-1] ** -0.5), q, None, None, kc, vc)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 32, 64), (8, 2, 128), (4, 4, 96), (16, 2, 64)])
+def test_a_sequences_rows_attended_together_are_each_row_alone_bit_for_bit(isa, shape, request):
+    """A verify step's rows (one table, each one token longer) are one work item: each K and V row is read once for
+    all of them, and every row's output is the bits it gets as a decode of its own, so greedy output with n-gram
+    speculation is the output without it. Rows of another sequence that happen to be one token longer stay apart."""
+    kernel = decode_kernel() if isa == "native" else request.getfixturevalue(f"{isa}_kernel")
+    heads, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    for cache_dtype, q_dtype in [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                 (torch.bfloat16, torch.bfloat16)]:
+        kc, vc = (torch.randn(120, 16, kv_heads, head_dim, generator=gen).to(cache_dtype) for _ in range(2))
+        for length, rows in [(5, 5), (37, 2), (300, 5), (300, 17)]:
+            table = torch.randperm(120, generator=gen)[: -(-length // 16)].long()
+            other = torch.randperm(120, generator=gen)[: -(-(length + 1) // 16)].long()
+            tables = torch.zeros(rows + 1, other.numel(), dtype=torch.long)
+            tables[:rows, : table.numel()] = table
+            tables[rows] = other
+            lens = torch.tensor([length - rows + 1 + j for j in range(rows)] + [length + 1])
+            q = torch.randn(rows + 1, heads, head_dim, generator=gen).to(q_dtype)
+            together = _attend(kernel, q, kc, vc, tables, lens)
+            alone = torch.cat([_attend(kernel, q[j:j + 1], kc, vc, tables[j:j + 1], lens[j:j + 1])
+                               for j in range(rows + 1)])
+            assert torch.equal(together, alone), (cache_dtype, length, rows)
+            reference = [torch.softmax(q[j].float().view(kv_heads, -1, head_dim) @ _gathered(kc, tables[j], lens[j])
+                                       .transpose(-1, -2) / head_dim ** 0.5, -1) @ _gathered(vc, tables[j], lens[j])
+                         for j in range(rows + 1)]
+            tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2**-7)
+            torch.testing.assert_close(together.float(), torch.stack(reference).view_as(together), **tol)
+
+
+def _gathered(cache, table, length):
+    """One sequence's first `length` K or V rows, float [Hkv, length, D]."""
+    return cache[table].flatten(0, 1)[:length].float().transpose(0, 1)
