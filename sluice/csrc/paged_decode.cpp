@@ -214,6 +214,24 @@ static inline vf vexp(vf x) {
     p = V_FMADD(p, V_MUL(r, r), V_ADD(r, V_SET1(1.0f)));
     return V_ZERO_BELOW(x, V_SET1(-87.0f), V_MUL(p, V_POW2(n)));
 }
+
+/* A query's scores sc[0..len) become their softmax numerators exp(s - max), VW at a time and the tail one by one;
+ * returns their sum. */
+static inline float softmax_numerators(float *sc, int64_t len) {
+    const int64_t full = len - len % VW;
+    vf m = V_SET1(-INFINITY), sum = V_ZERO();
+    for (int64_t t = 0; t < full; t += VW) m = V_MAX(m, V_LOADU(sc + t));
+    float mx = V_HMAX(m), tail = 0.f;
+    for (int64_t t = full; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
+    const vf mxv = V_SET1(mx);
+    for (int64_t t = 0; t < full; t += VW) {
+        const vf e = vexp(V_SUB(V_LOADU(sc + t), mxv));
+        V_STOREU(sc + t, e);
+        sum = V_ADD(sum, e);
+    }
+    for (int64_t t = full; t < len; t++) tail += sc[t] = expf(sc[t] - mx);
+    return V_HSUM(sum) + tail;
+}
 #else
 #define VALUE_TILE_ROWS 1 /* the portable loop needs no tile */
 #endif

@@ -81,24 +81,8 @@ static inline __attribute__((always_inline)) void NAME(group_simd)(
             scores[h * max_len + t] = V_HSUM(s);
         }
     }
-    /* Softmax numerators, VW scores at a time; the tail one by one. */
     float sums[8];
-    const int64_t full = len - len % VW;
-    for (int64_t h = 0; h < G; h++) {
-        float *sc = scores + h * max_len;
-        vf m = V_SET1(-INFINITY), sum = V_ZERO();
-        for (int64_t t = 0; t < full; t += VW) m = V_MAX(m, V_LOADU(sc + t));
-        float mx = V_HMAX(m), tail = 0.f;
-        for (int64_t t = full; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
-        const vf mxv = V_SET1(mx);
-        for (int64_t t = 0; t < full; t += VW) {
-            const vf e = vexp(V_SUB(V_LOADU(sc + t), mxv));
-            V_STOREU(sc + t, e);
-            sum = V_ADD(sum, e);
-        }
-        for (int64_t t = full; t < len; t++) tail += sc[t] = expf(sc[t] - mx);
-        sums[h] = V_HSUM(sum) + tail;
-    }
+    for (int64_t h = 0; h < G; h++) sums[h] = softmax_numerators(scores + h * max_len, len);
     /* Pass 2: each V row once for the whole group, weights broadcast. */
     for (int64_t h = 0; h < G; h++)
         for (int64_t v = 0; v < V; v++) acc[h][v] = V_ZERO();
@@ -172,24 +156,8 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
             scores[n * max_len + t] = V_HSUM(s);
         }
     }
-    /* Softmax numerators over each row's own length, VW scores at a time, the tail one by one. */
-    float sums[MAX_QUERIES];
-    for (int64_t n = 0; n < NQ; n++) {
-        const int64_t len = seen_by[n], whole = len - len % VW;
-        float *sc = scores + n * max_len;
-        vf m = V_SET1(-INFINITY), sum = V_ZERO();
-        for (int64_t t = 0; t < whole; t += VW) m = V_MAX(m, V_LOADU(sc + t));
-        float mx = V_HMAX(m), rest = 0.f;
-        for (int64_t t = whole; t < len; t++) mx = sc[t] > mx ? sc[t] : mx;
-        const vf mxv = V_SET1(mx);
-        for (int64_t t = 0; t < whole; t += VW) {
-            const vf e = vexp(V_SUB(V_LOADU(sc + t), mxv));
-            V_STOREU(sc + t, e);
-            sum = V_ADD(sum, e);
-        }
-        for (int64_t t = whole; t < len; t++) rest += sc[t] = expf(sc[t] - mx);
-        sums[n] = V_HSUM(sum) + rest;
-    }
+    float sums[MAX_QUERIES]; /* over each row's own length */
+    for (int64_t n = 0; n < NQ; n++) sums[n] = softmax_numerators(scores + n * max_len, seen_by[n]);
     /* Pass 2: the weighted values, a tile of rows at a time (a 128-wide head on AVX2 takes two turns a query). */
     float accs[MAX_QUERIES][MAX_D];
     for (int64_t n = 0; n < NQ; n++)
