@@ -131,11 +131,12 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;                // outputs per block
 constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes of nibbles
 // Input rows per pass over a block: each weight vector unpacked serves this many. AVX-512's 32 registers hold 8
-// rows' sums (16 AVX2 registers, 4).
+// rows' sums; AVX2's 16 hold 6 (past four rows each row keeps one chain), so a verify step's 1 + 4 rows take one
+// pass over the weights, not a pass of four and one of one. Rows are split into even blocks (8: 4 + 4).
 #if defined(I4_LANES) && I4_LANES == 16
 constexpr int kRowsPerPass = 8;
 #else
-constexpr int kRowsPerPass = 4;
+constexpr int kRowsPerPass = 6;
 #endif
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
@@ -488,7 +489,7 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   float* yp = y.data_ptr<float>();
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    sluice::for_each_row_block<kRowsPerPass>(M, [&](auto rows, int64_t r) {
+    sluice::for_each_even_row_block<kRowsPerPass>(M, [&](auto rows, int64_t r) {
       rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * sums_per_row,
                      byte_offsets ? byte_offsets.get() + r * G : nullptr, K, qp, scales, b0, b1,
                      yp + r * N, N);

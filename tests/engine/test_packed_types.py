@@ -86,7 +86,7 @@ def test_fifth_bits_sit_where_the_kernel_reads_them():
 WHOLE_CALLS = [q for q in PACKS if q != "Q6_K"]  # packed for calls of every size; Q6_K's prefill is float (below)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 33, 70])
+@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
 def test_q6_k_kernel_computes_the_int8_activation_linear(rows, kernel):
     n, k = 40, 768
     blocks = quantized("Q6_K", n, k, seed=rows)
@@ -127,7 +127,7 @@ def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
 
 
 @pytest.mark.parametrize("qtype", WHOLE_CALLS)
-@pytest.mark.parametrize("rows", [1, 3, 33, 70])
+@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
 def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     n, k = 40, 768
     blocks = quantized(qtype, n, k, seed=rows)
