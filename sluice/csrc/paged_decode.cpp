@@ -353,8 +353,8 @@ PagedDecodePlan::PagedDecodePlan(at::Tensor block_tables, at::Tensor seq_lens,
 // that a lone verify step's KV heads still keep every thread busy.
 void PagedDecodePlan::plan_runs() {
     const int64_t group = num_heads_ / num_kv_heads_, stride = block_tables_.size(1), n = seq_lens_.size(0);
-    const int64_t longest = simd_covers(num_heads_, num_kv_heads_, head_dim_) ? std::max<int64_t>(1, MAX_QUERIES / group)
-                                                                             : 1;
+    const bool vector = simd_covers(num_heads_, num_kv_heads_, head_dim_);
+    const int64_t longest = vector ? std::max<int64_t>(1, MAX_QUERIES / group) : 1;
     const int64_t* lens = seq_lens_.data_ptr<int64_t>();
     const int64_t* tables = block_tables_.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {

@@ -51,8 +51,8 @@ int NAME(sluice_paged_decode_step)(const DecodePlan *p, const Q_T *q, const Q_T 
         }
     }
     return NAME(sluice_paged_decode)(q, key_cache, value_cache, p->block_tables, p->table_stride, p->seq_lens,
-                                     p->items, p->num_items, out, p->num_seqs, p->num_heads, p->num_kv_heads, p->head_dim, p->block_size,
-                                     p->scale, p->num_threads);
+                                     p->items, p->num_items, out, p->num_seqs, p->num_heads, p->num_kv_heads,
+                                     p->head_dim, p->block_size, p->scale, p->num_threads);
 }
 
 /* Where token t's K or V row of this head lies in the paged cache. */
@@ -105,11 +105,22 @@ static inline __attribute__((always_inline)) void NAME(group_simd)(
     }
 }
 
-/* Token t's K or V row of this head as float32: in place for a float32 cache, else converted into `to`. */
-static inline const float *NAME(f32_row)(const KV_T *row, float *to, int64_t V) {
-    if (sizeof(KV_T) == sizeof(float)) return (const float *)row;
-    for (int64_t v = 0; v < V; v++) V_STOREU(to + VW * v, LOADV(row + VW * v));
-    return to;
+/* Rows [t0, t0 + n) of this head's K or V (`cache`) as float32 into rows[]: in place for a float32 cache, else
+ * converted into `tile` (n x D floats); rows up to kPrefetchTokens ahead, below `hi`, are prefetched. */
+static inline void NAME(f32_rows)(const KV_T *cache, const int64_t *table, int64_t head, int64_t block_size,
+                                  int64_t token_stride, int64_t t0, int64_t n, int64_t hi, int64_t V, float *tile,
+                                  const float **rows) {
+    const int64_t D = V * VW, block_stride = block_size * token_stride;
+    for (int64_t i = 0; i < n; i++) {
+        if (t0 + i + kPrefetchTokens < hi) sluice::prefetch(KV_ROW(cache, t0 + i + kPrefetchTokens), D * sizeof(KV_T));
+        const KV_T *row = KV_ROW(cache, t0 + i);
+        if (sizeof(KV_T) == sizeof(float)) {
+            rows[i] = (const float *)row;
+            continue;
+        }
+        for (int64_t v = 0; v < V; v++) V_STOREU(tile + i * D + VW * v, LOADV(row + VW * v));
+        rows[i] = tile + i * D;
+    }
 }
 
 /* KV head g's attention for R > 1 query rows of one sequence (a verify step's: row j sees lens[j] tokens), R x G
@@ -120,7 +131,7 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
         const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, const int64_t *lens,
         Q_T *out, int64_t g, int64_t H, int64_t block_size, int64_t token_stride, float scale, float *scores,
         int64_t max_len, float *tile, const int64_t V, const int64_t G, const int64_t R) {
-    const int64_t D = V * VW, head = g * D, block_stride = block_size * token_stride, NQ = R * G;
+    const int64_t D = V * VW, head = g * D, NQ = R * G;
     vf qv[MAX_QUERIES][MAX_D / VW];
     int64_t seen_by[MAX_QUERIES], hi = 0; /* the tokens query n sees: its row's length */
     for (int64_t n = 0; n < NQ; n++) {
@@ -133,11 +144,7 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
     const int64_t full = hi - hi % SCORE_TILE;
     for (int64_t t0 = 0; t0 < full; t0 += SCORE_TILE) {
         const float *k[SCORE_TILE];
-        for (int64_t i = 0; i < SCORE_TILE; i++) {
-            if (t0 + i + kPrefetchTokens < hi)
-                sluice::prefetch(KV_ROW(key_cache, t0 + i + kPrefetchTokens), D * sizeof(KV_T));
-            k[i] = NAME(f32_row)(KV_ROW(key_cache, t0 + i), tile + i * D, V);
-        }
+        NAME(f32_rows)(key_cache, table, head, block_size, token_stride, t0, SCORE_TILE, hi, V, tile, k);
         for (int64_t n = 0; n < NQ; n++) {
             if (t0 >= seen_by[n]) continue;
             vf s[SCORE_TILE];
@@ -148,7 +155,8 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
         }
     }
     for (int64_t t = full; t < hi; t++) {
-        const float *k = NAME(f32_row)(KV_ROW(key_cache, t), tile, V);
+        const float *k;
+        NAME(f32_rows)(key_cache, table, head, block_size, token_stride, t, 1, hi, V, tile, &k);
         for (int64_t n = 0; n < NQ; n++) {
             if (t >= seen_by[n]) continue;
             vf s = V_MUL(qv[n][0], V_LOADU(k));
@@ -165,11 +173,7 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
     for (int64_t t0 = 0; t0 < hi; t0 += VALUE_TILE) {
         const int64_t tn = hi - t0 < VALUE_TILE ? hi - t0 : VALUE_TILE;
         const float *vr[VALUE_TILE];
-        for (int64_t i = 0; i < tn; i++) {
-            if (t0 + i + kPrefetchTokens < hi)
-                sluice::prefetch(KV_ROW(value_cache, t0 + i + kPrefetchTokens), D * sizeof(KV_T));
-            vr[i] = NAME(f32_row)(KV_ROW(value_cache, t0 + i), tile + i * D, V);
-        }
+        NAME(f32_rows)(value_cache, table, head, block_size, token_stride, t0, tn, hi, V, tile, vr);
         for (int64_t n = 0; n < NQ; n++) {
             const int64_t seen = seen_by[n] - t0 < tn ? seen_by[n] - t0 : tn;
             const float *p = scores + n * max_len + t0;
@@ -270,7 +274,7 @@ static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *v
                     const KV_T *k3 = KV_ROW(key_cache, t + 3);
                     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
                     /* simd: these sums may be reordered (the vector lanes), the one loop that is allowed to. */
-    #pragma omp simd reduction(+ : s0, s1, s2, s3)
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
                     for (int64_t d = 0; d < D; d++) {
                         s0 += qh[d] * LOAD(k0[d]);
                         s1 += qh[d] * LOAD(k1[d]);
@@ -282,7 +286,7 @@ static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *v
                 for (; t < len; t++) {
                     const KV_T *kt = KV_ROW(key_cache, t);
                     float s = 0.f;
-    #pragma omp simd reduction(+ : s)
+#pragma omp simd reduction(+ : s)
                     for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
                     sc[t] = s * scale;
                 }

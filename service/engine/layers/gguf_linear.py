@@ -48,7 +48,7 @@ from sluice.service.engine.layers.gguf_blocks import (
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
 # Rows a call of a type stored as is (Q4_0, Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles +
-# GEMM). The GEMV unpacks every weight block once per four input rows, the tiles once per call, so the tiles win
+# GEMM). The GEMV unpacks every weight block once per few input rows, the tiles once per call, so the tiles win
 # past a crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
 # (docs/performance.md); the other packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output
 # rows' blocks together).
