@@ -82,10 +82,12 @@ class CacheConfig:
     )
     attention_backend: str = knob(
         "auto",
-        "Paged attention: 'flex' (torch FlexAttention, reads blocks in place; CUDA needs a block size >= 16), "
-        "'flash' (flash-attn, CUDA, block size a multiple of 256), 'torch' (SDPA over gathered blocks, and the C "
-        "decode kernel on CPU); 'auto': flash where it fits, else flex on CUDA, torch on CPU.",
-        choices=("auto", "torch", "flex", "flash"),
+        "Paged attention: 'triton' (CUDA: Sluice's Triton kernels, every sequence of a step in one launch per "
+        "layer, decode steps in CUDA graphs), 'flex' (torch FlexAttention, compiled per shape; CUDA needs a block "
+        "size >= 16), 'flash' (flash-attn, CUDA, block size a multiple of 256), 'torch' (SDPA over gathered "
+        "blocks, and the C decode kernel on CPU); 'auto': flash where it fits, else triton, else flex on CUDA; "
+        "torch on CPU.",
+        choices=("auto", "torch", "flex", "flash", "triton"),
     )
 
     def validate(self) -> None:

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     flash_attn_varlen_func = None
 
 from sluice.kvcache import flex_attention as flex
+from sluice.kvcache import triton_decode, triton_varlen
 from sluice.kvcache.transfer import to_device
 
 if TYPE_CHECKING:
@@ -31,13 +32,14 @@ if TYPE_CHECKING:
 KERNEL_ROWS_MAX = 17
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256
-BACKENDS = ("auto", "torch", "flex", "flash")
+BACKENDS = ("auto", "torch", "flex", "flash", "triton")
 
 
 def resolve_backend(name: str, device: torch.device, block_size: int, mixed_dtypes: bool = False) -> str:
-    """'auto': flash-attn on CUDA when installed and the block size fits it, else FlexAttention on CUDA; on CPU
-    the torch path (SDPA, and the C decode kernel). A cache stored in another dtype than the queries
-    (`mixed_dtypes`) is read by the torch path only. An explicit choice that cannot run here is a ValueError."""
+    """'auto': flash-attn on CUDA when installed and the block size fits it, else the Triton kernels (one launch
+    per layer for the whole step), else FlexAttention; on CPU the torch path (SDPA, and the C decode kernel). A
+    cache stored in another dtype than the queries (`mixed_dtypes`) is read by the torch path only. An explicit
+    choice that cannot run here is a ValueError."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     if mixed_dtypes:
@@ -49,7 +51,12 @@ def resolve_backend(name: str, device: torch.device, block_size: int, mixed_dtyp
     if name == "auto":
         if device.type != "cuda":
             return "torch"
-        return "flash" if flash_fits else "flex" if flex.available(device, block_size) else "torch"
+        if flash_fits:
+            return "flash"
+        return "triton" if triton_decode.available(device) else "flex" if flex.available(device, block_size) \
+            else "torch"
+    if name == "triton" and not triton_decode.available(device):
+        raise ValueError("the triton attention backend needs CUDA and the triton package")
     if name == "flash" and not flash_fits:
         raise ValueError(f"flash attention needs flash-attn, CUDA and a block size multiple of {FLASH_BLOCK_MULTIPLE}")
     if name == "flex" and not flex.available(device, block_size):
@@ -72,6 +79,16 @@ class DecodeBatch:
     kernel: DecodeKernel | None = None  # the C kernel that reads blocks in place (CPU), if built
     masks: dict = field(default_factory=dict)  # sliding_window -> [n, 1, 1, padded_len] bool, or None
     plans: dict = field(default_factory=dict)  # (stores K/V, dtype, heads, kv heads, dim, scale) -> DecodePlan
+
+
+@dataclass(slots=True)
+class DecodeTables:
+    """A step of decodes on the persistent buffers, attended by the Triton kernel (`triton_decode.py`): each
+    row's block table and kv length are read on the device, so the step's work depends on its row count only
+    (what a CUDA graph of the decode step captures)."""
+
+    block_tables: torch.Tensor  # [n, max_blocks]
+    seq_lens: torch.Tensor  # [n] long: each row's kv length, its new token included
 
 
 @dataclass(slots=True)
@@ -99,8 +116,22 @@ class AttentionMetadata:
     max_seqlen_k: int
     decode: DecodeBatch | None
     prefills: list[PrefillSeq]
-    backend: str = "torch"  # resolved: torch, flex or flash
+    backend: str = "torch"  # resolved: torch, flex, flash or triton
     flex_groups: list = field(default_factory=list)  # the flex backend's calls (flex_attention.FlexGroup)
+    tables: DecodeTables | None = None  # a decode step for the Triton kernel (for_decode_tables)
+    varlen: triton_varlen.VarlenStep | None = None  # the triton backend's step: every sequence in one launch
+
+    @classmethod
+    def for_decode_tables(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                          block_size: int, max_seqlen_k: int) -> AttentionMetadata:
+        """A decode step read from device tensors only (no host lengths): `max_seqlen_k` bounds what any row
+        may see (a captured step serves every later one of its size, so it is the longest a sequence gets)."""
+        device = block_tables.device
+        cu_q = torch.arange(block_tables.shape[0] + 1, dtype=torch.int32, device=device)
+        cu_k = torch.cat((cu_q[:1], seq_lens.cumsum(0).to(torch.int32)))
+        return cls(slot_mapping=slot_mapping, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seq_lens=seq_lens,
+                   block_tables=block_tables, block_size=block_size, max_seqlen_q=1, max_seqlen_k=max_seqlen_k,
+                   decode=None, prefills=[], backend="triton", tables=DecodeTables(block_tables, seq_lens))
 
     @classmethod
     def build(
@@ -120,8 +151,10 @@ class AttentionMetadata:
         device = block_tables.device
         backend = resolve_backend(backend, device, block_size)
         cu_q, cu_k = [0, *itertools.accumulate(query_lens)], [0, *itertools.accumulate(seq_lens)]
-        decode, prefills, groups = None, [], []
-        if backend == "flex":
+        decode, prefills, groups, varlen = None, [], [], None
+        if backend == "triton":
+            varlen = triton_varlen.VarlenStep(query_lens, seq_lens, cu_q)
+        elif backend == "flex":
             groups = flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size)
         else:
             # With the C kernel, a few query rows of one sequence (a verify step's drafts, a chunk's short tail) are
@@ -138,7 +171,7 @@ class AttentionMetadata:
                    cu_seqlens_k=to_device(cu_k, torch.int32, device), seq_lens=to_device(seq_lens, torch.int32, device),
                    block_tables=block_tables, block_size=block_size, max_seqlen_q=max(query_lens, default=0),
                    max_seqlen_k=max(seq_lens, default=0), decode=decode, prefills=prefills, backend=backend,
-                   flex_groups=groups)
+                   flex_groups=groups, varlen=varlen)
 
 
 def _plan_decode(idx: list[int], cu_q: list[int], query_lens: list[int], seq_lens: list[int], block_tables,
@@ -198,6 +231,13 @@ def paged_attention(
             and _kernel_runs(decode.kernel, query, key_cache, sliding_window, softcap):
         return _kernel_decode(query, key, value, key_cache, value_cache, decode, meta.slot_mapping, scale)
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    if meta.tables is not None:
+        return triton_decode.paged_decode(query, key_cache, value_cache, meta.tables.block_tables,
+                                          meta.tables.seq_lens, scale, sliding_window, softcap)
+    if meta.varlen is not None:
+        step = meta.varlen.plan_for(query.shape[1] // key_cache.shape[2], query.device)
+        return triton_varlen.paged_varlen(query, key_cache, value_cache, meta.block_tables, step, scale,
+                                          sliding_window, softcap)
     if meta.backend == "flex":
         return flex.flex_paged_attention(query, key_cache, value_cache, meta.flex_groups, meta.block_size, scale,
                                          sliding_window, softcap)

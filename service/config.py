@@ -52,6 +52,10 @@ class ModelConfig:
         "model with the paged attention hook, plain weights (no --quantization).",
         flag="--no-owned-model",
     )
+    enforce_eager: bool = knob(
+        False, "CUDA: run every decode step eagerly instead of replaying CUDA graphs captured at start-up, one per "
+        "batch size (start-up is quicker, each step slower: the host issues its kernels one by one).",
+    )
     quantization: str = knob(
         "none",
         "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (GGUF's Q8_0 "

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.support import profiles
+
+# Triton's kernels (the CUDA decode attention) run here in its interpreter; it reads this once, when triton is first
+# imported. Where CUDA runs them for real (a GPU machine), the variable is the caller's to set.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 profiles.register()  # before any test module builds its @settings (the hypothesis plugin may load --hypothesis-profile)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import platform
 import time
@@ -28,6 +29,7 @@ import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.bench.baselines import hf_generate
+from sluice.service.bench.gpu_attention import backends_here, check_attention
 from sluice.service.bench.offline import run_workload, warmup
 from sluice.service.bench.stages import Stage, run_stages
 from sluice.service.bench.workloads import Workload
@@ -71,12 +73,18 @@ def random_model(arch: str, shape: dict, vocab_size: int, dtype: torch.dtype, de
     return model.eval()
 
 
+# Each stage's share of --budget-s (normalized over the stages that run), the benchmark first: fresh compile state.
+SHARES = {"bench": 0.45, "attention": 0.04, "attention_flex": 0.08, "parity": 0.35, "sampler_syncs": 0.08}
+ENFORCE_EAGER = False  # --enforce-eager: every engine of the run without CUDA graphs
+
+
 def make_engine(model, tokenizer, device, dtype, backend: str, sched: dict | None = None, **cache):
     from sluice.service.config import SluiceConfig
     from sluice.service.engine.engine import LLMEngine
 
     cfg = SluiceConfig()
     cfg.model.device, cfg.model.dtype = str(device), str(dtype).removeprefix("torch.")
+    cfg.model.enforce_eager = ENFORCE_EAGER
     cfg.cache.attention_backend = backend
     for k, v in cache.items():
         setattr(cfg.cache, k, v)
@@ -105,18 +113,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=1)  # the configs have no EOS: exactly max_new_tokens, as ignore_eos
     return out[0, len(prompt):].tolist()
-
-
-def backends_here(device: torch.device) -> list[str]:
-    from sluice.kvcache.paged_attention import resolve_backend
-
-    names = []
-    for name in ("torch", "flex", "flash"):
-        try:
-            names.append(resolve_backend(name, device, 16))
-        except ValueError:
-            pass
-    return names
 
 
 def check_parity(device: torch.device, archs: list[str], num_prompts: int = 12, max_new: int = 16,
@@ -162,96 +158,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-ATTENTION_MIXES = {
-    "decodes": [(37, 1), (5, 1), (0, 1), (64, 1), (300, 1)],
-    "mixed": [(33, 1), (0, 17), (12, 1), (20, 9), (0, 1), (50, 1)],
-    "chunk_with_context": [(40, 200), (0, 130)],
-}
-
-
-def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16), tiny: bool = False) -> dict:
-    """Each backend here against a dense float64 reference: mixes of decodes and chunks over shuffled block
-    tables in a cache full of garbage, block sizes 16 and 64, with and without a sliding window and softcap.
-    `tiny`: each mix, block size and mask once (the CPU self-test; tests/kvcache cover the kernels' cases)."""
-    from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
-
-    report: dict = {}
-    masks = ((None, None), (8, None), (None, 5.0))
-    cases = [(mix, bs, window, softcap) for mix in ATTENTION_MIXES for bs in (16, 64) for window, softcap in masks]
-    if tiny:
-        cases = [(mix, (16, 64)[i % 2], *masks[i]) for i, mix in enumerate(ATTENTION_MIXES)]
-    for backend in backends_here(device):
-        for dtype in dtypes:
-            worst = 0.0
-            for i, (mix, bs, window, softcap) in enumerate(cases):
-                q, k, v, kc, vc, args, expected = paged_attention_case(ATTENTION_MIXES[mix], bs, device, dtype, i,
-                                                                       window, softcap)
-                meta = AttentionMetadata.build(*args, backend=backend)
-                out = paged_attention(q, k, v, kc, vc, meta, q.shape[-1] ** -0.5, window, softcap)
-                worst = max(worst, (out.double() - expected).abs().max().item())
-            name = str(dtype).removeprefix("torch.")
-            report[f"{backend}/{name}"] = {"max_abs_error": worst, "cases": len(cases),
-                                           "ok": worst < (1e-4 if dtype == torch.float32 else 5e-2)}
-    report["ok"] = all(v["ok"] for v in report.values())
-    return report
-
-
-def paged_attention_case(seqs, block_size, device, dtype, seed, window=None, softcap=None, num_heads=8,
-                         num_kv_heads=2, head_dim=64, kv_dtype=None):
-    """(context_len, q_len) per sequence, packed: the new q/k/v, a cache full of garbage with the contexts written
-    into shuffled blocks, AttentionMetadata.build's arguments and the dense float64 reference output. `kv_dtype`:
-    the cache's dtype where it differs from `dtype` (the reference sees K/V rounded to it)."""
-    kv_dtype = kv_dtype or dtype
-    import random
-
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    needed = [-(-(c + q) // block_size) for c, q in seqs]
-    num_blocks = sum(needed) + 5
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 100
-    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 100
-    tables, queries, keys, values, slots, full = [], [], [], [], [], []
-    for (ctx, q_len), n in zip(seqs, needed, strict=True):
-        table = [free.pop() for _ in range(n)]
-        tables.append(table)
-        k = torch.randn(ctx + q_len, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(ctx + q_len, num_kv_heads, head_dim, generator=gen)
-        for pos in range(ctx):
-            kc[table[pos // block_size], pos % block_size] = k[pos]
-            vc[table[pos // block_size], pos % block_size] = v[pos]
-        queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen))
-        keys.append(k[ctx:])
-        values.append(v[ctx:])
-        full.append((k, v))
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q_len)]
-    width = max(needed)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-    args = ([q for _, q in seqs], [c + q for c, q in seqs], block_tables, torch.tensor(slots, device=device),
-            block_size)
-    on = [t.to(device, dtype) for t in (torch.cat(queries), torch.cat(keys), torch.cat(values))]
-    on += [t.to(device, kv_dtype) for t in (kc, vc)]
-    expected = torch.cat([dense_attention(q.to(dtype), k.to(kv_dtype), v.to(kv_dtype), head_dim ** -0.5, window,
-                                          softcap) for q, (k, v) in zip(queries, full, strict=True)]).to(device)
-    return (*on, args, expected)
-
-
-def dense_attention(q, k, v, scale, window=None, softcap=None):
-    """q [Q, H, D] at the last Q of k/v's L positions; float64."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    pos_q = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    pos_k = torch.arange(k.shape[0])[None, :]
-    mask = pos_k <= pos_q
-    if window is not None:
-        mask &= pos_k > pos_q - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
 def check_sampler_syncs(device: torch.device) -> dict:
@@ -306,21 +212,56 @@ def run_benchmark(device: torch.device, tiny: bool) -> dict:
     base_a = hf_generate(model, prompts_a, output_len, pad_token_id=1)
     base_b = hf_generate(model, prompts_b[:1], output_len, pad_token_id=1)
     cache = {"num_kv_blocks": 1024} if tiny else {"kv_cache_memory": 16.0}
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    start = time.perf_counter()
     engine = make_engine(model, tokenizer, device, dtype, "auto", **cache)
+    runner = engine.runner
+    graphs = runner.graphs
+    setup = {"engine_start_s": round(time.perf_counter() - start, 2), "kv_cache_bytes": engine.kv_cache_bytes,
+             "decode_attention": "triton" if runner.decode_tables else runner.attention_backend,
+             "cuda_graph_sizes": sorted(graphs.graphs) if graphs else [],
+             "cuda_graph_capture_s": round(graphs.capture_s, 2) if graphs else None}
+    if device.type == "cuda":  # what the engine allocated (its copy of the weights, the KV cache, the rest)
+        setup["allocated_by_engine_bytes"] = torch.cuda.memory_allocated(device) - allocated
+        setup["engine_weights_bytes"] = sum(t.numel() * t.element_size() for t in
+                                            (*runner.model.parameters(), *runner.model.buffers()))
+        setup["kv_tensor_bytes"] = runner.kv.num_bytes  # the logged cache and the decode steps' scratch block
     warmup(engine)
     run_workload(engine, Workload(name="warmup", num_prompts=8, input_len=input_len, output_len=8, seed=3))
     run_a = run_workload(engine, a, prompts_a)
     # One sequence alone first: batch 1's shapes (and on CUDA its compiled kernels) are warm before B is timed.
-    run_workload(engine, Workload(name="warmup_one", num_prompts=1, input_len=input_len, output_len=8, seed=4,
-                                  max_concurrency=1))
+    one = Workload(name="warmup_one", num_prompts=1, input_len=input_len, output_len=8, seed=4, max_concurrency=1)
+    run_workload(engine, one)
     run_b = run_workload(engine, b, prompts_b)
-    return {
+    report = {
         "model": {"shape": shape, "vocab_size": vocab, "parameters": params, "dtype": str(dtype)},
-        "attention_backend": engine.runner.attention_backend,
+        "attention_backend": runner.attention_backend, "setup": setup,
         "A": _summary(run_a) | {"hf_generate_tokens_per_s": round(base_a.tokens_per_s, 1),
                                 "hf_generate_duration_s": round(base_a.duration_s, 2)},
         "B": _summary(run_b) | {"hf_generate_tpot_ms": round(1000 * base_b.duration_s / output_len, 2)},
     }
+    if graphs:  # the same single stream with every step eager: what the graphs save
+        runner.graphs = None
+        run_workload(engine, one)
+        report["B_eager"] = _summary(run_workload(engine, b, prompts_b))
+        runner.graphs = graphs
+        # The GPU's own time for one decode step (a replay on padding rows): the floor under B's TPOT and A's step.
+        report["graph_replay_ms"] = {size: replay_ms(runner, size) for size in (1, a.num_prompts) if size in graphs}
+    return report
+
+
+def replay_ms(runner, size: int, repeats: int = 20) -> float:
+    """Mean milliseconds of one replay of the decode graph of `size`, on padding rows (they touch only the
+    scratch block), timed by CUDA events."""
+    runner.decode_buffers.padding_step(size)
+    runner.graphs.replay(size)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        runner.graphs.replay(size)
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / repeats, 3)
 
 
 def _summary(run) -> dict:
@@ -337,10 +278,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny config: a quick self-test (CI)")
     parser.add_argument("--output", default="gpu_check.json", help="the JSON, rewritten after every stage")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--only-bench", action="store_true", help="the benchmark stage alone")
+    parser.add_argument("--enforce-eager", action="store_true", help="engines without CUDA graphs")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="the whole run's seconds, shared among the stages (benchmark 45%%, parity 35%%, "
-                             "attention 12%%, sampler 8%%); default 450 on a GPU; with --tiny, no budget but the caller's")
+                        help="the whole run's seconds, shared among the stages that run in the proportions of "
+                             "SHARES; default 450 on a GPU; with --tiny, no budget but the caller's")
     args = parser.parse_args(argv)
+    global ENFORCE_EAGER
+    ENFORCE_EAGER = args.enforce_eager
+    # The engine's start-up lines (KV cache size, CUDA graphs captured) belong in the run's log.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("sluice").addHandler(handler)
+    logging.getLogger("sluice").setLevel(logging.INFO)
     if not args.tiny and not torch.cuda.is_available():
         parser.error("no CUDA device here; --tiny runs the CPU self-test")
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -353,14 +303,22 @@ def main(argv: list[str] | None = None) -> dict:
     }
     archs = ["llama"] if args.tiny else ["llama", "qwen2", "qwen3"]
     budget = args.budget_s or (math.inf if args.tiny else 450.0)
-    stages = [] if args.skip_bench else [Stage("bench", lambda: run_benchmark(device, args.tiny), 0.45 * budget)]
-    stages += [Stage("attention", lambda: check_attention(device, tiny=args.tiny), 0.12 * budget),
-               Stage("parity", lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12,
-                                                    deadline=time.perf_counter() + 0.3 * budget), 0.35 * budget),
-               Stage("sampler_syncs", lambda: check_sampler_syncs(device), 0.08 * budget)]
+    chosen = [name for name in SHARES if not (args.skip_bench and name == "bench")
+              and not (args.only_bench and name != "bench")]
+    part = {name: budget * SHARES[name] / sum(SHARES[c] for c in chosen) for name in chosen}
+    runs = {"bench": lambda: run_benchmark(device, args.tiny),
+            "attention": lambda: check_attention(device, tiny=args.tiny),
+            "attention_flex": lambda: check_attention(device, tiny=args.tiny, flex=True),
+            # new combinations start only in the first 6/7 of parity's share: one more must still fit
+            "parity": lambda: check_parity(device, archs, num_prompts=6 if args.tiny else 12,
+                                           deadline=time.perf_counter() + part["parity"] * 6 / 7),
+            "sampler_syncs": lambda: check_sampler_syncs(device)}
+    stages = [Stage(name, runs[name], part[name]) for name in chosen]
     run_stages(stages, report, lambda r: _write(args.output, r))
-    report["ok"] = bool(report["attention"].get("ok")) and bool(report["parity"].get("fp32_exact")) \
-        and report["sampler_syncs"].get("ok", True) and (args.skip_bench or "error" not in report["bench"])
+    checks = args.only_bench or (bool(report["attention"].get("ok")) and bool(report["attention_flex"].get("ok"))
+                                 and bool(report["parity"].get("fp32_exact"))
+                                 and report["sampler_syncs"].get("ok", True))
+    report["ok"] = checks and (args.skip_bench or "error" not in report["bench"])
     _write(args.output, report)
     print(json.dumps(report, indent=2, default=str))
     return report

@@ -54,6 +54,11 @@ class DecodeBuffers:
         self._used_rows = 0  # leading rows that may hold a past step's sequences; the rest hold padding
         self._fill_padding(0, rows)
 
+    @property
+    def max_len(self) -> int:
+        """The most tokens a sequence in these buffers can hold."""
+        return self.max_blocks * self.block_size
+
     def size_for(self, num_seqs: int) -> int | None:
         """The rows a step of num_seqs decodes runs on: the next capture size, or num_seqs itself unpadded; None
         where it does not fit the buffers."""
@@ -68,16 +73,23 @@ class DecodeBuffers:
         if size is None or any(len(b) > self.max_blocks for b in block_ids):
             raise ValueError(f"a decode step of {n} sequences does not fit the persistent buffers")
         width = max(len(b) for b in block_ids)
-        tables = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.long)  # host
+        # Everything in one host tensor, so a step's inputs reach the device in one copy (pinned on CUDA: the
+        # host does not wait for the GPU to finish the step before).
+        device = self.input_ids.device
+        host = torch.empty((4 + width) * n, dtype=torch.long, pin_memory=device.type == "cuda")
+        rows, tables = host[:4 * n].view(4, n), host[4 * n:].view(n, width)
+        tables.copy_(torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.long))
         pos = torch.tensor(positions, dtype=torch.long)
         blocks = tables.gather(1, (pos // self.block_size)[:, None])[:, 0]
-        host = torch.stack((torch.tensor(token_ids, dtype=torch.long), pos, blocks * self.block_size
-                            + pos % self.block_size, pos + 1))
-        device_rows = host.to(self.input_ids.device, non_blocking=True)
-        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens), device_rows,
+        torch.stack((torch.tensor(token_ids, dtype=torch.long), pos, blocks * self.block_size
+                     + pos % self.block_size, pos + 1), out=rows)
+        if device.type != "cpu":
+            on_device = host.to(device, non_blocking=True)
+            rows, tables = on_device[:4 * n].view(4, n), on_device[4 * n:].view(n, width)
+        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens), rows,
                                strict=True):
             buffer[:n].copy_(row)
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables)
         if size > n and self._used_rows > n:  # rows an earlier, larger step left: padding again
             self._fill_padding(n, min(size, self._used_rows))
         self._used_rows = self._used_rows if self._used_rows > size else n  # dirty rows past this step's stay so

@@ -107,6 +107,8 @@ class LLMEngine(ConstrainedDecoding):
             sched.max_model_len, sched.preemption_mode,
         )
         self.runner.lora_slots = lora_slots
+        if not config.model.enforce_eager:
+            self.runner.capture_graphs()
         block_size = config.cache.block_size
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from sluice.kvcache import triton_decode
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.decode_kernel import load as load_decode_kernel
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
@@ -75,6 +76,10 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size) if max_model_len else self.num_kv_blocks
         self.decode_buffers = DecodeBuffers(max_num_seqs, min(max_blocks, self.num_kv_blocks), self.block_size,
                                             self.num_kv_blocks, self.device, pad=self.device.type == "cuda")
+        # Decode steps on CUDA attend through the Triton kernel that reads lengths and tables on the device: one
+        # shape per row count, so a CUDA graph per size replays every later step (cuda_graphs.py).
+        self.decode_tables = self.attention_backend in ("flex", "triton") and triton_decode.available(self.device)
+        self.graphs = None  # DecodeGraphs, once the engine has captured them (capture_graphs)
         self.decode_kernel = None
         if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.decode_kernel = load_decode_kernel()
@@ -97,15 +102,19 @@ class ModelRunner:
         if not out.scheduled:
             return ModelRunnerOutput()
         decode = all(r.num_tokens == 1 for r in out.scheduled) and self.decode_buffers.size_for(len(out.scheduled))
-        input_ids, positions, meta, sample_rows = (self._prepare_decode if decode else self._prepare)(out.scheduled)
         lora = None if self.lora_slots is None else self.lora_slots.batch(
             [r.sampling_params.lora_request for r in out.scheduled], [r.num_tokens for r in out.scheduled])
         pooled = {}
-        with set_forward_context(ForwardContext(meta, self.kv.layers, lora)):
-            if any(r.sampling_params.pooling is not None for r in out.scheduled):
-                logits, pooled = self._forward_pooling(input_ids, positions, sample_rows, out.scheduled)
-            else:
-                logits = self._forward(input_ids, positions, sample_rows)
+        if decode and lora is None and self.graphs is not None and decode in self.graphs:
+            logits = self._replay_decode(out.scheduled)
+        else:
+            input_ids, positions, meta, sample_rows = (self._prepare_decode if decode else self._prepare)(
+                out.scheduled)
+            with set_forward_context(ForwardContext(meta, self.kv.layers, lora)):
+                if any(r.sampling_params.pooling is not None for r in out.scheduled):
+                    logits, pooled = self._forward_pooling(input_ids, positions, sample_rows, out.scheduled)
+                else:
+                    logits = self._forward(input_ids, positions, sample_rows)
         to_sample = [r for r in out.scheduled if r.sample]
         if not to_sample:
             return ModelRunnerOutput(pooled=pooled)
@@ -183,8 +192,19 @@ class ModelRunner:
         return (step.input_ids, step.positions, self._decode_metadata(step, [r.start_pos + 1 for r in scheduled]),
                 to_device(sample_rows, torch.long, self.device))
 
+    def _replay_decode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """A decode step through its captured graph: the inputs copied into the buffers, the graph replayed; the
+        logits of the sampled rows."""
+        step = self.decode_buffers.fill([r.token_ids[0] for r in scheduled], [r.start_pos for r in scheduled],
+                                        [r.block_ids for r in scheduled])
+        sample_rows = to_device([i for i, r in enumerate(scheduled) if r.sample], torch.long, self.device)
+        return self.graphs.replay(step.size)[sample_rows]
+
     def _decode_metadata(self, step: DecodeStep, seq_lens: list[int]) -> AttentionMetadata:
         """The attention metadata of a decode step, reading the step's buffers (padding rows: length 1)."""
+        if self.decode_tables:  # lengths read on the device: the longest a sequence can be bounds the window rule
+            return AttentionMetadata.for_decode_tables(step.block_tables, step.seq_lens, step.slot_mapping,
+                                                       self.block_size, self.decode_buffers.max_len)
         lens = seq_lens + [1] * (step.size - step.num_seqs)
         return AttentionMetadata.build([1] * step.size, lens, step.block_tables, step.slot_mapping, self.block_size,
                                        self.decode_kernel, self.attention_backend, seq_lens_tensor=step.seq_lens)
@@ -192,8 +212,9 @@ class ModelRunner:
     def capture_decode(self, capture: Callable[[int, Callable[[], torch.Tensor]], None]) -> None:
         """The hook CUDA graphs plug into: for each capture size, largest first, capture(size, run) where run() is
         the decode forward of that many padding rows on the persistent buffers, logits [size, V] (a graph
-        recorded around run() replays on whatever a later step copies into the same buffers). The metadata here
-        is built on the host per step: a graph needs the attention backend's metadata in buffers of its own too."""
+        recorded around run() replays on whatever a later step copies into the same buffers, where the decode
+        attention reads its lengths on the device: `decode_tables`). run() holds tensors made here that such a
+        graph reads (row indices, metadata): the capturer keeps run as long as its graph."""
         for size in reversed(self.decode_buffers.sizes):
             step = self.decode_buffers.padding_step(size)
             meta = self._decode_metadata(step, [])
@@ -204,6 +225,13 @@ class ModelRunner:
                     return self._forward(step.input_ids, step.positions, rows)
 
             capture(size, run)
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the decode step at every capture size (where this runner's decodes can be captured)."""
+        if self.device.type == "cuda" and self.decode_tables:
+            from sluice.service.engine.cuda_graphs import capture_decode_graphs
+
+            self.graphs = capture_decode_graphs(self)
 
     def _forward_pooling(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
                          scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

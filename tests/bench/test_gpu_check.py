@@ -19,11 +19,33 @@ def test_gpu_check_tiny_runs_on_cpu_and_writes_its_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] and report["tiny"] and report["device"] == "cpu"
-    assert report["parity"]["fp32_exact"] and report["attention"]["ok"]
-    assert {"torch/float32", "flex/float32", "flex/bfloat16"} <= set(report["attention"])
+    assert report["parity"]["fp32_exact"] and report["attention"]["ok"] and report["attention_flex"]["ok"]
+    assert {"torch/float32", "torch/bfloat16"} <= set(report["attention"])
+    assert {"flex/float32", "flex/bfloat16"} == {k for k in report["attention_flex"] if "/" in k}
     assert {k.split("/")[0] for k in report["parity"] if "/" in k} >= {"torch", "flex"}
     for run in ("A", "B"):
         figures = report["bench"][run]
         assert figures["failed"] == 0 and figures["output_tokens"] > 0 and figures["tpot_ms_p50"] > 0
     assert report["bench"]["A"]["requests"] == 64 and report["bench"]["A"]["hf_generate_tokens_per_s"] > 0
     assert report["bench"]["B"]["hf_generate_tpot_ms"] > 0
+
+
+def test_the_budget_is_shared_among_the_stages_that_run(tmp_path, monkeypatch):
+    """--only-bench gives the benchmark the whole budget; --skip-bench shares it among the checks."""
+    from sluice.service.bench import gpu_check
+
+    seen = {}
+
+    def fake_stages(stages, report, write):
+        seen.update({stage.name: stage.budget_s for stage in stages})
+        for stage in stages:
+            report[stage.name] = {"ok": True, "fp32_exact": True}
+        return report
+
+    monkeypatch.setattr(gpu_check, "run_stages", fake_stages)
+    gpu_check.main(["--tiny", "--only-bench", "--budget-s", "100", "--output", str(tmp_path / "a.json")])
+    assert seen == {"bench": 100}
+    seen.clear()
+    gpu_check.main(["--tiny", "--skip-bench", "--budget-s", "110", "--output", str(tmp_path / "b.json")])
+    assert set(seen) == {"attention", "attention_flex", "parity", "sampler_syncs"}
+    assert abs(sum(seen.values()) - 110) < 1e-9 and seen["parity"] > seen["attention_flex"] > seen["attention"]

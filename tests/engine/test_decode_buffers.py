@@ -3,6 +3,10 @@ decode step whatever its batch size, padded rows that change nothing, and a capt
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from sluice.service.engine.attention_backend import get_forward_context
 from sluice.service.engine.decode_buffers import capture_sizes
 from tests.support.parity import hf_greedy
@@ -98,3 +102,40 @@ def test_capture_hook_runs_every_size_on_the_same_buffers():
     assert captured == [(size, (size, vocab), ptr) for size in reversed(runner.decode_buffers.sizes)]
     outputs, p, _ = decode_three_then_two(runner)  # what capture left in the buffers does not leak into a real step
     assert outputs["a"] == hf_greedy(reference, p["a"], N_NEW)
+
+
+class ReplayingGraphs:
+    """DecodeGraphs' contract without CUDA: capture keeps run(), replay calls that same closure again (its metadata
+    built once, at capture), as a replayed graph reruns what it recorded on whatever the buffers hold."""
+
+    def __init__(self, max_size: int) -> None:
+        self.runs, self.replays, self.max_size = {}, [], max_size
+
+    def __contains__(self, size):
+        return size in self.runs
+
+    def capture(self, size, run):
+        if size <= self.max_size:
+            self.runs[size] = run
+
+    def replay(self, size):
+        self.replays.append(size)
+        return self.runs[size]()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_steps_replayed_from_their_capture_read_each_steps_inputs(arch):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter off (tests/conftest.py turns it on where there is no GPU)")
+    reference, model = tiny_pair(arch)
+    runner = make_runner(model)
+    runner.decode_buffers.pad = True
+    runner.decode_tables = True  # as on CUDA: the attention reads lengths and tables from the buffers
+    graphs = ReplayingGraphs(max_size=4)
+    runner.capture_decode(graphs.capture)
+    runner.graphs = graphs
+    outputs, p, _ = decode_three_then_two(runner)
+    assert graphs.replays == [4, 4, 4, 2, 2]  # every decode step replayed: 3 rows padded to 4, then 2
+    assert outputs["a"] == hf_greedy(reference, p["a"], N_NEW) and outputs["c"] == hf_greedy(reference, p["c"], N_NEW)
+    assert outputs["b"] == hf_greedy(reference, p["b"], 4)

@@ -3,6 +3,7 @@ test_paged_attention, on CPU: flex_attention's unfused reference path there, the
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -88,8 +89,10 @@ def test_groups_and_block_masks_list_each_sequences_own_blocks():
 def test_resolve_backend():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_backend("auto", cpu, 16) == "torch"
-    assert resolve_backend("auto", cuda, 16) == "flex"
-    assert resolve_backend("auto", cuda, 4) == "torch"  # too small a tile for Triton
+    # Sluice's Triton kernels read any block size; flex needs a block to be a whole Triton tile.
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert resolve_backend("auto", cuda, 16) == ("triton" if has_triton else "flex")
+    assert resolve_backend("auto", cuda, 4) == ("triton" if has_triton else "torch")
     assert resolve_backend("flex", cpu, 4) == "flex"
     assert resolve_backend("torch", cuda, 16) == "torch"
     with pytest.raises(ValueError):

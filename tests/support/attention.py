@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
-from sluice.service.bench.gpu_check import paged_attention_case
+from sluice.service.bench.gpu_attention import paged_attention_case
 
 
 def run_case(seqs, block_size, num_heads=8, num_kv_heads=2, head_dim=16, window=None, softcap=None, seed=0,

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.service.engine.layers import triton_ops
+
 
 class GatedMLP(nn.Module):
     """SiLU and the product run in place on the fused projection's fresh output."""
@@ -17,6 +19,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, E] → [T, E]."""
+        if triton_ops.applies(x):  # CUDA: one kernel for both
+            return self.down_proj(triton_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         F.silu(gate, inplace=True)  # a slice of a fresh tensor: free to overwrite
         return self.down_proj(gate.mul_(up))

@@ -1,4 +1,5 @@
-"""RMSNorm, one C++ op on CPU for float32 and bf16 (csrc/rms_norm.cpp) instead of eight eager ops."""
+"""RMSNorm, one C++ op on CPU for float32 and bf16 (csrc/rms_norm.cpp) and one Triton kernel on CUDA, instead of
+eight eager ops."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from sluice import native
+from sluice.service.engine.layers import triton_ops
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -20,9 +22,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The C++ op where it applies (CPU, float32 or bf16), else the eager formula."""
-        ops = native.load()  # looked up, not held: a module attribute would make the layer impossible to deepcopy
-        if ops is not None and hidden_states.dtype == self.weight.dtype in FUSED_DTYPES \
-                and hidden_states.device.type == "cpu":
+        if triton_ops.applies(hidden_states):  # CUDA: one kernel instead of eight
+            return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        # The extension looked up, not held (a module attribute would make the layer impossible to deepcopy), and
+        # only on CPU: a CUDA model must not build the CPU kernels.
+        ops = native.load() if hidden_states.device.type == "cpu" else None
+        if ops is not None and hidden_states.dtype == self.weight.dtype in FUSED_DTYPES:
             return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
         input_dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)

@@ -58,9 +58,11 @@ def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    ops = native.load()
-    if ops is None or attn.q_norm is not None or not all(hasattr(linear, "kernel_op") for linear in linears) \
+    if attn.q_norm is not None or not all(hasattr(linear, "kernel_op") for linear in linears) \
             or any(n.weight.device.type != "cpu" or n.weight.dtype != linears[0].kernel_dtype for n in norms):
+        return None, 0
+    ops = native.load()  # only now: a CUDA model must not build the CPU kernels
+    if ops is None:
         return None, 0
     kernels = [linear.kernel_op() for linear in linears]
     if None in kernels:
