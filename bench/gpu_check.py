@@ -15,7 +15,8 @@ if importlib.util.find_spec("sluice") is None or importlib.util.find_spec("sluic
 
     sluice.__path__.append(ROOT)  # sluice.kvcache -> ROOT/kvcache, sluice.service -> ROOT/service, ...
 
-from sluice.service.bench.gpu_check import main  # noqa: E402
+from sluice.service.bench.gpu_check import log_engine_lines, main  # noqa: E402
 
 if __name__ == "__main__":
+    log_engine_lines()
     raise SystemExit(0 if main().get("ok") else 1)

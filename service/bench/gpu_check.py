@@ -272,6 +272,15 @@ def _summary(run) -> dict:
             "mean_step_ms": round(run.mean_step_ms, 2), "errors": r.errors}
 
 
+def log_engine_lines() -> None:
+    """The engine's start-up lines (KV cache size, CUDA graphs captured) into the run's log: for the script only,
+    since a caller's process keeps its own logging."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("sluice").addHandler(handler)
+    logging.getLogger("sluice").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run every stage (the benchmark first, on a fresh compile state) into the JSON at --output."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -286,11 +295,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     global ENFORCE_EAGER
     ENFORCE_EAGER = args.enforce_eager
-    # The engine's start-up lines (KV cache size, CUDA graphs captured) belong in the run's log.
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    logging.getLogger("sluice").addHandler(handler)
-    logging.getLogger("sluice").setLevel(logging.INFO)
     if not args.tiny and not torch.cuda.is_available():
         parser.error("no CUDA device here; --tiny runs the CPU self-test")
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -330,4 +334,5 @@ def _write(path: str, report: dict) -> None:
 
 
 if __name__ == "__main__":
+    log_engine_lines()
     raise SystemExit(0 if main().get("ok") else 1)

@@ -49,3 +49,21 @@ def test_the_budget_is_shared_among_the_stages_that_run(tmp_path, monkeypatch):
     gpu_check.main(["--tiny", "--skip-bench", "--budget-s", "110", "--output", str(tmp_path / "b.json")])
     assert set(seen) == {"attention", "attention_flex", "parity", "sampler_syncs"}
     assert abs(sum(seen.values()) - 110) < 1e-9 and seen["parity"] > seen["attention_flex"] > seen["attention"]
+
+
+def test_main_in_process_leaves_the_callers_logging_alone(tmp_path, monkeypatch):
+    """Only the script sets up the engine's log lines: an in-process main() must not turn INFO on for the
+    process (a later test counting the native build's log lines saw an extra one)."""
+    import logging
+
+    from sluice.service.bench import gpu_check
+
+    def passing_stages(stages, report, write):
+        report.update({stage.name: {"ok": True} for stage in stages})
+        return report
+
+    monkeypatch.setattr(gpu_check, "run_stages", passing_stages)
+    logger = logging.getLogger("sluice")
+    before = (logger.level, list(logger.handlers))
+    gpu_check.main(["--tiny", "--only-bench", "--output", str(tmp_path / "a.json")])
+    assert (logger.level, list(logger.handlers)) == before
