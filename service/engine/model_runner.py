@@ -11,7 +11,7 @@ from sluice.kvcache import triton_decode
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.decode_kernel import load as load_decode_kernel
 from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
-from sluice.kvcache.transfer import to_device
+from sluice.kvcache.transfer import tensors_to_device, to_device
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from sluice.service.engine.attention_backend import (
     ATTN_IMPLEMENTATION,
@@ -174,12 +174,8 @@ class ModelRunner:
                                         for row in range(end - 1 - len(r.draft_token_ids), end)], dtype=torch.long)
         else:
             sample_rows = (cu_q[1:] - 1)[torch.tensor([r.sample for r in scheduled])]
-        to_device = self.device.type != "cpu"
-        if to_device:
-            input_ids, positions, slot_mapping, block_tables, sample_rows = (
-                t.to(self.device, non_blocking=True)
-                for t in (input_ids, positions, slot_mapping, block_tables, sample_rows)
-            )
+        input_ids, positions, slot_mapping, block_tables, sample_rows = tensors_to_device(
+            [input_ids, positions, slot_mapping, block_tables, sample_rows], self.device)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size,
                                        self.decode_kernel, self.attention_backend)
         return input_ids, positions, meta, sample_rows
