@@ -114,6 +114,8 @@ def test_greedy_parity_with_generate_on_the_triton_backend(triton_backend, monke
     """The engine end to end as on CUDA (chunked prefill over cached context, prefix hits, preemption; Mistral's
     window, Qwen3's q/k norms): prompt chunks in the whole-step kernel, decode steps in the decode kernel on the
     persistent buffers, RMSNorm, rotary and the gated activation in the layers' Triton kernels."""
+    if os.environ.get("TRITON_INTERPRET") != "1":  # a GPU machine: its kernels do not take the CPU engine's tensors
+        pytest.skip("runs the CPU engine through Triton's interpreter")
     from sluice.scheduling.sampling_params import SamplingParams
     from sluice.service.cli import build_parser
     from sluice.service.config import config_from_args
