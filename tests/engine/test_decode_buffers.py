@@ -139,3 +139,24 @@ def test_decode_steps_replayed_from_their_capture_read_each_steps_inputs(arch):
     assert graphs.replays == [4, 4, 4, 2, 2]  # every decode step replayed: 3 rows padded to 4, then 2
     assert outputs["a"] == hf_greedy(reference, p["a"], N_NEW) and outputs["c"] == hf_greedy(reference, p["c"], N_NEW)
     assert outputs["b"] == hf_greedy(reference, p["b"], 4)
+
+
+def test_a_capture_that_fails_leaves_decode_steps_eager(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from sluice.service.engine import cuda_graphs
+
+    _, model = tiny_pair("llama")
+    runner = make_runner(model)
+
+    def broken(capture):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "capture_decode", broken)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)  # what the failure path waits on
+    with caplog.at_level(logging.WARNING, logger="sluice.engine"):
+        assert cuda_graphs.capture_decode_graphs(runner) is None
+    assert "CUDA graphs: capture failed (RuntimeError: operation not permitted" in caplog.text
+    assert "decode steps run eagerly" in caplog.text
