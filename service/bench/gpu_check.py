@@ -1,7 +1,8 @@
 """`make gpu-check`: the GPU path in one run, on random-weight models (no downloads), written to one JSON.
 
-1. Parity: tiny random Llama / Qwen2 / Qwen3 models, greedy Sluice against transformers' `generate` on the same
-   device, under chunked prefill, shared prefixes and preemption, for each attention backend that runs here.
+1. Parity: tiny random Llama / Qwen2 / Qwen3 / Mistral (windowed) models, greedy Sluice against transformers'
+   `generate` on the same device, under chunked prefill, shared prefixes and preemption, for each attention
+   backend that runs here.
    fp32 must match token for token; bf16 agreement is reported (rounding may legitimately diverge late).
 2. Sampler: one mixed batch (greedy, seeded, top-k/top-p/min-p, logprobs) under CUDA's sync debug mode set to
    'error', the one designated read-back excepted.
@@ -34,6 +35,7 @@ from sluice.service.bench.offline import run_workload, warmup
 from sluice.service.bench.stages import Stage, run_stages
 from sluice.service.bench.workloads import Workload
 
+MISTRAL_WINDOW = 64
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 # TinyLlama-1.1B's shape: 1.1B parameters with a 32000-token vocabulary.
 ONE_B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -60,6 +62,8 @@ def model_config(arch: str, shape: dict, vocab_size: int):
                   bos_token_id=None, pad_token_id=1, tie_word_embeddings=False, **shape)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=shape["hidden_size"] // shape["num_attention_heads"], **common)
+    if arch == "mistral":  # a window shorter than the longer prompts: the kernels' window rule is exercised
+        return transformers.MistralConfig(sliding_window=MISTRAL_WINDOW, **common)
     return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch](**common)
 
 
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "tiny": args.tiny,
     }
-    archs = ["llama"] if args.tiny else ["llama", "qwen2", "qwen3"]
+    archs = ["llama"] if args.tiny else ["llama", "qwen2", "qwen3", "mistral"]
     budget = args.budget_s or (math.inf if args.tiny else 450.0)
     chosen = [name for name in SHARES if not (args.skip_bench and name == "bench")
               and not (args.only_bench and name != "bench")]
