@@ -30,7 +30,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def available(device: torch.device) -> bool:
     """Whether Triton's kernels run on `device`: CUDA with Triton installed. (Tests run them on CPU in Triton's
     interpreter, whose bfloat16 dot is wrong: that is for tests to choose, per dtype.)"""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    # Asked by every layer's norm, rotary and MLP and every step's metadata: look the package up once.
+    return importlib.util.find_spec("triton") is not None
 
 
 def pow2(n: int, minimum: int = MIN_DOT) -> int:

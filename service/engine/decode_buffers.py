@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.kvcache.transfer import tensors_to_device
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 below max_num_seqs, then max_num_seqs (vLLM's CUDA graph batch sizes)."""
@@ -73,19 +75,13 @@ class DecodeBuffers:
         if size is None or any(len(b) > self.max_blocks for b in block_ids):
             raise ValueError(f"a decode step of {n} sequences does not fit the persistent buffers")
         width = max(len(b) for b in block_ids)
-        # Everything in one host tensor, so a step's inputs reach the device in one copy (pinned on CUDA: the
-        # host does not wait for the GPU to finish the step before).
-        device = self.input_ids.device
-        host = torch.empty((4 + width) * n, dtype=torch.long, pin_memory=device.type == "cuda")
-        rows, tables = host[:4 * n].view(4, n), host[4 * n:].view(n, width)
-        tables.copy_(torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.long))
+        tables = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.long)  # host
         pos = torch.tensor(positions, dtype=torch.long)
         blocks = tables.gather(1, (pos // self.block_size)[:, None])[:, 0]
-        torch.stack((torch.tensor(token_ids, dtype=torch.long), pos, blocks * self.block_size
-                     + pos % self.block_size, pos + 1), out=rows)
-        if device.type != "cpu":
-            on_device = host.to(device, non_blocking=True)
-            rows, tables = on_device[:4 * n].view(4, n), on_device[4 * n:].view(n, width)
+        rows = torch.stack((torch.tensor(token_ids, dtype=torch.long), pos, blocks * self.block_size
+                            + pos % self.block_size, pos + 1))
+        # One copy for the step's inputs (pinned on CUDA: the host does not wait for the step before to finish).
+        rows, tables = tensors_to_device([rows, tables], self.input_ids.device)
         for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens), rows,
                                strict=True):
             buffer[:n].copy_(row)

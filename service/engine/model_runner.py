@@ -180,20 +180,23 @@ class ModelRunner:
                                        self.decode_kernel, self.attention_backend)
         return input_ids, positions, meta, sample_rows
 
-    def _prepare_decode(self, scheduled: list[ScheduledRequest]):
-        """_prepare for a step of decodes only, on the persistent buffers (padded rows never reach sampling)."""
+    def _fill_decode(self, scheduled: list[ScheduledRequest]) -> tuple[DecodeStep, torch.Tensor]:
+        """A decode step's inputs copied into the persistent buffers, and its sampled rows (padded rows never
+        reach sampling)."""
         step = self.decode_buffers.fill([r.token_ids[0] for r in scheduled], [r.start_pos for r in scheduled],
                                         [r.block_ids for r in scheduled])
-        sample_rows = [i for i, r in enumerate(scheduled) if r.sample]
+        return step, to_device([i for i, r in enumerate(scheduled) if r.sample], torch.long, self.device)
+
+    def _prepare_decode(self, scheduled: list[ScheduledRequest]):
+        """_prepare for a step of decodes only, on the persistent buffers."""
+        step, sample_rows = self._fill_decode(scheduled)
         return (step.input_ids, step.positions, self._decode_metadata(step, [r.start_pos + 1 for r in scheduled]),
-                to_device(sample_rows, torch.long, self.device))
+                sample_rows)
 
     def _replay_decode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """A decode step through its captured graph: the inputs copied into the buffers, the graph replayed; the
         logits of the sampled rows."""
-        step = self.decode_buffers.fill([r.token_ids[0] for r in scheduled], [r.start_pos for r in scheduled],
-                                        [r.block_ids for r in scheduled])
-        sample_rows = to_device([i for i, r in enumerate(scheduled) if r.sample], torch.long, self.device)
+        step, sample_rows = self._fill_decode(scheduled)
         return self.graphs.replay(step.size)[sample_rows]
 
     def _decode_metadata(self, step: DecodeStep, seq_lens: list[int]) -> AttentionMetadata:
