@@ -1,8 +1,7 @@
 // float32 linear for the few-row batches of decoding, reading the plain [N, K] weight that torch's own path reads
-// too, so nothing is copied. At batch 1 a linear streams its weight once: oneDNN's GEMV (prepacked or plain)
-// streamed SmolLM2's fp32 weights at ~20 GB/s on 2 Zen 4 cores, this loop at ~31 GB/s. Each weight row is read
-// once and used for up to kRowBlock input rows (more rows take turns on tiles of it in cache); threads split the
-// output rows (at::parallel_for, -fopenmp).
+// too, so nothing is copied. At batch 1 a linear streams its weight once, so its speed is the memory bandwidth it
+// reaches (bench/f32-gemv.json). Each weight row is read once and used for up to kRowBlock input rows (more rows
+// take turns on tiles of it in cache); threads split the output rows (at::parallel_for, -fopenmp).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -13,43 +12,66 @@
 
 namespace {
 
+// Weight rows read side by side per input-row count, where a weight row is long (kLongRowBytes). A long row read
+// alone is one memory stream, and one stream per thread leaves the hardware prefetchers idle: reading several rows
+// at once keeps several streams going and at least as many registers in use (Rows x WR accumulators, <= 9).
+template <int Rows>
+constexpr int kWeightRows = Rows == 1 ? 8 : Rows == 2 ? 4 : Rows == 3 ? 3 : 2;
+
+// Rows of 3 KiB and more (768 floats) gained from side-by-side reads on 2 Zen 3 cores; shorter rows lie next to
+// each other, one stream already, and lost to the extra register pressure. Four input rows have the fewest
+// registers to spare and gain from two weight rows only past 8 KiB.
+constexpr int64_t kLongRowBytes = 3 * 1024;
+constexpr int64_t kLongRowBytesFourRows = 8 * 1024;
+
+// y[r, n + j] = x[r] . w[n + j] for r < Rows, j < WR, in Chains independent sums per pair: a lone weight row needs
+// several chains so that the loads, not the FMA latency, set the pace.
+template <int Rows, int WR, int Chains = 1>
+void tile_dot(const float* x, int64_t K, const float* w, int64_t n, float* y, int64_t N) {
+  float sum[Rows][WR];
+  int64_t k = 0;
+#ifdef SLUICE_AVX2
+  __m256 acc[Chains][Rows][WR];
+  for (int c = 0; c < Chains; ++c)
+    for (int r = 0; r < Rows; ++r)
+      for (int j = 0; j < WR; ++j) acc[c][r][j] = _mm256_setzero_ps();
+  for (; k + 8 * Chains <= K; k += 8 * Chains) {
+    for (int c = 0; c < Chains; ++c) {
+      __m256 wv[WR];
+      for (int j = 0; j < WR; ++j) wv[j] = _mm256_loadu_ps(w + (n + j) * K + k + 8 * c);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * K + k + 8 * c);
+        for (int j = 0; j < WR; ++j) acc[c][r][j] = _mm256_fmadd_ps(xv, wv[j], acc[c][r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int j = 0; j < WR; ++j) {
+      __m256 total = acc[0][r][j];
+      for (int c = 1; c < Chains; ++c) total = _mm256_add_ps(total, acc[c][r][j]);
+      sum[r][j] = sluice::hsum(total);
+    }
+  }
+#else
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < WR; ++j) sum[r][j] = 0.f;
+#endif
+  for (; k < K; ++k) {
+    for (int r = 0; r < Rows; ++r)
+      for (int j = 0; j < WR; ++j) sum[r][j] += x[r * K + k] * w[(n + j) * K + k];
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int j = 0; j < WR; ++j) y[r * N + n + j] = sum[r][j];
+}
+
 template <int Rows>
 void rows_dot(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* row = w + n * K;
-    float sum[Rows];
-    int64_t k = 0;
-#ifdef SLUICE_AVX2
-    __m256 acc[2][Rows];
-    for (int r = 0; r < Rows; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-    if constexpr (Rows == 1) {
-      // One row has one chain per accumulator: four of them, so the loads, not the FMA latency, set the pace.
-      __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (; k + 32 <= K; k += 32) {
-        acc[0][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(row + k), acc[0][0]);
-        acc[1][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(row + k + 8), acc[1][0]);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(row + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(row + k + 24), a3);
-      }
-      acc[0][0] = _mm256_add_ps(acc[0][0], a2);
-      acc[1][0] = _mm256_add_ps(acc[1][0], a3);
-    }
-    for (; k + 16 <= K; k += 16) {
-      const __m256 w0 = _mm256_loadu_ps(row + k), w1 = _mm256_loadu_ps(row + k + 8);
-      for (int r = 0; r < Rows; ++r) {
-        acc[0][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, acc[0][r]);
-        acc[1][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, acc[1][r]);
-      }
-    }
-    for (int r = 0; r < Rows; ++r) sum[r] = sluice::hsum(_mm256_add_ps(acc[0][r], acc[1][r]));
-#else
-    for (int r = 0; r < Rows; ++r) sum[r] = 0.f;
-#endif
-    for (; k < K; ++k) {
-      for (int r = 0; r < Rows; ++r) sum[r] += x[r * K + k] * row[k];
-    }
-    for (int r = 0; r < Rows; ++r) y[r * N + n] = sum[r];
+  const int64_t row_bytes = K * int64_t(sizeof(float));
+  int64_t n = n0;
+  if (row_bytes >= (Rows == 4 ? kLongRowBytesFourRows : kLongRowBytes)) {
+    for (; n + kWeightRows<Rows> <= n1; n += kWeightRows<Rows>) tile_dot<Rows, kWeightRows<Rows>>(x, K, w, n, y, N);
   }
+  for (; n < n1; ++n) tile_dot<Rows, 1, Rows == 1 ? 4 : 2>(x, K, w, n, y, N);
 }
 
 }  // namespace

@@ -19,7 +19,9 @@ def native(kernel):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
-@pytest.mark.parametrize("in_features", [32, 576, 70, 7])  # 70 and 7: tails after the 32- and 16-wide loops
+# 70 and 7: tails after the 8-wide loops; 1030 and 2053: rows long enough to be read several at once (past 3 and
+# 8 KiB), with tails, and 130 outputs leave a thread's last few weight rows to the one-row loop
+@pytest.mark.parametrize("in_features", [32, 576, 70, 7, 1030, 2053])
 def test_f32_kernel_matches_torch(kernel, rows, in_features):
     torch.manual_seed(rows * 100 + in_features)
     x, w = torch.randn(rows, in_features), torch.randn(130, in_features)
