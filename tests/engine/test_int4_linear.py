@@ -122,6 +122,18 @@ def test_kernel_computes_the_int8_activation_linear_and_stays_near_the_float_one
         torch.testing.assert_close(layer(x), exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [7, 13])
+def test_kernel_rows_past_one_pass_take_turns_on_tiles_of_the_weight(kernel, rows):
+    # Past one pass's rows the passes walk tiles of ~128 KiB of blocks (28 blocks of 576 inputs): 1,000 outputs
+    # split over the threads end tiles mid-range and leave short last tiles.
+    torch.manual_seed(rows)
+    weight = torch.randn(1000, 576) * 0.05
+    layer, x = int4_linear(weight, None, kernel), torch.randn(rows, 576)
+    with torch.inference_mode():
+        layer.kernel_max_rows = 10**6
+        torch.testing.assert_close(layer(x), w4a8_reference(x, *q4_1(weight)), rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
     packed, scale, minimum = pack_q4_1(quantize(torch.randn(16, 64), "Q4_1"))
     with pytest.raises(RuntimeError, match="multiple of 32"):
