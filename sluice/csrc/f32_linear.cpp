@@ -18,8 +18,8 @@ namespace {
 template <int Rows>
 constexpr int kWeightRows = Rows == 1 ? 8 : Rows == 2 ? 4 : Rows == 3 ? 3 : 2;
 
-// Rows of 3 KiB and more (768 floats) gained from side-by-side reads on 2 Zen 3 cores; shorter rows lie next to
-// each other, one stream already, and lost to the extra register pressure. Four input rows have the fewest
+// Rows of 3 KiB and more (768 floats) gain from side-by-side reads (bench/f32_gemv.py); shorter rows lie next to
+// each other, one stream already, and lose to the extra register pressure. Four input rows have the fewest
 // registers to spare and gain from two weight rows only past 8 KiB.
 constexpr int64_t kLongRowBytes = 3 * 1024;
 constexpr int64_t kLongRowBytesFourRows = 8 * 1024;
