@@ -21,8 +21,8 @@ constexpr int kWeightRows = Rows == 1 ? 8 : Rows == 2 ? 4 : Rows == 3 ? 3 : 2;
 // Rows of 3 KiB and more (768 floats) gain from side-by-side reads (bench/f32_gemv.py); shorter rows lie next to
 // each other, one stream already, and lose to the extra register pressure. Four input rows have the fewest
 // registers to spare and gain from two weight rows only past 8 KiB.
-constexpr int64_t kLongRowBytes = 3 * 1024;
-constexpr int64_t kLongRowBytesFourRows = 8 * 1024;
+template <int Rows>
+constexpr int64_t kLongRowBytes = Rows == 4 ? 8 * 1024 : 3 * 1024;
 
 // y[r, n + j] = x[r] . w[n + j] for r < Rows, j < WR, in Chains independent sums per pair: a lone weight row needs
 // several chains so that the loads, not the FMA latency, set the pace.
@@ -68,7 +68,7 @@ template <int Rows>
 void rows_dot(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t row_bytes = K * int64_t(sizeof(float));
   int64_t n = n0;
-  if (row_bytes >= (Rows == 4 ? kLongRowBytesFourRows : kLongRowBytes)) {
+  if (row_bytes >= kLongRowBytes<Rows>) {
     for (; n + kWeightRows<Rows> <= n1; n += kWeightRows<Rows>) tile_dot<Rows, kWeightRows<Rows>>(x, K, w, n, y, N);
   }
   for (; n < n1; ++n) tile_dot<Rows, 1, Rows == 1 ? 4 : 2>(x, K, w, n, y, N);

@@ -130,11 +130,11 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 16;                // outputs per block
 constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outputs x 16 bytes of nibbles
-// Input rows per pass over a block: each weight vector unpacked serves this many. AVX-512's 32 registers hold 8
-// rows' sums; AVX2's 16 hold 6 (past four rows each row keeps one chain), so a verify step's 1 + 4 rows take one
-// pass over the weights, not a pass of four and one of one. Rows are split into even blocks (8: 4 + 4).
-// More rows than one pass takes go in passes of kRowsPerTilePass over tiles of blocks held in cache: on AVX2 three
-// rows a pass, whose sums fit the registers (six spill), ran batches of 8-64 rows faster (docs/performance.md).
+// Input rows one pass over the blocks takes: each weight vector unpacked serves this many. AVX-512's 32 registers
+// hold 8 rows' sums; AVX2's 16 hold 6 (past four rows each row keeps one chain), so a verify step's 1 + 4 rows take
+// one pass over the weights, not a pass of four and one of one. More rows go in passes of kRowsPerTilePass over
+// tiles of blocks held in cache: on AVX2 three rows a pass, whose sums fit the registers (six spill), ran batches
+// of 8-64 rows faster (docs/performance.md).
 #if defined(I4_LANES) && I4_LANES == 16
 constexpr int kRowsPerPass = 8;
 constexpr int kRowsPerTilePass = 8;
@@ -497,8 +497,9 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   };
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    if (M == 0) return;
     if (M <= kRowsPerPass) {
-      sluice::for_each_even_row_block<kRowsPerPass>(M, [&](auto rows, int64_t r) { rows_over(rows, r, b0, b1); });
+      sluice::with_rows<kRowsPerPass>(M, [&](auto rows) { rows_over(rows, 0, b0, b1); });
     } else {  // the weights stream from memory once, a tile at a time, and each pass reads the tile from cache
       sluice::for_each_tile<kRowsPerTilePass>(M, b0, b1, G * group_bytes<Scales>(), rows_over);
     }

@@ -47,16 +47,6 @@ inline void for_each_row_block(int64_t M, Fn&& fn) {
   }
 }
 
-// As for_each_row_block, with the fewest blocks of up to kMax rows and their sizes as even as they can be: 8 rows
-// under kMax 6 are 4 + 4, not 6 + 2 (a pass of two rows costs nearly one of four).
-template <int kMax = kRowBlock, typename Fn>
-inline void for_each_even_row_block(int64_t M, Fn&& fn) {
-  const int64_t blocks = (M + kMax - 1) / kMax, per = blocks ? (M + blocks - 1) / blocks : 0;
-  for (int64_t m = 0; m < M; m += per) {
-    with_rows<kMax>(std::min(per, M - m), [&](auto rows) { fn(rows, m); });
-  }
-}
-
 // Bytes of weights a tile holds when several row blocks read them: they stay in L2 (at least 512 KiB on the CPUs
 // these kernels build for) from the first block's pass to the last's.
 constexpr int64_t kTileBytes = 128 * 1024;
