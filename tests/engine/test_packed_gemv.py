@@ -53,6 +53,24 @@ def test_packed_linear_matches_the_plain_one_on_both_paths(kernel, dtype, out_fe
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features", [1000, 64 * 9, 70])
+def test_one_row_reads_blocks_side_by_side_with_the_sums_of_a_two_row_call(kernel, dtype, out_features):
+    """One row reads several column blocks at once (runs of up to four, shorter at each thread's end); each
+    column's sum keeps its order, so the row comes out bit for bit as in a call of two rows."""
+    torch.manual_seed(out_features)
+    linear = nn.Linear(96, out_features, bias=False).to(dtype)
+    packed = packed_of(linear)
+    if packed.gemv_layout is None:
+        pytest.skip("oneDNN chose a layout the GEMV does not read")
+    packed.gemv_max_rows = 32
+    x = torch.randn(2, 96).to(dtype)
+    with torch.inference_mode():
+        one, two = packed(x[:1]), packed(x)
+    assert torch.equal(one[0], two[0])
+    torch.testing.assert_close(one.double(), x[:1].double() @ linear.weight.double().T, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_sized_calls_take_the_gemv_and_larger_ones_onednn(kernel, dtype, monkeypatch):
     linear = packed_of(nn.Linear(64, 128, bias=False).to(dtype))
     gemv_rows, onednn_rows = [], []
