@@ -80,57 +80,6 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;
 #endif
 
-// Chunks one input row reads side by side, each its own weight stream (a chunk's columns run down all of K in one
-// contiguous stretch). A thread reading one stream at a time left 2 Zen 4 cores at about two thirds of what they
-// stream with eight (docs/performance.md). AVX2's 16 registers hold one chunk's sums of a 64-column block.
-#if defined(__AVX512F__)
-constexpr int kStreams = 4;
-#else
-constexpr int kStreams = 1;
-#endif
-
-// One input row against S chunks of columns at once (chunk s: weights w[s] with row stride B, `valid[s]` columns
-// written to y[s]): each column's sum runs over k in order, as in f32_chunk, so the results are its bit for bit.
-template <int S, int V>
-void f32_streams(const float* x, int64_t K, const float* const* w, int64_t B, float* const* y, const int64_t* valid) {
-#if defined(__AVX512F__) || defined(SLUICE_AVX2)
-  Vec acc[S][V];
-  for (int s = 0; s < S; ++s) for (int v = 0; v < V; ++v) acc[s][v] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    const Vec xk = vset1(x[k]);
-    for (int s = 0; s < S; ++s)
-      for (int v = 0; v < V; ++v) acc[s][v] = vfma(xk, vload(w[s] + k * B + v * kLanes), acc[s][v]);
-  }
-  for (int s = 0; s < S; ++s) {
-    float out[V * kLanes];
-    for (int v = 0; v < V; ++v) vstore(out + v * kLanes, acc[s][v]);
-    std::memcpy(y[s], out, sizeof(float) * std::min<int64_t>(valid[s], V * kLanes));
-  }
-#else
-  for (int s = 0; s < S; ++s) f32_chunk<1>(x, K, w[s], B, y[s], 0, valid[s]);
-#endif
-}
-
-// Calls chunks(std::integral_constant<int, S>{}, b, c, valid) for runs of up to kStreams chunks of `width` columns
-// (chunk i: block b[i], column c[i] of it, valid[i] columns below N), each thread over its share of the blocks.
-template <typename Fn>
-void for_each_stream_run(int64_t N, int64_t B, int64_t width, Fn&& chunks) {
-  const int64_t per_block = (B + width - 1) / width, units = (N + B - 1) / B * per_block;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1;) {
-      int64_t b[kStreams], c[kStreams], valid[kStreams];
-      int count = 0;
-      for (; u < u1 && count < kStreams; ++u) {
-        const int64_t block = u / per_block, column = u % per_block * width, n = block * B + column;
-        if (n >= N) continue;
-        b[count] = block, c[count] = column, valid[count] = std::min(width, N - n);
-        ++count;
-      }
-      if (count) sluice::with_rows<kStreams>(count, [&](auto streams) { chunks(streams, b, c, valid); });
-    }
-  });
-}
-
 // Calls chunk_rows(block, column in block, first row, rows, valid columns) over every `width` columns of every
 // block and every kRows rows.
 template <typename Fn>
@@ -181,31 +130,6 @@ void bf16_chunk(const uint16_t* x, int64_t Kp, const uint16_t* w, int64_t B, uin
     std::memcpy(y + r * ldy, out, sizeof(uint16_t) * std::min<int64_t>(valid, 16 * V));
   }
 }
-
-// One input row against S chunks at once (see f32_streams), each column's sum in bf16_chunk's order.
-template <int S, int V>
-void bf16_streams(const uint16_t* x, int64_t Kp, const uint16_t* const* w, int64_t B, uint16_t* const* y,
-                  const int64_t* valid) {
-  __m512 acc[S][V];
-  for (int s = 0; s < S; ++s) for (int v = 0; v < V; ++v) acc[s][v] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < Kp / 2; ++p) {
-    int32_t pair;
-    std::memcpy(&pair, x + 2 * p, sizeof(pair));
-    const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
-    for (int s = 0; s < S; ++s) {
-      const uint16_t* wp = w[s] + p * 2 * B;
-      sluice::prefetch(wp + kPrefetchPairRows * 2 * B, 64 * V);
-      for (int v = 0; v < V; ++v) acc[s][v] = _mm512_dpbf16_ps(acc[s][v], xp, (__m512bh)_mm512_loadu_si512(wp + 32 * v));
-    }
-  }
-  for (int s = 0; s < S; ++s) {
-    uint16_t out[16 * V];
-    for (int v = 0; v < V; ++v) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), (__m256i)_mm512_cvtneps_pbh(acc[s][v]));
-    }
-    std::memcpy(y[s], out, sizeof(uint16_t) * std::min<int64_t>(valid[s], 16 * V));
-  }
-}
 #endif
 
 }  // namespace
@@ -234,17 +158,6 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_ptr);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t width = block % 64 ? 32 : 64;
-  if (M == 1) {
-    for_each_stream_run(N, block, width, [&](auto streams, const int64_t* b, const int64_t* c, const int64_t* valid) {
-      constexpr int S = decltype(streams)::value;
-      const uint16_t* w[S];
-      uint16_t* out[S];
-      for (int s = 0; s < S; ++s) w[s] = wp + b[s] * block * k_rows + 2 * c[s], out[s] = yp + b[s] * block + c[s];
-      if (width == 64) bf16_streams<S, 4>(xp, Kp, w, block, out, valid);
-      else bf16_streams<S, 2>(xp, Kp, w, block, out, valid);
-    });
-    return y;
-  }
   for_each_block(M, N, block, width, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
     const uint16_t* w = wp + b * block * k_rows + 2 * c;
     uint16_t* out = yp + m * N + b * block + c;
@@ -274,20 +187,14 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
   // AVX2's chunk (4 vectors, 32 columns) is half a 64-column block, so a pass reads every other pair of cache lines.
   // One row's sums fit the registers for the whole block (8 vectors): the weights then stream in order.
   constexpr int64_t kWhole = 64 / kLanes;
-  if (M == 1 && block % 64 == 0) {
-    for_each_stream_run(N, block, 64, [&](auto streams, const int64_t* b, const int64_t* c, const int64_t* valid) {
-      constexpr int S = decltype(streams)::value;
-      const float* w[S];
-      float* out[S];
-      for (int s = 0; s < S; ++s) w[s] = wp + b[s] * block * k_rows + c[s], out[s] = yp + b[s] * block + c[s];
-      f32_streams<S, kWhole>(xp, K, w, block, out, valid);
-    });
-    return y;
-  }
-  for_each_block(M, N, block, 4 * kLanes, [&](int64_t b, int64_t c, int64_t m, int64_t rows, int64_t valid) {
+  const bool whole = M == 1 && block % 64 == 0;
+  for_each_block(M, N, block, whole ? 64 : 4 * kLanes, [&](int64_t b, int64_t c, int64_t m, int64_t rows,
+                                                            int64_t valid) {
     const float* w = wp + b * block * k_rows + c;
     float* out = yp + m * N + b * block + c;
-    sluice::with_rows(rows, [&](auto r) { f32_chunk<r>(xp + m * K, K, w, block, out, N, valid); });
+    const float* xm = xp + m * K;
+    if (whole) return f32_chunk<1, kWhole>(xm, K, w, block, out, N, valid);
+    sluice::with_rows(rows, [&](auto r) { f32_chunk<r>(xm, K, w, block, out, N, valid); });
   });
   return y;
 }

@@ -54,9 +54,9 @@ def test_packed_linear_matches_the_plain_one_on_both_paths(kernel, dtype, out_fe
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_features", [1000, 64 * 9, 70])
-def test_one_row_reads_blocks_side_by_side_with_the_sums_of_a_two_row_call(kernel, dtype, out_features):
-    """One row reads several column blocks at once (runs of up to four, shorter at each thread's end); each
-    column's sum keeps its order, so the row comes out bit for bit as in a call of two rows."""
+def test_one_row_comes_out_as_in_a_two_row_call(kernel, dtype, out_features):
+    """A row's columns sum in the same order whether the call has one row (whole blocks a pass) or two (chunks of
+    rows): bit for bit the same row, over many blocks per thread and a short last one."""
     torch.manual_seed(out_features)
     linear = nn.Linear(96, out_features, bias=False).to(dtype)
     packed = packed_of(linear)
