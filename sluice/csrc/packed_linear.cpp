@@ -98,8 +98,10 @@ void for_each_block(int64_t M, int64_t N, int64_t B, int64_t width, Fn&& chunk_r
 }
 
 #ifdef SLUICE_PACKED_BF16
-// How many pair rows ahead a chunk prefetches its column stream: on a Xeon the hardware prefetchers alone read
-// 18 GB/s of bf16 blocks past the caches, against 23 GB/s for a plain sum.
+// How many pair rows ahead a chunk of oneDNN's 32-column blocks (AMX machines) prefetches its column stream: on a
+// Xeon with AMX the hardware prefetchers alone read 18 GB/s of bf16 blocks past the caches, against 23 GB/s for a
+// plain sum. The 64-column blocks of AVX-512 machines without AMX stream without it: on 2 Zen 4 cores the
+// prefetch made one-row bf16 steps slower (docs/performance.md).
 constexpr int64_t kPrefetchPairRows = 16;
 
 // Columns [c, c + 16 V) of one bf16 block (a pair row holds 2B values) for R input rows: 16 columns per vector,
@@ -112,7 +114,7 @@ void bf16_chunk(const uint16_t* x, int64_t Kp, const uint16_t* w, int64_t B, uin
   for (int r = 0; r < R; ++r) for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < Kp / 2; ++p) {
     const uint16_t* wp = w + p * 2 * B;
-    sluice::prefetch(wp + kPrefetchPairRows * 2 * B, 64 * V);  // the chunk's columns, kPrefetchPairRows rows ahead
+    if constexpr (V == 2) sluice::prefetch(wp + kPrefetchPairRows * 2 * B, 64 * V);  // the chunk's columns, ahead
     __m512bh wv[V];
     for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wp + 32 * v);
     for (int r = 0; r < R; ++r) {
