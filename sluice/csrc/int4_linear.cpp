@@ -495,9 +495,9 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
     rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * sums_per_row,
                    byte_offsets ? byte_offsets.get() + r * G : nullptr, K, qp, scales, b0, b1, yp + r * N, N);
   };
+  if (M == 0) return y;
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    if (M == 0) return;
     if (M <= kRowsPerPass) {
       sluice::with_rows<kRowsPerPass>(M, [&](auto rows) { rows_over(rows, 0, b0, b1); });
     } else {  // the weights stream from memory once, a tile at a time, and each pass reads the tile from cache
