@@ -294,12 +294,15 @@ constexpr int64_t group_bytes() {
   return Scales::kByteCodes ? 2 * kGroupBytes : kGroupBytes;
 }
 
-// Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N.
-// byte_offsets: with kSignedByteDot, 128 times each group's activation codes' sum, [Rows, K / 32].
+// Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N. The
+// rows' groups come interleaved (quantize_rows' row_block): group g of row r is group g * Rows + r of qx, dx,
+// xsum ([.., 2] for Q6_K) and byte_offsets (with kSignedByteDot, 128 times each group's activation codes' sum), so
+// each group of all the rows lies at one address and the compiler keeps one pointer, not one per row.
 template <int Rows, class Scales>
 void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_t* byte_offsets, int64_t K,
               const uint8_t* qs, const Scales& scales, int64_t b0, int64_t b1, float* y, int64_t N) {
   const int64_t G = K / kGroup;
+  const auto at = [](int r, int64_t g) { return g * Rows + r; };
   constexpr int64_t kStride = group_bytes<Scales>();
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* qblock = qs + b * G * kStride;
@@ -345,7 +348,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             const ivec w = i4_load(qblock + g * kStride + c * 64 + (h0 + j) * I4_LANES * 4);
             for (int r = 0; r < Rows; ++r) {
               ivec& sum = c < 4 ? lo[r][j] : hi[r][j];  // chains of four, as the nibbles'
-              sum = i8_dot(sum, w, i4_bcast(qx + r * K + g * kGroup + 4 * c));
+              sum = i8_dot(sum, w, i4_bcast(qx + at(r, g) * kGroup + 4 * c));
             }
           }
         }
@@ -365,7 +368,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
               wh = i4_or(wh, i4_bit(sixth, 4 + c, 5));
             }
             for (int r = 0; r < Rows; ++r) {
-              const int8_t* xg = qx + r * K + g * kGroup;
+              const int8_t* xg = qx + at(r, g) * kGroup;
               lo[r][j] = dot(lo[r][j], wl, i4_bcast(xg + 4 * c));
               hi[r][j] = dot(hi[r][j], wh, i4_bcast(xg + 16 + 4 * c));
             }
@@ -376,8 +379,8 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             const int h = h0 + j;
             const fvec d_lo = scales.half_scale(b, g, h, 0), d_hi = scales.half_scale(b, g, h, 1);
             for (int r = 0; r < Rows; ++r) {
-              const float* offsets = xsum + (r * G + g) * 2;  // this group's halves' code sums
-              const fvec dxr = f_set1(dx[r * G + g]);
+              const float* offsets = xsum + at(r, g) * 2;  // this group's halves' code sums
+              const fvec dxr = f_set1(dx[at(r, g)]);
               const ivec sum_lo = i4_add(lo[r][j], i4_set1(-32 * static_cast<int32_t>(offsets[0])));
               const ivec sum_hi = i4_add(hi[r][j], i4_set1(-32 * static_cast<int32_t>(offsets[1])));
               total[r][j] = f_fmadd(f_cvt(sum_lo), f_mul(d_lo, dxr), total[r][j]);
@@ -391,9 +394,9 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             for (int r = 0; r < Rows; ++r) {
               ivec sum = widen(lo[r][j]);
               if constexpr (kChains == 2) sum = i4_add(sum, widen(hi[r][j]));
-              if constexpr (Scales::kByteCodes && kSignedByteDot) sum = i4_add(sum, i4_set1(byte_offsets[r * G + g]));
-              total[r][j] = f_fmadd(f_cvt(sum), f_mul(dg, f_set1(dx[r * G + g])), total[r][j]);
-              total[r][j] = f_fmadd(mg, f_set1(xsum[r * G + g]), total[r][j]);
+              if constexpr (Scales::kByteCodes && kSignedByteDot) sum = i4_add(sum, i4_set1(byte_offsets[at(r, g)]));
+              total[r][j] = f_fmadd(f_cvt(sum), f_mul(dg, f_set1(dx[at(r, g)])), total[r][j]);
+              total[r][j] = f_fmadd(mg, f_set1(xsum[at(r, g)]), total[r][j]);
             }
           }
         }
@@ -406,7 +409,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
       for (int64_t o = 0; o < kBlock; ++o) {
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) {
-          const int8_t* xg = qx + r * K + g * kGroup;
+          const int8_t* xg = qx + at(r, g) * kGroup;
           int32_t dot[2] = {0, 0};  // inputs 0..15 of the group, 16..31
           for (int c = 0; c < 8 && Scales::kByteCodes; ++c) {
             const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
@@ -426,12 +429,12 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
           }
           if constexpr (Scales::kHalfScales) {
             for (int half = 0; half < 2; ++half) {
-              const int32_t sum = dot[half] - 32 * static_cast<int32_t>(xsum[(r * G + g) * 2 + half]);
-              total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[r * G + g], total);
+              const int32_t sum = dot[half] - 32 * static_cast<int32_t>(xsum[at(r, g) * 2 + half]);
+              total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[at(r, g)], total);
             }
           } else {
-            total = std::fma(static_cast<float>(dot[0] + dot[1]), scales.scale_at(b, g, o) * dx[r * G + g], total);
-            total = std::fma(scales.minimum_at(b, g, o), xsum[r * G + g], total);
+            total = std::fma(static_cast<float>(dot[0] + dot[1]), scales.scale_at(b, g, o) * dx[at(r, g)], total);
+            total = std::fma(scales.minimum_at(b, g, o), xsum[at(r, g)], total);
           }
         }
         out[r][o] = total;
@@ -474,7 +477,9 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
               name, ": qs uint8 [ceil(N / 16), K / 32, ", chunks, ", 16, 4], contiguous");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
-  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
+  // Interleaved per block of the rows one pass takes (rows_dot).
+  const int64_t row_block = M <= kRowsPerPass ? kRowsPerPass : kRowsPerTilePass;
+  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K, row_block);
   std::unique_ptr<float[]> half_sums;
   if constexpr (Scales::kHalfScales) half_sums = code_sums_by_half(qx.q.get(), M, K);
   const float* sums = Scales::kHalfScales ? half_sums.get() : Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();

@@ -102,16 +102,20 @@ inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum,
 }  // namespace detail
 
 // x float32 [M, K], K a multiple of 32, quantized on torch's threads past 1,024 groups (a decode row stays on one:
-// forking costs more than it saves).
-inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = M * K / kQuantGroup;
+// forking costs more than it saves). Groups are stored row by row, or with row_block > 1 interleaved per block of
+// that many rows (the last block holds the rest, R rows): block m's group g of its row r at m * G + g * R + r.
+// A kernel walking a block's rows then reads each group of all of them from one place, one pointer for all rows.
+inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t row_block = 1) {
+  const int64_t G = K / kQuantGroup, groups = M * G;
   // Every element is written below: no zeroing.
   QuantizedRows out{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[groups]),
                     std::unique_ptr<float[]>(new float[groups]), std::unique_ptr<float[]>(new float[groups])};
   at::parallel_for(0, groups, 1024, [&](int64_t g0, int64_t g1) {
     for (int64_t i = g0; i < g1; ++i) {
-      detail::quantize_group(x + i * kQuantGroup, out.q.get() + i * kQuantGroup, &out.scale[i], &out.sum[i],
-                             &out.code_sum[i]);
+      const int64_t row = i / G, g = i % G, m = row / row_block * row_block;
+      const int64_t at = m * G + g * std::min(row_block, M - m) + (row - m);
+      detail::quantize_group(x + i * kQuantGroup, out.q.get() + at * kQuantGroup, &out.scale[at], &out.sum[at],
+                             &out.code_sum[at]);
     }
   });
   return out;
