@@ -69,7 +69,8 @@ class CacheConfig:
     cpu_decode_kernel: bool = knob(
         True,
         "CPU fp32 or bf16: decode attention in a small C kernel that reads the paged cache in place (built on "
-        "first use with the system C compiler; the torch path when none is found).",
+        "first use with the system C compiler; the torch path when none is found). With Sluice's own model and no "
+        "sliding window it attends prompt chunks too, instead of SDPA per sequence.",
         flag="--no-cpu-decode-kernel",
     )
     kv_cache_dtype: str = knob(

@@ -30,17 +30,27 @@ class DecodeKernel:
         self.path: str = ops.__file__  # the shared object loaded
         self.isa: str = ops.paged_decode_isa()  # avx512, avx2 or portable
 
+    @staticmethod
+    def reads(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """float32 or bfloat16 queries over a cache of their own type, or float32 ones over a 16-bit cache."""
+        return dtype in DTYPES and (kv_dtype == dtype or (dtype == torch.float32 and kv_dtype in CACHE_16))
+
     def supports(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """float32 or bfloat16 CPU tensors in the layouts the kernel reads (a 16-bit cache under float32 queries
-        too), and a head grouping it holds."""
+        """CPU tensors of types it reads, in the layouts it reads, and a head grouping it holds."""
         num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
         return (
             query.device.type == "cpu"
-            and query.dtype in DTYPES
-            and (key_cache.dtype == query.dtype or (query.dtype == torch.float32 and key_cache.dtype in CACHE_16))
+            and self.reads(query.dtype, key_cache.dtype)
             and key_cache.is_contiguous()
             and num_heads % num_kv_heads == 0
         )
+
+    def attends_chunks(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       kv_dtype: torch.dtype) -> bool:
+        """Whether whole prompt chunks may come here instead of SDPA: its vector path takes these heads (runs of a
+        chunk's rows read the cache once per run), where the portable loop would take a row at a time."""
+        return self.reads(dtype, kv_dtype) and bool(self.ops.paged_decode_vector_covers(num_heads, num_kv_heads,
+                                                                                        head_dim))
 
     def plan(self, query, key_cache, block_tables, seq_lens, slot_mapping, scale: float):
         """What every layer of this step shares: block_tables [n, max_blocks], seq_lens [n] and slot_mapping [n]

@@ -28,7 +28,9 @@ from sluice.kvcache.transfer import to_device
 if TYPE_CHECKING:
     from sluice.kvcache.decode_kernel import DecodeKernel
 
-# The most query rows of one sequence that the C kernel attends as decodes (verify steps: 1 + up to 16 drafts).
+# The most query rows of one sequence that the C kernel attends as decodes (verify steps: 1 + up to 16 drafts)
+# unless the runner knows it takes every layer (AttentionMetadata.build's kernel_rows_max): a layer it cannot take
+# (a sliding window, a softcap) attends those rows on the torch path, which gathers each row's whole context.
 KERNEL_ROWS_MAX = 17
 # flash-attn 2 only accepts paged caches whose block size is a multiple of 256.
 FLASH_BLOCK_MULTIPLE = 256
@@ -68,7 +70,8 @@ def resolve_backend(name: str, device: torch.device, block_size: int, mixed_dtyp
 @dataclass(slots=True)
 class DecodeBatch:
     """The step's query rows attended one at a time: the q_len == 1 sequences, and with the C kernel the rows of
-    sequences with up to KERNEL_ROWS_MAX of them, each row a decode over its sequence's blocks."""
+    sequences with up to kernel_rows_max of them (AttentionMetadata.build), each row a decode over its sequence's
+    blocks."""
 
     rows: torch.Tensor | slice  # their token rows in the packed batch
     block_ids: torch.Tensor  # [n * num_blocks] flattened, padded block tables of the rows' sequences
@@ -144,10 +147,12 @@ class AttentionMetadata:
         decode_kernel: DecodeKernel | None = None,
         backend: str = "auto",
         seq_lens_tensor: torch.Tensor | None = None,
+        kernel_rows_max: int = KERNEL_ROWS_MAX,
     ) -> AttentionMetadata:
         """Metadata for sequences packed in order; lengths are host lists so planning needs no device sync.
         A step of decodes only may pass int64 block tables and seq_lens_tensor (its lengths, long, on the device):
-        the decode kernel then reads those tensors in place (a decode step's persistent buffers)."""
+        the decode kernel then reads those tensors in place (a decode step's persistent buffers). Sequences of up
+        to kernel_rows_max query rows go to the decode kernel (where there is one), longer ones to SDPA."""
         device = block_tables.device
         backend = resolve_backend(backend, device, block_size)
         cu_q, cu_k = [0, *itertools.accumulate(query_lens)], [0, *itertools.accumulate(seq_lens)]
@@ -157,10 +162,10 @@ class AttentionMetadata:
         elif backend == "flex":
             groups = flex.plan_groups(query_lens, seq_lens, cu_q, block_tables, block_size)
         else:
-            # With the C kernel, a few query rows of one sequence (a verify step's drafts, a chunk's short tail) are
-            # decodes too, each seeing the cache up to its own position: the kernel reads the blocks in place,
-            # where the prefill path gathers the whole context for one SDPA call.
-            rows_max = KERNEL_ROWS_MAX if decode_kernel is not None and backend == "torch" else 1
+            # With the C kernel, query rows of one sequence (a verify step's drafts, a prompt chunk) are decodes
+            # too, each seeing the cache up to its own position: the kernel reads the blocks in place, where the
+            # prefill path gathers the whole context for one SDPA call per sequence.
+            rows_max = kernel_rows_max if decode_kernel is not None and backend == "torch" else 1
             decode_idx = [i for i, n in enumerate(query_lens) if n <= rows_max]
             if decode_idx:
                 decode = _plan_decode(decode_idx, cu_q, query_lens, seq_lens, block_tables, block_size,

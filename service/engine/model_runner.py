@@ -10,7 +10,7 @@ import torch
 from sluice.kvcache import triton_decode
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.decode_kernel import load as load_decode_kernel
-from sluice.kvcache.paged_attention import AttentionMetadata, resolve_backend
+from sluice.kvcache.paged_attention import KERNEL_ROWS_MAX, AttentionMetadata, resolve_backend
 from sluice.kvcache.transfer import tensors_to_device, to_device
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from sluice.service.engine.attention_backend import (
@@ -21,6 +21,7 @@ from sluice.service.engine.attention_backend import (
 )
 from sluice.service.engine.decode_buffers import DecodeBuffers, DecodeStep
 from sluice.service.engine.kv_sizing import KVShape, kv_cache_blocks
+from sluice.service.engine.layers.attention import PagedAttention
 from sluice.service.engine.models.llama import LlamaForCausalLM
 from sluice.service.engine.models.packed import packed_hidden, packed_logits
 from sluice.service.engine.pooling import Pooler
@@ -83,11 +84,27 @@ class ModelRunner:
         self.decode_kernel = None
         if cache_config.cpu_decode_kernel and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             self.decode_kernel = load_decode_kernel()
+        self.kernel_rows_max = self._kernel_rows_max(model, dtype)
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
         self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
         self.lora_slots = None  # LoRASlots where the engine serves adapters (lora/manager.py)
         self.pooler = Pooler()  # embedding requests: pooled final hidden states, partial sums across chunks
+
+    def _kernel_rows_max(self, model, dtype: torch.dtype) -> int:
+        """The most query rows of a sequence the decode kernel attends (AttentionMetadata.build): every row of a
+        step where Sluice's own model has no layer the kernel cannot take (a sliding window) and the kernel's
+        vector path takes its heads; else a verify step's rows (KERNEL_ROWS_MAX)."""
+        kernel = self.decode_kernel
+        if kernel is None or self.attention_backend != "torch" or not isinstance(model, LlamaForCausalLM):
+            return KERNEL_ROWS_MAX
+        layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        if not layers or any(m.sliding_window for m in layers):
+            return KERNEL_ROWS_MAX
+        shapes = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in layers}
+        if not all(kernel.attends_chunks(*heads, dtype, self.kv_dtype) for heads in shapes):
+            return KERNEL_ROWS_MAX
+        return max(self.max_num_batched_tokens, KERNEL_ROWS_MAX)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -177,7 +194,7 @@ class ModelRunner:
         input_ids, positions, slot_mapping, block_tables, sample_rows = tensors_to_device(
             [input_ids, positions, slot_mapping, block_tables, sample_rows], self.device)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.block_size,
-                                       self.decode_kernel, self.attention_backend)
+                                       self.decode_kernel, self.attention_backend, kernel_rows_max=self.kernel_rows_max)
         return input_ids, positions, meta, sample_rows
 
     def _fill_decode(self, scheduled: list[ScheduledRequest]) -> tuple[DecodeStep, torch.Tensor]:

@@ -54,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("before_attention", &LlamaLayerOps::before_attention, "input norm, q/k/v projection, rotary")
       .def("after_attention", &LlamaLayerOps::after_attention, "o projection, residual, norm, MLP, residual");
   m.def("paged_decode_isa", &paged_decode_isa, "the decode attention kernel's instruction set");
+  m.def("paged_decode_vector_covers", &paged_decode_vector_covers, "the decode kernel's vector path takes these heads");
   pybind11::class_<PagedDecodePlan>(m, "PagedDecodePlan")
       .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t,
                           int64_t, double, int64_t>())

@@ -132,6 +132,8 @@ class PagedDecodePlan {
 };
 // The decode kernel's vector path: "avx512", "avx2" or "portable".
 std::string paged_decode_isa();
+// Whether the vector path attends heads of this shape (else each row runs the portable loop on its own).
+bool paged_decode_vector_covers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 // Linears on GGUF blocks as the file stores them (gguf_linear.cpp): w uint8 [N, row_bytes] of GGML type `type`
 // (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). gguf_linear: y = x @ W.T for few rows of x
 // float32 [M, K], activations quantized to int8 per 32; gguf_dequantize: W as float32 [N, K].

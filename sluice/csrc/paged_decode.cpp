@@ -313,6 +313,10 @@ std::string paged_decode_isa() {
 #endif
 }
 
+bool paged_decode_vector_covers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && simd_covers(num_heads, num_kv_heads, head_dim);
+}
+
 namespace {
 
 void check_index(const at::Tensor& t, const char* name) {

@@ -28,7 +28,7 @@ def record_inputs(runner):
 
     def compute_logits(input_ids, positions, rows):
         meta = get_forward_context().attn_metadata
-        if not meta.prefills:
+        if meta.max_seqlen_q == 1:  # a decode step (with the C kernel, a prompt's rows are decode rows too)
             seen.append(dict(ptrs=(input_ids.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
                                    meta.block_tables.data_ptr(), meta.decode.seq_lens.data_ptr(),
                                    meta.decode.tables.data_ptr()), rows=input_ids.shape[0]))

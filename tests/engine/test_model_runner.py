@@ -7,6 +7,7 @@ import torch
 
 from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.kv_tensors import kv_block_bytes
+from sluice.kvcache.paged_attention import KERNEL_ROWS_MAX
 from sluice.scheduling.output import SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
@@ -95,3 +96,32 @@ def test_cache_sized_from_memory_budget():
 def test_forward_context_required():
     with pytest.raises(RuntimeError, match="set_forward_context"):
         get_forward_context()
+
+
+def test_prompt_chunks_go_to_the_decode_kernel_where_it_takes_every_layer():
+    """Sluice's own model without sliding windows: every row of a step is a decode row of the C kernel (a prompt
+    chunk reads the cache in place, runs of its rows at a time, not one SDPA call per sequence). A window on a
+    layer, or transformers' own model, keeps chunks past KERNEL_ROWS_MAX rows on SDPA."""
+    reference, model = tiny_pair("llama")
+    runner = make_runner(model)
+    if runner.decode_kernel is None:
+        pytest.skip("the native extension cannot be built here (no C++ compiler?)")
+    assert runner.kernel_rows_max == runner.max_num_batched_tokens
+    steps = []
+    forward = runner.model.compute_logits
+
+    def compute_logits(input_ids, positions, rows):
+        steps.append(get_forward_context().attn_metadata)
+        return forward(input_ids, positions, rows)
+
+    runner.model.compute_logits = compute_logits
+    p = prompts()
+    driver = Driver(runner)
+    driver.add("a", p["a"])
+    driver.step({"a": None})
+    assert not steps[0].prefills and steps[0].decode.num_rows == len(p["a"])
+    while len(driver.outputs("a")) < 4:
+        driver.step({"a": 1})
+    assert driver.outputs("a") == hf_greedy(reference, p["a"], 4)
+    assert make_runner(tiny_pair("mistral")[1]).kernel_rows_max == KERNEL_ROWS_MAX
+    assert make_runner(tiny_pair("llama")[1], owned=False).kernel_rows_max == KERNEL_ROWS_MAX

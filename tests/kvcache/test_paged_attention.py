@@ -12,7 +12,8 @@ import torch
 
 from sluice import native
 from sluice.kvcache import decode_kernel as cpu_kernel
-from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
+from sluice.kvcache.paged_attention import KERNEL_ROWS_MAX, AttentionMetadata, paged_attention
+from sluice.service.bench.gpu_attention import paged_attention_case
 from tests.support.attention import MIXES, run_case
 from tests.support.kernels import MARCHES, build_variant, has_avx2
 
@@ -83,26 +84,47 @@ def portable_kernel():
     return decode_variant("portable")
 
 
+# Which rows the C kernel attends: none (torch), a verify step's few rows of a sequence (c_kernel), or every row,
+# prompt chunks too (c_kernel_all: what the runner asks of it for Sluice's own model without sliding windows).
+DECODES = {"torch": None, "c_kernel": KERNEL_ROWS_MAX, "c_kernel_all": 10**6}
+
+
+def case_kernel(decodes: str) -> dict:
+    """run_case's kernel arguments for one entry of DECODES."""
+    rows = DECODES[decodes]
+    return {} if rows is None else {"kernel": decode_kernel(), "kernel_rows_max": rows}
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
-@pytest.mark.parametrize("decodes", ["torch", "c_kernel"])
+@pytest.mark.parametrize("decodes", list(DECODES))
 def test_matches_dense_reference(block_size, mix, heads, decodes):
-    kernel = decode_kernel() if decodes == "c_kernel" else None
-    err, _ = run_case(MIXES[mix], block_size, num_heads=heads[0], num_kv_heads=heads[1], kernel=kernel)
+    err, _ = run_case(MIXES[mix], block_size, num_heads=heads[0], num_kv_heads=heads[1], **case_kernel(decodes))
     assert err < 1e-4
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("mix", list(MIXES))
-@pytest.mark.parametrize("decodes", ["torch", "c_kernel"])
+@pytest.mark.parametrize("decodes", list(DECODES))
 def test_float32_queries_over_a_16_bit_cache_match_the_rounded_reference(block_size, mix, decodes, kv_dtype):
     """--kv-cache-dtype under a float32 model: K/V rounded where they are stored (a prefill's own new keys too),
     everything else float32, so the reference on the rounded K/V is met to float32's precision."""
-    kernel = decode_kernel() if decodes == "c_kernel" else None
-    err, out = run_case(MIXES[mix], block_size, kernel=kernel, kv_dtype=kv_dtype)
+    err, out = run_case(MIXES[mix], block_size, kv_dtype=kv_dtype, **case_kernel(decodes))
     assert out.dtype == torch.float32 and err < 1e-4
+
+
+def test_every_row_on_the_kernel_leaves_no_prefill_for_sdpa():
+    kernel = decode_kernel()
+    seqs = MIXES["mixed"]
+    args = paged_attention_case(seqs, 4, torch.device("cpu"), torch.float32, 0, None, None, 8, 2, 16, None)[5]
+    meta = AttentionMetadata.build(*args, kernel, kernel_rows_max=10**6)
+    assert not meta.prefills and meta.decode.num_rows == sum(q for _, q in seqs)
+    # row j of a chunk of q rows over a context of c tokens sees c + j + 1 of them
+    assert meta.decode.seq_lens.tolist()[1:18] == list(range(1, 18))
+    assert [p.q_len for p in AttentionMetadata.build(*args, kernel).prefills] == []  # 17 rows: KERNEL_ROWS_MAX
+    assert [p.q_len for p in AttentionMetadata.build(*args, kernel, kernel_rows_max=8).prefills] == [17, 9]
 
 
 # Edge values of the 16-bit types: ties, the largest finite halves and what rounds past them, half's subnormals
@@ -313,8 +335,6 @@ def test_a_cache_of_another_dtype_resolves_to_the_torch_backend():
 def test_a_few_rows_of_one_sequence_are_decodes_for_the_kernel():
     """A verify step's 1 + d rows (and a chunk's short tail) run on the C kernel, row j seeing the cache up to its
     own position; longer chunks, and every chunk without the kernel, take the prefill path."""
-    from sluice.kvcache.paged_attention import KERNEL_ROWS_MAX
-
     kernel = decode_kernel()
     tables = torch.arange(80, dtype=torch.int32).view(2, 40)
     slots = torch.arange(5 + KERNEL_ROWS_MAX + 1)

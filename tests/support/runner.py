@@ -36,6 +36,7 @@ def tiny_pair(arch: str):
         "llama": lambda: transformers.LlamaConfig(**common),
         "qwen2": lambda: transformers.Qwen2Config(**common),
         "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=16, **common),  # a window on every layer
     }[arch]()
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
