@@ -122,12 +122,21 @@ typedef __m512 vf;
 #define V_MAX _mm512_max_ps
 #define V_FMADD _mm512_fmadd_ps
 #define V_FNMADD _mm512_fnmadd_ps
-#define V_HSUM _mm512_reduce_add_ps
+#define V_HSUM hsum16
 #define V_HMAX _mm512_reduce_max_ps
 #define V_ROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
                                                                           _mm512_set1_epi32(127)), 23))
 #define V_ZERO_BELOW(x, low, y) _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), y)
+/* The sum of v's lanes in one fixed tree, written out (the compiler's reduce is its own): x[i] + x[i + 8], then the
+ * halves of that 4 apart, 2 apart, 1 apart. reduce8_store sums eight vectors in the same tree, transposed. */
+static inline float hsum16(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                                                   _mm512_castps_pd(v), 1)));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
 static inline vf vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -184,7 +193,22 @@ static inline vf vload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu
  * sum at a time costs a shuffle tree each. */
 static inline void reduce8_store(const vf *s, float *dst) {
 #if VW == 16
-    for (int i = 0; i < 8; i++) dst[i] = V_HSUM(s[i]);
+    /* hsum16's first add for two vectors at once: [low halves of s[2i], s[2i + 1]] + [their high halves] */
+    __m512 h[4];
+    for (int i = 0; i < 4; i++)
+        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xEE));
+    /* its second: quarter 0 plus quarter 1 of each half, four vectors' in each result */
+    const __m512 g0 = _mm512_add_ps(_mm512_shuffle_f32x4(h[0], h[1], 0x88), _mm512_shuffle_f32x4(h[0], h[1], 0xDD));
+    const __m512 g1 = _mm512_add_ps(_mm512_shuffle_f32x4(h[2], h[3], 0x88), _mm512_shuffle_f32x4(h[2], h[3], 0xDD));
+    /* its third (elements 0 + 2, 1 + 3 of each quarter), then its last (0 + 1): s[i]'s sum lands in quarter i % 4,
+     * element 2 * (i / 4) */
+    const __m512 p = _mm512_add_ps(g0, _mm512_shuffle_ps(g0, g0, 0x4E));
+    const __m512 q = _mm512_add_ps(g1, _mm512_shuffle_ps(g1, g1, 0x4E));
+    const __m512 pq = _mm512_shuffle_ps(p, q, 0x44);
+    const __m512 t = _mm512_add_ps(pq, _mm512_shuffle_ps(pq, pq, 0xB1));
+    const __m512 order = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), t);
+    _mm256_storeu_ps(dst, _mm512_castps512_ps256(order));
 #else
     __m256 h[4]; /* [halves of s[2i] added | those of s[2i + 1]]: V_HSUM's first add */
     for (int i = 0; i < 4; i++)
