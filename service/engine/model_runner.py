@@ -96,7 +96,7 @@ class ModelRunner:
         step where Sluice's own model has no layer the kernel cannot take (a sliding window) and the kernel's
         vector path takes its heads; else a verify step's rows (KERNEL_ROWS_MAX)."""
         kernel = self.decode_kernel
-        if kernel is None or self.attention_backend != "torch" or not isinstance(model, LlamaForCausalLM):
+        if kernel is None or not isinstance(model, LlamaForCausalLM):  # (build applies it on the torch backend)
             return KERNEL_ROWS_MAX
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         if not layers or any(m.sliding_window for m in layers):

@@ -477,9 +477,10 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
               name, ": qs uint8 [ceil(N / 16), K / 32, ", chunks, ", 16, 4], contiguous");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
-  // Interleaved per block of the rows one pass takes (rows_dot).
-  const int64_t row_block = M <= kRowsPerPass ? kRowsPerPass : kRowsPerTilePass;
-  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K, row_block);
+  // One pass over the weights, or passes over tiles of them: the rows come interleaved per block of that path's
+  // rows (rows_dot), so this one choice decides both.
+  const bool one_pass = M <= kRowsPerPass;
+  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K, one_pass ? kRowsPerPass : kRowsPerTilePass);
   std::unique_ptr<float[]> half_sums;
   if constexpr (Scales::kHalfScales) half_sums = code_sums_by_half(qx.q.get(), M, K);
   const float* sums = Scales::kHalfScales ? half_sums.get() : Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();
@@ -503,7 +504,7 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   if (M == 0) return y;
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    if (M <= kRowsPerPass) {
+    if (one_pass) {
       sluice::with_rows<kRowsPerPass>(M, [&](auto rows) { rows_over(rows, 0, b0, b1); });
     } else {  // the weights stream from memory once, a tile at a time, and each pass reads the tile from cache
       sluice::for_each_tile<kRowsPerTilePass>(M, b0, b1, G * group_bytes<Scales>(), rows_over);
