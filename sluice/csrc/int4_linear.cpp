@@ -1,13 +1,14 @@
 // Weight-only int4 (and int5, int8) linear (Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for calls of any
 // size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d
 // and minimum m, element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit
-// per code, Q5_0's minimum -16 d; Q8_0: a byte per code, kept as q + 128, minimum -128 d; the policies below). Each
-// input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+// per code, Q5_0's element (q - 16) d; Q8_0: a byte per code, kept as q + 128; the policies below). Each input row is
+// quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
-// with xsum the float sum of the group's inputs (Q5_0, Q5_1, Q8_0: dx times the sum of the int8 codes, as llama.cpp's
-// Q8_1 activations carry it, so that Q5_0's (q - 16) * qx sums exactly). The inner sums are exact integer dot
-// products (u8 x s8 -> s32), so every instruction set below computes the same values; only the final float sums may
-// round in another order.
+// with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
+// activations carry it). Q5_0 and Q8_0 have no minimum: their codes' offset (16, 128) comes off the integer sum as
+// that offset times the sum of the group's activation codes, so each group costs one float multiply-add fewer, and
+// the sum is llama.cpp's own, sum_j (q - 16) qx. The inner sums are exact integer dot products (u8 x s8 -> s32), so
+// every instruction set below computes the same values; only the final float sums may round in another order.
 //
 // Layout (gguf_blocks.py's pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles): outputs in
 // blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o
@@ -98,8 +99,8 @@ inline ivec i4_bit(ivec v, int from, int to) {  // as the AVX-512 one
 inline ivec i4_or(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 // Bytes 0..255 against int8 would saturate pmaddubsw's pair sums (2 * 255 * 127), so the codes go back to signed
 // q = u - 128 and pmaddubsw takes |q| against x with q's sign: pair sums within 2 * 128 * 127 < 2^15 (|x| <= 127).
-// Half the instructions of summing each nibble apart. rows_dot adds 128 times the group's activation codes back,
-// so the integer sums, and the bits of y, are vpdpbusd's.
+// Half the instructions of summing each nibble apart. The sums come out as sum_j q qx, which vpdpbusd's sums of u
+// reach only once 128 times the group's activation codes are taken off (Q8_0Scales::kCodeBias).
 constexpr bool kSignedByteDot = true;
 inline ivec i8_dot(ivec acc, ivec u, ivec x) {
   const ivec q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -151,7 +152,8 @@ using sluice::quantize_rows;
 // Q4_1: float16 [blocks, G, 16] each.
 struct Q4_1Scales {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
-                        kByteCodes = false;
+                        kByteCodes = false, kMinimum = true;
+  static constexpr int32_t kCodeBias = 0;
   const uint16_t* d;
   const uint16_t* m;
   int64_t G;
@@ -171,7 +173,8 @@ struct Q4_1Scales {
 // float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
 struct Q4_KScales {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
-                        kByteCodes = false;
+                        kByteCodes = false, kMinimum = true;
+  static constexpr int32_t kCodeBias = 0;
   const uint8_t* sm;
   const uint16_t* super;
   int64_t G;
@@ -201,11 +204,13 @@ struct Q4_KScales {
 // Q5_0 and Q5_1: Q4_1's nibbles with a fifth bit per code, uint8 [blocks, G, 16, 4]: output o's four bytes of a
 // group line up with its four code bytes of each chunk c, byte t holding in bit c the fifth bit of input 4c + t
 // (chunk c's low nibble) and in bit 4 + c that of input 16 + 4c + t (its high nibble). Q5_0: element = (q - 16) d,
-// d float16 [blocks, G, 16]; Q5_1 (WithMinimum): element = q d + m, d and m float16 [blocks, G, 2, 16].
+// d float16 [blocks, G, 16], the 16 off the integer sum; Q5_1 (WithMinimum): element = q d + m, d and m float16
+// [blocks, G, 2, 16].
 template <bool WithMinimum>
 struct Q5Scales {
   static constexpr bool kFifthBit = true, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = false;
+                        kByteCodes = false, kMinimum = WithMinimum;
+  static constexpr int32_t kCodeBias = WithMinimum ? 0 : 16;
   static constexpr int64_t kHalves = WithMinimum ? 2 : 1;
   const uint8_t* fifth;
   const uint16_t* dm;
@@ -218,16 +223,10 @@ struct Q5Scales {
   }
 #ifdef I4_LANES
   fvec scale(int64_t b, int64_t g, int h) const { return f_half(at(b, g) + h * I4_LANES); }
-  fvec minimum(int64_t b, int64_t g, int h) const {
-    if constexpr (WithMinimum) return f_half(at(b, g) + kBlock + h * I4_LANES);
-    return f_mul(f_set1(-16.f), scale(b, g, h));
-  }
+  fvec minimum(int64_t b, int64_t g, int h) const { return f_half(at(b, g) + kBlock + h * I4_LANES); }
 #endif
   float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(at(b, g)[o]); }
-  float minimum_at(int64_t b, int64_t g, int64_t o) const {
-    if constexpr (WithMinimum) return half_to_float(at(b, g)[kBlock + o]);
-    return -16.f * scale_at(b, g, o);
-  }
+  float minimum_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(at(b, g)[kBlock + o]); }
   // The bits above the nibble (here the fifth) of output o's code byte t of chunk c: its low nibble's, its high one's.
   int low_upper(int64_t b, int64_t g, int64_t o, int c, int t) const { return fifth_bits(b, g)[o * 4 + t] >> c & 1; }
   int high_upper(int64_t b, int64_t g, int64_t o, int c, int t) const {
@@ -236,10 +235,12 @@ struct Q5Scales {
 };
 
 // Q8_0, packed as the nibbles are but a byte per code (8 chunks of 4 inputs per group: 512 bytes per group of a
-// block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d, d float16 [blocks, G, 16].
+// block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d, d float16 [blocks, G, 16]; the 128
+// comes off the integer sum, where i8_dot has not taken it off already.
 struct Q8_0Scales {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = true;
+                        kByteCodes = true, kMinimum = false;
+  static constexpr int32_t kCodeBias = kSignedByteDot ? 0 : 128;
   const uint16_t* d;
   int64_t G;
   void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 32
@@ -247,10 +248,8 @@ struct Q8_0Scales {
   }
 #ifdef I4_LANES
   fvec scale(int64_t b, int64_t g, int h) const { return f_half(d + (b * G + g) * kBlock + h * I4_LANES); }
-  fvec minimum(int64_t b, int64_t g, int h) const { return f_mul(f_set1(-128.f), scale(b, g, h)); }
 #endif
   float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(d[(b * G + g) * kBlock + o]); }
-  float minimum_at(int64_t b, int64_t g, int64_t o) const { return -128.f * scale_at(b, g, o); }
 };
 
 // Q6_K: codes of 6 bits, element = d * sc * (q - 32), with a signed 8-bit sc per 16 inputs (a group's low nibbles,
@@ -258,7 +257,9 @@ struct Q8_0Scales {
 // in two planes of Q5's fifth-bit order ([16, 4] each), then sc [2, 16]; d float16 [blocks, G / 8, 16]. Each half's
 // -32 q offset comes off its integer sum: 32 times the sum of that half's activation codes (`xsum`, [G, 2] a row).
 struct Q6_KScales {
-  static constexpr bool kFifthBit = true, kSixthBit = true, kHalfScales = true, kCodeSum = true, kByteCodes = false;
+  static constexpr bool kFifthBit = true, kSixthBit = true, kHalfScales = true, kCodeSum = true, kByteCodes = false,
+                        kMinimum = false;
+  static constexpr int32_t kCodeBias = 0;  // -32 per half, in the half-scale branch
   static constexpr int64_t kGroupHigh = 160;
   const uint8_t* high;
   const uint16_t* d;
@@ -296,10 +297,10 @@ constexpr int64_t group_bytes() {
 
 // Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N. The
 // rows' groups come interleaved (quantize_rows' row_block): group g of row r is group g * Rows + r of qx, dx,
-// xsum ([.., 2] for Q6_K) and byte_offsets (with kSignedByteDot, 128 times each group's activation codes' sum), so
-// each group of all the rows lies at one address and the compiler keeps one pointer, not one per row.
+// xsum ([.., 2] for Q6_K) and codes (the sum of each group's activation codes), so each group of all the rows lies
+// at one address and the compiler keeps one pointer, not one per row.
 template <int Rows, class Scales>
-void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_t* byte_offsets, int64_t K,
+void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_t* codes, int64_t K,
               const uint8_t* qs, const Scales& scales, int64_t b0, int64_t b1, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   const auto at = [](int r, int64_t g) { return g * Rows + r; };
@@ -390,13 +391,15 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
         } else {
           for (int j = 0; j < kPer; ++j) {
             const int h = h0 + j;
-            const fvec dg = scales.scale(b, g, h), mg = scales.minimum(b, g, h);
+            const fvec dg = scales.scale(b, g, h);
+            fvec mg;
+            if constexpr (Scales::kMinimum) mg = scales.minimum(b, g, h);
             for (int r = 0; r < Rows; ++r) {
               ivec sum = widen(lo[r][j]);
               if constexpr (kChains == 2) sum = i4_add(sum, widen(hi[r][j]));
-              if constexpr (Scales::kByteCodes && kSignedByteDot) sum = i4_add(sum, i4_set1(byte_offsets[at(r, g)]));
+              if constexpr (Scales::kCodeBias != 0) sum = i4_add(sum, i4_set1(-Scales::kCodeBias * codes[at(r, g)]));
               total[r][j] = f_fmadd(f_cvt(sum), f_mul(dg, f_set1(dx[at(r, g)])), total[r][j]);
-              total[r][j] = f_fmadd(mg, f_set1(xsum[at(r, g)]), total[r][j]);
+              if constexpr (Scales::kMinimum) total[r][j] = f_fmadd(mg, f_set1(xsum[at(r, g)]), total[r][j]);
             }
           }
         }
@@ -433,8 +436,9 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
               total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[at(r, g)], total);
             }
           } else {
-            total = std::fma(static_cast<float>(dot[0] + dot[1]), scales.scale_at(b, g, o) * dx[at(r, g)], total);
-            total = std::fma(scales.minimum_at(b, g, o), xsum[at(r, g)], total);
+            const int32_t sum = dot[0] + dot[1] - Scales::kCodeBias * codes[at(r, g)];
+            total = std::fma(static_cast<float>(sum), scales.scale_at(b, g, o) * dx[at(r, g)], total);
+            if constexpr (Scales::kMinimum) total = std::fma(scales.minimum_at(b, g, o), xsum[at(r, g)], total);
           }
         }
         out[r][o] = total;
@@ -485,21 +489,12 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   if constexpr (Scales::kHalfScales) half_sums = code_sums_by_half(qx.q.get(), M, K);
   const float* sums = Scales::kHalfScales ? half_sums.get() : Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();
   const int64_t sums_per_row = Scales::kHalfScales ? 2 * G : G;
-  std::unique_ptr<int32_t[]> byte_offsets;
-  if constexpr (Scales::kByteCodes && kSignedByteDot) {
-    byte_offsets.reset(new int32_t[M * G]);
-    for (int64_t i = 0; i < M * G; ++i) {
-      int32_t total = 0;
-      for (int64_t l = 0; l < kGroup; ++l) total += qx.q[i * kGroup + l];
-      byte_offsets[i] = 128 * total;
-    }
-  }
   at::Tensor y = at::empty({M, N}, xc.options());
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const auto rows_over = [&](auto rows, int64_t r, int64_t b0, int64_t b1) {
-    rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * sums_per_row,
-                   byte_offsets ? byte_offsets.get() + r * G : nullptr, K, qp, scales, b0, b1, yp + r * N, N);
+    rows_dot<rows>(qx.q.get() + r * K, qx.scale.get() + r * G, sums + r * sums_per_row, qx.codes.get() + r * G, K, qp,
+                   scales, b0, b1, yp + r * N, N);
   };
   if (M == 0) return y;
   // Four blocks (64 outputs) at least per thread: below that, forking costs more than it saves.

@@ -1,5 +1,6 @@
 // Activations quantized per group of 32 inputs to int8, as llama.cpp quantizes them for its integer dot products
-// (Q8_0 / Q8_1): codes q = round(x / dx), dx = max|x| / 127, with the group's float sum and dx times its codes' sum.
+// (Q8_0 / Q8_1): codes q = round(x / dx), dx = max|x| / 127, with the group's float sum, its codes' sum and dx times
+// that.
 // Every linear on integer weights runs this on its whole input first, so it is threaded and vectorized: serial,
 // it took a tenth of a one-thread 1.7B prefill while the other thread waited. The float sum adds in one fixed
 // tree (x[l] + x[l + 16], then halves of 8, 4, 2, 1) in every build, so AVX-512, AVX2 and portable builds agree bit
@@ -24,16 +25,17 @@ namespace sluice {
 
 constexpr int64_t kQuantGroup = 32;
 
-// M rows of K inputs quantized: codes [M, K], and per group of 32 (M * K / 32 of each) dx, the float sum of x and
-// dx times the sum of the codes.
+// M rows of K inputs quantized: codes [M, K], and per group of 32 (M * K / 32 of each) dx, the float sum of x, the
+// sum of the codes and dx times that.
 struct QuantizedRows {
   std::unique_ptr<int8_t[]> q;
   std::unique_ptr<float[]> scale, sum, code_sum;
+  std::unique_ptr<int32_t[]> codes;
 };
 
 namespace detail {
 
-inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum, float* code_sum) {
+inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum, float* code_sum, int32_t* code_total) {
 #if defined(SLUICE_QUANTIZE_AVX512)
   const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -96,6 +98,7 @@ inline void quantize_group(const float* xg, int8_t* q, float* scale, float* sum,
   }
 #endif
   *scale = d;
+  *code_total = codes;
   *code_sum = d * static_cast<float>(codes);
 }
 
@@ -109,13 +112,14 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t
   const int64_t G = K / kQuantGroup, groups = M * G;
   // Every element is written below: no zeroing.
   QuantizedRows out{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[groups]),
-                    std::unique_ptr<float[]>(new float[groups]), std::unique_ptr<float[]>(new float[groups])};
+                    std::unique_ptr<float[]>(new float[groups]), std::unique_ptr<float[]>(new float[groups]),
+                    std::unique_ptr<int32_t[]>(new int32_t[groups])};
   at::parallel_for(0, groups, 1024, [&](int64_t g0, int64_t g1) {
     for (int64_t i = g0; i < g1; ++i) {
       const int64_t row = i / G, g = i % G, m = row / row_block * row_block;
       const int64_t at = m * G + g * std::min(row_block, M - m) + (row - m);
       detail::quantize_group(x + i * kQuantGroup, out.q.get() + at * kQuantGroup, &out.scale[at], &out.sum[at],
-                             &out.code_sum[at]);
+                             &out.code_sum[at], &out.codes[at]);
     }
   });
   return out;
