@@ -1,7 +1,7 @@
 // A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones.
 // At batch 1 a layer's kernels (GGUF blocks, or float weights packed for oneDNN) take tens of microseconds and the
 // Python between them (module calls, views, splits, in-place ops) a large share again. This runs the same ops in
-// the same order as models/llama.py's Python path (the same kernels, at::silu_, mul_, add_), so the results are
+// the same order as models/llama.py's Python path (the same kernels, at::silu, mul_, add_), so the results are
 // that path's bit for bit; the attention itself stays in Python (paged_attention covers every kind of step).
 #include "cpu_ops.h"
 
@@ -91,8 +91,8 @@ at::Tensor LlamaLayerOps::after_attention(const at::Tensor& attended, const at::
   at::Tensor h = o_(attended.reshape({tokens, -1})).add_(hidden.view({tokens, -1}));
   const at::Tensor gate_up = gate_up_(rms_norm(h, post_norm_, post_eps_));
   const int64_t inner = gate_up_.n / 2;
-  at::Tensor gate = gate_up.narrow(1, 0, inner);
-  at::silu_(gate);
-  gate.mul_(gate_up.narrow(1, inner, inner));
-  return down_(gate.contiguous()).add_(h).view({1, tokens, -1});
+  // SiLU out of place: a fresh contiguous tensor for the down projection, not the gate's strided slice copied.
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, inner));
+  act.mul_(gate_up.narrow(1, inner, inner));
+  return down_(act).add_(h).view({1, tokens, -1});
 }

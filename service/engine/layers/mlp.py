@@ -10,7 +10,7 @@ from sluice.service.engine.layers import triton_ops
 
 
 class GatedMLP(nn.Module):
-    """SiLU and the product run in place on the fused projection's fresh output."""
+    """SiLU of the fused projection's gate half into a fresh tensor, the product in place on it."""
 
     def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
@@ -22,5 +22,6 @@ class GatedMLP(nn.Module):
         if triton_ops.applies(x):  # CUDA: one kernel for both
             return self.down_proj(triton_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        F.silu(gate, inplace=True)  # a slice of a fresh tensor: free to overwrite
-        return self.down_proj(gate.mul_(up))
+        # Out of place: SiLU writes a fresh contiguous tensor, which the down projection reads as it is, where the
+        # gate's slice (rows 2 * intermediate apart) would be copied into one first.
+        return self.down_proj(F.silu(gate).mul_(up))
