@@ -2,14 +2,15 @@
 //
 // One query token per sequence. For each of the num_seqs sequences, every query head scores every cached token of
 // its KV head (GQA: H / Hkv query heads share one), takes a softmax and sums the values. Tokens are visited in
-// cache order with all heads of a token together, so each block is read front to back, once per pass.
+// cache order, a chunk of them with all of a work item's heads together, so each block is read front to back, once
+// per pass.
 // Layouts (float32 or bfloat16, contiguous; the caches may be bfloat16 or float16 under float32 q): q and out [n, H, D];
 // key_cache, value_cache [num_blocks, block_size, Hkv, D];
 // block_tables [n, table_stride] int64; seq_lens [n] int64.
-// Each sequence's KV heads are work items shared out among `num_threads` OpenMP threads (built with -fopenmp, the
-// runtime torch already loaded): Python threads beside torch's spinning OpenMP workers would fight them for the
-// same cores. The kernel itself is plain C-style code over raw pointers; PagedDecodePlan (cpu_ops.h) is its
-// torch-facing side.
+// Each sequence, or each share of its KV heads where sequences are fewer than the threads have use for, is a work
+// item shared out among `num_threads` OpenMP threads (built with -fopenmp, the runtime torch already loaded): Python
+// threads beside torch's spinning OpenMP workers would fight them for the same cores. The kernel itself is plain
+// C-style code over raw pointers; PagedDecodePlan (cpu_ops.h) is its torch-facing side.
 #include "cpu_ops.h"
 
 #include <math.h>
@@ -29,6 +30,9 @@ constexpr int64_t PARALLEL_MIN_WORK = 1 << 15;  // query-key products of a call 
 // blocks jump, and on a Xeon the hardware prefetchers alone left the fp32 kernel at 14 GB/s of cache against 23
 // for a plain sum.
 constexpr int64_t kPrefetchTokens = 8;
+// Bytes of a chunk of tokens' K (or V) rows, all KV heads of a work item, that one row's pass keeps in L2 while it
+// walks the heads (heads_simd).
+constexpr int64_t kChunkBytes = 128 * 1024;
 
 // What stays the same for every layer of one decode step (PagedDecodePlan holds the tensors behind it).
 struct DecodePlan {

@@ -6,7 +6,8 @@
 static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         const int64_t *items, int64_t num_items, Q_T *out, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t max_len);
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t max_len,
+                        int64_t head_span);
 
 static int NAME(sluice_paged_decode)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
@@ -25,10 +26,16 @@ static int NAME(sluice_paged_decode)(const Q_T *q, const KV_T *key_cache, const 
      * decode step: 34 -> 22.5 us a layer. (The linears' kernels fork on every call anyway.) */
     const int parallel = num_threads > 1 && num_items * num_kv_heads > 1 &&
                          tokens * num_heads * head_dim >= PARALLEL_MIN_WORK;
+    /* KV heads per work item: all of a sequence's where there are runs enough to keep every thread busy (a row's
+     * pass then streams its tokens' rows whole), else fewer, so that few sequences still share the threads. */
+    const int64_t wanted = parallel ? 4 * num_threads : 1;
+    const int64_t spans = num_items >= wanted ? 1 : std::min(num_kv_heads, (wanted + num_items - 1) / num_items);
+    const int64_t head_span = (num_kv_heads + spans - 1) / spans;
 #pragma omp parallel num_threads((int)num_threads) if (parallel) reduction(| : failed)
     {
         failed |= NAME(decode_range)(q, key_cache, value_cache, block_tables, table_stride, seq_lens, items,
-                                     num_items, out, num_heads, num_kv_heads, head_dim, block_size, scale, max_len);
+                                     num_items, out, num_heads, num_kv_heads, head_dim, block_size, scale, max_len,
+                                     head_span);
     }
     return failed;
 }
@@ -59,48 +66,74 @@ int NAME(sluice_paged_decode_step)(const DecodePlan *p, const Q_T *q, const Q_T 
 #define KV_ROW(cache, t) ((cache) + table[(t) / block_size] * block_stride + ((t) % block_size) * token_stride + head)
 
 #ifdef SLUICE_DECODE_SIMD
-/* One sequence's attention for KV head g with V = D / VW vectors per row and G query heads per KV head; inlined
- * with constant V and G for the common shapes, so the query and accumulator arrays live in registers. */
-static inline __attribute__((always_inline)) void NAME(group_simd)(
+/* Head g0 + j's row of token t in `cache` as V vectors; the first head of a work item prefetches every head's,
+ * kPrefetchTokens tokens ahead (span bytes). */
+static inline __attribute__((always_inline)) void NAME(span_row)(
+        const KV_T *cache, const int64_t *table, int64_t t, int64_t len, int64_t j, int64_t g0, int64_t block_size,
+        int64_t token_stride, int64_t span, const int64_t V, vf *row) {
+    const int64_t D = V * VW, head = g0 * D, block_stride = block_size * token_stride;
+    if (j == 0 && t + kPrefetchTokens < len) sluice::prefetch(KV_ROW(cache, t + kPrefetchTokens), span);
+    const KV_T *r = KV_ROW(cache, t) + j * D;
+    for (int64_t v = 0; v < V; v++) row[v] = LOADV(r + VW * v);
+}
+
+/* One row's attention for KV heads [g0, g1), G query heads each. A token's rows of those heads lie side by side in
+ * the cache, a token's stride apart from the next token's: head by head over every token, each pass would take 128
+ * bytes of a page and move on, and the cache lines of the next head, and the pages, would be fetched again. So the
+ * tokens go in chunks whose rows of all these heads stay in L2: the first head of a chunk prefetches each token's
+ * whole span, the others read it from cache. A head's queries and sums stay in registers, with group_simd's
+ * products and sums in its order, so its bits. Scratch: acc (g1 - g0) * G * D floats, sums one per query, scores a
+ * row of max_len per query. */
+static inline __attribute__((always_inline)) void NAME(heads_simd)(
         const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table, int64_t len,
-        Q_T *out, int64_t g, int64_t block_size, int64_t token_stride, float scale, float *scores, int64_t max_len,
-        const int64_t V, const int64_t G) {
-    const int64_t D = V * VW, head = g * D, block_stride = block_size * token_stride;
-    vf qv[8][MAX_D / VW], acc[8][MAX_D / VW];
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) qv[h][v] = V_MUL(Q_LOADV(q + (g * G + h) * D + VW * v), V_SET1(scale));
-    /* Pass 1: each K row once for the whole group. */
-    for (int64_t t = 0; t < len; t++) {
-        const KV_T *k = KV_ROW(key_cache, t);
-        if (t + kPrefetchTokens < len) sluice::prefetch(KV_ROW(key_cache, t + kPrefetchTokens), D * sizeof(KV_T));
-        vf kv[MAX_D / VW];
-        for (int64_t v = 0; v < V; v++) kv[v] = LOADV(k + VW * v);
-        for (int64_t h = 0; h < G; h++) {
-            vf s = V_MUL(qv[h][0], kv[0]);
-            for (int64_t v = 1; v < V; v++) s = V_FMADD(qv[h][v], kv[v], s);
-            scores[h * max_len + t] = V_HSUM(s);
+        Q_T *out, int64_t g0, int64_t g1, int64_t block_size, int64_t token_stride, float scale, float *scores,
+        int64_t max_len, float *acc, float *sums, const int64_t V, const int64_t G) {
+    const int64_t D = V * VW, heads = g1 - g0;
+    const int64_t span = heads * D * (int64_t)sizeof(KV_T), chunk = std::max<int64_t>(16, kChunkBytes / span);
+    vf qv[8][MAX_D / VW], a[8][MAX_D / VW];
+    /* Pass 1: scores. */
+    for (int64_t c0 = 0; c0 < len; c0 += chunk) {
+        const int64_t c1 = std::min(len, c0 + chunk);
+        for (int64_t j = 0; j < heads; j++) {
+            for (int64_t h = 0; h < G; h++)
+                for (int64_t v = 0; v < V; v++)
+                    qv[h][v] = V_MUL(Q_LOADV(q + ((g0 + j) * G + h) * D + VW * v), V_SET1(scale));
+            for (int64_t t = c0; t < c1; t++) {
+                vf kv[MAX_D / VW];
+                NAME(span_row)(key_cache, table, t, len, j, g0, block_size, token_stride, span, V, kv);
+                for (int64_t h = 0; h < G; h++) {
+                    vf s = V_MUL(qv[h][0], kv[0]);
+                    for (int64_t v = 1; v < V; v++) s = V_FMADD(qv[h][v], kv[v], s);
+                    scores[(j * G + h) * max_len + t] = V_HSUM(s);
+                }
+            }
         }
     }
-    float sums[8];
-    for (int64_t h = 0; h < G; h++) sums[h] = softmax_numerators(scores + h * max_len, len);
-    /* Pass 2: each V row once for the whole group, weights broadcast. */
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < V; v++) acc[h][v] = V_ZERO();
-    for (int64_t t = 0; t < len; t++) {
-        const KV_T *vr = KV_ROW(value_cache, t);
-        if (t + kPrefetchTokens < len) sluice::prefetch(KV_ROW(value_cache, t + kPrefetchTokens), D * sizeof(KV_T));
-        vf vv[MAX_D / VW];
-        for (int64_t v = 0; v < V; v++) vv[v] = LOADV(vr + VW * v);
-        for (int64_t h = 0; h < G; h++) {
-            const vf p = V_SET1(scores[h * max_len + t]);
-            for (int64_t v = 0; v < V; v++) acc[h][v] = V_FMADD(p, vv[v], acc[h][v]);
+    for (int64_t n = 0; n < heads * G; n++) sums[n] = softmax_numerators(scores + n * max_len, len);
+    /* Pass 2: the weighted values, each head's sums in registers over a chunk, in acc between chunks. */
+    for (int64_t c0 = 0; c0 < len; c0 += chunk) {
+        const int64_t c1 = std::min(len, c0 + chunk);
+        for (int64_t j = 0; j < heads; j++) {
+            float *aj = acc + j * G * D;
+            for (int64_t h = 0; h < G; h++)
+                for (int64_t v = 0; v < V; v++) a[h][v] = c0 == 0 ? V_ZERO() : V_LOADU(aj + h * D + VW * v);
+            for (int64_t t = c0; t < c1; t++) {
+                vf vv[MAX_D / VW];
+                NAME(span_row)(value_cache, table, t, len, j, g0, block_size, token_stride, span, V, vv);
+                for (int64_t h = 0; h < G; h++) {
+                    const vf p = V_SET1(scores[(j * G + h) * max_len + t]);
+                    for (int64_t v = 0; v < V; v++) a[h][v] = V_FMADD(p, vv[v], a[h][v]);
+                }
+            }
+            for (int64_t h = 0; h < G; h++)
+                for (int64_t v = 0; v < V; v++) V_STOREU(aj + h * D + VW * v, a[h][v]);
         }
     }
-    for (int64_t h = 0; h < G; h++) {
-        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
+    for (int64_t n = 0; n < heads * G; n++) {
+        const vf inv = V_SET1(sums[n] > 0.f ? 1.f / sums[n] : 0.f);
         float row[MAX_D];
-        for (int64_t v = 0; v < V; v++) V_STOREU(row + VW * v, V_MUL(acc[h][v], V_SET1(inv)));
-        Q_T *o = out + (g * G + h) * D;
+        for (int64_t v = 0; v < V; v++) V_STOREU(row + VW * v, V_MUL(V_LOADU(acc + n * D + VW * v), inv));
+        Q_T *o = out + (g0 * G + n) * D;
         for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(row[d]);
     }
 }
@@ -196,33 +229,41 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
     }
 }
 
-/* The vector path for KV head g of R rows of one sequence (row j sees lens[j] tokens); 0 where its shape is not
+/* The vector path for KV head g of R > 1 rows of one sequence (row j sees lens[j] tokens); 0 where its shape is not
  * one it covers (then the portable loop runs). */
-static int NAME(head_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
-                           const int64_t *lens, int64_t R, Q_T *out, int64_t g, int64_t H, int64_t Hkv, int64_t D,
-                           int64_t block_size, float scale, float *scores, int64_t max_len, float *tile) {
-    const int64_t G = H / Hkv, token_stride = Hkv * D, len = lens[0];
+static int NAME(rows_head_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
+                                const int64_t *lens, int64_t R, Q_T *out, int64_t g, int64_t H, int64_t Hkv,
+                                int64_t D, int64_t block_size, float scale, float *scores, int64_t max_len,
+                                float *tile) {
+    const int64_t G = H / Hkv, token_stride = Hkv * D;
     if (!simd_covers(H, Hkv, D) || R * G > MAX_QUERIES) return 0;
-    if (R > 1) {
 #define ROWS(Dc) NAME(rows_simd)(q, key_cache, value_cache, table, lens, out, g, H, block_size, token_stride, scale, \
                                  scores, max_len, tile, (Dc) / VW, G, R)
-        if (D == 64) ROWS(64);
-        else if (D == 128) ROWS(128);
-        else ROWS(D);
+    if (D == 64) ROWS(64);
+    else if (D == 128) ROWS(128);
+    else ROWS(D);
 #undef ROWS
-        return 1;
-    }
-#define GROUP(Dc, Gc) NAME(group_simd)(q, key_cache, value_cache, table, len, out, g, block_size, token_stride, \
-                                       scale, scores, max_len, (Dc) / VW, Gc)
-    if (D == 64 && G == 1) GROUP(64, 1);
-    else if (D == 64 && G == 2) GROUP(64, 2);
-    else if (D == 64 && G == 3) GROUP(64, 3);
-    else if (D == 64 && G == 4) GROUP(64, 4);
-    else if (D == 128 && G == 1) GROUP(128, 1);
-    else if (D == 128 && G == 2) GROUP(128, 2);
-    else if (D == 128 && G == 4) GROUP(128, 4);
-    else GROUP(D, G);
-#undef GROUP
+    return 1;
+}
+
+/* The vector path for one row's KV heads [g0, g1); 0 where its shape is not one it covers. */
+static int NAME(heads_row_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *table,
+                                int64_t len, Q_T *out, int64_t g0, int64_t g1, int64_t H, int64_t Hkv, int64_t D,
+                                int64_t block_size, float scale, float *scores, int64_t max_len, float *acc,
+                                float *sums) {
+    const int64_t G = H / Hkv, token_stride = Hkv * D;
+    if (!simd_covers(H, Hkv, D)) return 0;
+#define HEADS(Dc, Gc) NAME(heads_simd)(q, key_cache, value_cache, table, len, out, g0, g1, block_size, token_stride, \
+                                       scale, scores, max_len, acc, sums, (Dc) / VW, Gc)
+    if (D == 64 && G == 1) HEADS(64, 1);
+    else if (D == 64 && G == 2) HEADS(64, 2);
+    else if (D == 64 && G == 3) HEADS(64, 3);
+    else if (D == 64 && G == 4) HEADS(64, 4);
+    else if (D == 128 && G == 1) HEADS(128, 1);
+    else if (D == 128 && G == 2) HEADS(128, 2);
+    else if (D == 128 && G == 4) HEADS(128, 4);
+    else HEADS(D, G);
+#undef HEADS
     return 1;
 }
 #endif
@@ -231,7 +272,8 @@ static int NAME(head_simd)(const Q_T *q, const KV_T *key_cache, const KV_T *valu
 static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *value_cache,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                         const int64_t *items, int64_t num_items, Q_T *out, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t max_len) {
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t max_len,
+                        int64_t head_span) {
     const int64_t groups = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
     const int64_t queries = H > MAX_QUERIES ? H : MAX_QUERIES;
@@ -243,81 +285,92 @@ static int NAME(decode_range)(const Q_T *q, const KV_T *key_cache, const KV_T *v
     float *tile = (float *)malloc(sizeof(float) * (size_t)(VALUE_TILE_ROWS * D)); /* the vector path's K/V rows */
     /* No early return on failure: every thread of the team must reach the `omp for` below. */
     const int ok = scores && acc && sums && qi && tile;
-    /* One work item per run of rows (items: first row, row count; rows of a run share a sequence) and KV head, so
-     * that even one sequence's heads can share the threads. dynamic: an item's work is its sequence's length. */
+    /* One work item per run of rows (items: first row, row count; rows of a run share a sequence) and span of
+     * head_span KV heads, so that even one sequence's heads can share the threads. dynamic: an item's work is its
+     * sequence's length. */
+    const int64_t spans = (num_kv_heads + head_span - 1) / head_span;
 #pragma omp for schedule(dynamic)
-    for (int64_t w = 0; w < num_items * num_kv_heads; w++) {
+    for (int64_t w = 0; w < num_items * spans; w++) {
         if (!ok) continue;
-        const int64_t first = items[2 * (w / num_kv_heads)], count = items[2 * (w / num_kv_heads) + 1];
-        const int64_t g = w % num_kv_heads;
+        const int64_t first = items[2 * (w / spans)], count = items[2 * (w / spans) + 1];
+        const int64_t g0 = w % spans * head_span, g1 = std::min(num_kv_heads, g0 + head_span);
         const int64_t *table = block_tables + first * table_stride;
+        const Q_T *qr = q + first * H * D;
+        Q_T *outr = out + first * H * D;
+        int64_t g = g0; /* the first KV head left to the portable loop below: g1 where the vector path took all */
 #ifdef SLUICE_DECODE_SIMD
-        if (NAME(head_simd)(q + first * H * D, key_cache, value_cache, table, seq_lens + first, count,
-                            out + first * H * D, g, H, num_kv_heads, D, block_size, scale, scores, max_len, tile))
-            continue;
+        if (count == 1 && NAME(heads_row_simd)(qr, key_cache, value_cache, table, seq_lens[first], outr, g0, g1, H,
+                                               num_kv_heads, D, block_size, scale, scores, max_len, acc, sums))
+            g = g1;
+        while (count > 1 && g < g1 && NAME(rows_head_simd)(qr, key_cache, value_cache, table, seq_lens + first, count,
+                                                          outr, g, H, num_kv_heads, D, block_size, scale, scores,
+                                                          max_len, tile))
+            g++;
 #endif
-        for (int64_t i = first; i < first + count; i++) { /* the portable loop, a row at a time */
-            const int64_t len = seq_lens[i];
-            const int64_t h0 = g * groups, h1 = h0 + groups; /* the query heads that read KV head g */
-            for (int64_t j = h0 * D; j < h1 * D; j++) qi[j] = Q_LOAD(q[i * H * D + j]);
-            /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
-             * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
-            for (int64_t hq = h0; hq < h1; hq++) {
-                const float *qh = qi + hq * D;
-                const int64_t head = g * D;
-                float *sc = scores + hq * max_len, m = -INFINITY;
-                int64_t t = 0;
-                for (; t + 4 <= len; t += 4) {
-                    const KV_T *k0 = KV_ROW(key_cache, t);
-                    const KV_T *k1 = KV_ROW(key_cache, t + 1);
-                    const KV_T *k2 = KV_ROW(key_cache, t + 2);
-                    const KV_T *k3 = KV_ROW(key_cache, t + 3);
-                    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-                    /* simd: these sums may be reordered (the vector lanes), the one loop that is allowed to. */
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-                    for (int64_t d = 0; d < D; d++) {
-                        s0 += qh[d] * LOAD(k0[d]);
-                        s1 += qh[d] * LOAD(k1[d]);
-                        s2 += qh[d] * LOAD(k2[d]);
-                        s3 += qh[d] * LOAD(k3[d]);
+        for (; g < g1; g++) {
+            for (int64_t i = first; i < first + count; i++) { /* the portable loop, a row at a time */
+                const int64_t len = seq_lens[i];
+                const int64_t h0 = g * groups, h1 = h0 + groups; /* the query heads that read KV head g */
+                for (int64_t j = h0 * D; j < h1 * D; j++) qi[j] = Q_LOAD(q[i * H * D + j]);
+                /* Pass 1: scores, one query head at a time over four tokens at once: four independent sums per d-loop
+                 * keep the vector FMAs busy, where one dot product at a time waits on each FMA's latency. */
+                for (int64_t hq = h0; hq < h1; hq++) {
+                    const float *qh = qi + hq * D;
+                    const int64_t head = g * D;
+                    float *sc = scores + hq * max_len, m = -INFINITY;
+                    int64_t t = 0;
+                    for (; t + 4 <= len; t += 4) {
+                        const KV_T *k0 = KV_ROW(key_cache, t);
+                        const KV_T *k1 = KV_ROW(key_cache, t + 1);
+                        const KV_T *k2 = KV_ROW(key_cache, t + 2);
+                        const KV_T *k3 = KV_ROW(key_cache, t + 3);
+                        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+                        /* simd: these sums may be reordered (the vector lanes), the one loop that is allowed to. */
+    #pragma omp simd reduction(+ : s0, s1, s2, s3)
+                        for (int64_t d = 0; d < D; d++) {
+                            s0 += qh[d] * LOAD(k0[d]);
+                            s1 += qh[d] * LOAD(k1[d]);
+                            s2 += qh[d] * LOAD(k2[d]);
+                            s3 += qh[d] * LOAD(k3[d]);
+                        }
+                        sc[t] = s0 * scale, sc[t + 1] = s1 * scale, sc[t + 2] = s2 * scale, sc[t + 3] = s3 * scale;
                     }
-                    sc[t] = s0 * scale, sc[t + 1] = s1 * scale, sc[t + 2] = s2 * scale, sc[t + 3] = s3 * scale;
+                    for (; t < len; t++) {
+                        const KV_T *kt = KV_ROW(key_cache, t);
+                        float s = 0.f;
+    #pragma omp simd reduction(+ : s)
+                        for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
+                        sc[t] = s * scale;
+                    }
+                    for (t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
+                    float sum = 0.f;
+                    for (t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
+                    sums[hq] = sum;
                 }
-                for (; t < len; t++) {
-                    const KV_T *kt = KV_ROW(key_cache, t);
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < D; d++) s += qh[d] * LOAD(kt[d]);
-                    sc[t] = s * scale;
+                /* Pass 2: weighted sum of the values, two tokens per update of the head's accumulator. */
+                memset(acc + h0 * D, 0, sizeof(float) * (size_t)(groups * D));
+                for (int64_t hq = h0; hq < h1; hq++) {
+                    const float *sc = scores + hq * max_len;
+                    const int64_t head = g * D;
+                    float *a = acc + hq * D;
+                    int64_t t = 0;
+                    for (; t + 2 <= len; t += 2) {
+                        const KV_T *v0 = KV_ROW(value_cache, t);
+                        const KV_T *v1 = KV_ROW(value_cache, t + 1);
+                        const float p0 = sc[t], p1 = sc[t + 1];
+                        for (int64_t d = 0; d < D; d++) a[d] += p0 * LOAD(v0[d]) + p1 * LOAD(v1[d]);
+                    }
+                    for (; t < len; t++) {
+                        const KV_T *vt = KV_ROW(value_cache, t);
+                        const float p = sc[t];
+                        for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vt[d]);
+                    }
                 }
-                for (t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
-                float sum = 0.f;
-                for (t = 0; t < len; t++) { sc[t] = expf(sc[t] - m); sum += sc[t]; }
-                sums[hq] = sum;
-            }
-            /* Pass 2: weighted sum of the values, two tokens per update of the head's accumulator. */
-            memset(acc + h0 * D, 0, sizeof(float) * (size_t)(groups * D));
-            for (int64_t hq = h0; hq < h1; hq++) {
-                const float *sc = scores + hq * max_len;
-                const int64_t head = g * D;
-                float *a = acc + hq * D;
-                int64_t t = 0;
-                for (; t + 2 <= len; t += 2) {
-                    const KV_T *v0 = KV_ROW(value_cache, t);
-                    const KV_T *v1 = KV_ROW(value_cache, t + 1);
-                    const float p0 = sc[t], p1 = sc[t + 1];
-                    for (int64_t d = 0; d < D; d++) a[d] += p0 * LOAD(v0[d]) + p1 * LOAD(v1[d]);
+                for (int64_t hq = h0; hq < h1; hq++) {
+                    const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
+                    Q_T *o = out + (i * H + hq) * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(acc[hq * D + d] * inv);
                 }
-                for (; t < len; t++) {
-                    const KV_T *vt = KV_ROW(value_cache, t);
-                    const float p = sc[t];
-                    for (int64_t d = 0; d < D; d++) a[d] += p * LOAD(vt[d]);
-                }
-            }
-            for (int64_t hq = h0; hq < h1; hq++) {
-                const float inv = sums[hq] > 0.f ? 1.f / sums[hq] : 0.f;
-                Q_T *o = out + (i * H + hq) * D;
-                for (int64_t d = 0; d < D; d++) o[d] = Q_STORE(acc[hq * D + d] * inv);
             }
         }
     }

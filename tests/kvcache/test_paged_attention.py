@@ -234,6 +234,20 @@ def test_c_kernel_spreads_a_large_batch_over_threads_and_matches_torch():
     torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", [[600, 41, 333, 5, 129, 64, 600, 17, 250, 99], [600], [520, 3, 300]],
+                         ids=["all-heads", "one-sequence", "uneven-spans"])
+def test_one_row_walks_many_heads_in_chunks_and_matches_torch(lengths):
+    """A decode row's work item takes several KV heads (all of them where sequences are many, a share where they are
+    few, the last share smaller), over chunks of tokens: 16 KV heads of float16 rows make a chunk 64 tokens."""
+    kernel = decode_kernel()
+    kw = dict(num_heads=32, num_kv_heads=16, head_dim=64, dtype=torch.float32, kv_dtype=torch.float16)
+    seqs = [(n - 1, 1) for n in lengths]
+    err_c, out_c = run_case(seqs, 16, kernel=kernel, **kw)
+    err_t, out_t = run_case(seqs, 16, **kw)
+    assert err_c < 1e-4 and err_t < 1e-4
+    torch.testing.assert_close(out_c, out_t, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_only_step_plans_once_for_every_layer():
     """Layers of one decode-only step share the kernel's plan; each stores its own K/V and attends its own cache."""
     kernel = decode_kernel()
