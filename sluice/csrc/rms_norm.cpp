@@ -57,8 +57,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty_like(xc);
   const int64_t rows = H ? xc.numel() / H : 0;
   const float e = static_cast<float>(eps);
-  // Threads only for prefill-sized inputs: a decode batch's norm is microseconds of work, less than a fork and join.
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(H, 1)), [&](int64_t r0, int64_t r1) {
+  // Threads past 16K elements a thread: one decode row's norm is a microsecond, less than a fork and join, but a
+  // batch of 48 rows takes several, and the other thread would wait them out at the next linear.
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(H, 1)), [&](int64_t r0, int64_t r1) {
     if (dtype == at::kBFloat16) {
       std::vector<float> row(static_cast<size_t>(H));
       rms_norm_bf16(xc.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), r0,

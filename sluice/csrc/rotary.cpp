@@ -33,8 +33,8 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
   T* kp = k.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  // Threads only for prefill-sized inputs: a decode batch's rotation is a few microseconds of work.
-  at::parallel_for(0, tokens, 256, [&](int64_t t0, int64_t t1) {
+  // Threads past 16 tokens a thread: one decode row's rotation is under a microsecond, a batch's several.
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const T* c = cp + t * cos.stride(0);
       const T* s = sp + t * sin.stride(0);
