@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice import native
 from sluice.kvcache.transfer import to_device
 from sluice.scheduling.output import ScheduledRequest, TokenLogprobs
 
@@ -71,8 +72,12 @@ def pools_allowed(device: torch.device) -> bool:
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, [B, V] -> [B]: max's indices, the first maximum as argmax picks (ties, NaN); torch's CPU
-    max reduction is several times faster than its argmax (docs/performance.md)."""
+    """Each row's argmax, [B, V] -> [B]: max's indices, the first maximum as argmax picks (ties, NaN). On CPU the
+    native kernel's (threads and vector compares, where torch's max reduction compares an element at a time on one
+    thread), else torch's max, which is several times faster than its argmax (docs/performance.md)."""
+    kernel = native.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernel is not None and logits.dim() == 2 and logits.shape[1] > 0:
+        return kernel.greedy_argmax(logits)
     return logits.max(dim=-1).indices
 
 

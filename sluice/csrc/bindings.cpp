@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_bf16", &packed_linear_bf16, "bfloat16 linear on a oneDNN-packed weight, few rows");
   m.def("packed_linear_f32_chunk", &packed_linear_f32_chunk, "columns per fp32 kernel chunk");
   m.def("packed_linear_bf16_is_native", &packed_linear_bf16_is_native, "built with AVX512_BF16");
+  m.def("greedy_argmax", &greedy_argmax, "each row's argmax (first maximum, or first NaN), float32 logits");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm, float32 or bfloat16");
   m.def("rotary_embedding_", &rotary_embedding_, "Llama rotary embedding of q and k, in place");
   m.def("f32_linear", &f32_linear, "float32 linear, few rows");

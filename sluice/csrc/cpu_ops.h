@@ -57,6 +57,10 @@ bool packed_linear_bf16_is_native();
 // The fp32 kernel's column chunk: a packed block must be a multiple of it (bf16 blocks: of 64).
 int64_t packed_linear_f32_chunk();
 
+// Each row's argmax of logits float32 [B, V] as torch's max(dim=-1) picks it (the first largest, or the first NaN):
+// int64 [B].
+at::Tensor greedy_argmax(const at::Tensor& logits);
+
 // transformers' Llama RMSNorm, one pass per row: weight * (x / sqrt(mean(x^2) + eps)); float32 or bfloat16.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

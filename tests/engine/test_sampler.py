@@ -6,10 +6,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sluice import native
 from sluice.scheduling.output import ScheduledRequest
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.sampler import greedy_ids, row_seed, sample
+from tests.support.kernels import greedy_kernels, variant_isas
 
 V = 50
 
@@ -42,6 +46,33 @@ def test_greedy_ids_pick_the_first_maximum_as_argmax(dtype):
     x[5] = 0.0
     assert torch.equal(greedy_ids(x), x.argmax(dim=-1))
     assert greedy_ids(x)[5] == 0 and greedy_ids(x)[3] == 7
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 200), seed=st.integers(0, 2**16),
+       specials=st.lists(st.sampled_from(["nan", "inf", "-inf", "tie"]), max_size=4))
+def test_native_greedy_argmax_is_torchs_max_index(rows, vocab, seed, specials):
+    # The first largest value, or the first NaN, in rows shorter and longer than a vector or two, with the
+    # specials anywhere (in the first vector too, where the vector path must not start).
+    kernel = native.load()
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab, generator=gen) * 0.05).round(decimals=1)  # a coarse grid: ties
+    for special in specials:
+        at = (int(torch.randint(rows, (), generator=gen)), int(torch.randint(vocab, (), generator=gen)))
+        x[at] = x.max() if special == "tie" else float(special)
+    want = x.max(dim=-1).indices
+    assert torch.equal(kernel.greedy_argmax(x), want)
+    for isa in variant_isas():  # the AVX2 lanes and the scalar loop pick the same
+        assert torch.equal(greedy_kernels(isa).argmax(x), want), isa
+
+
+def test_native_greedy_argmax_refuses_what_it_cannot_read():
+    kernel = native.load()
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.greedy_argmax(torch.zeros(2, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.greedy_argmax(torch.zeros(2, 0))
+    assert kernel.greedy_argmax(torch.zeros(0, 5)).shape == (0,)
 
 
 def test_greedy_is_argmax():

@@ -71,6 +71,14 @@ def integer_kernels(isa: str):
     return getattr(torch.ops, f"sluice_test_int_{isa}")
 
 
+def greedy_kernels(isa: str):
+    """greedy.cpp built for `isa` (a key of MARCHES) as the torch op `torch.ops.sluice_test_greedy_<isa>.argmax`."""
+    binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
+               f'TORCH_LIBRARY(sluice_test_greedy_{isa}, m) {{ m.def("argmax", &greedy_argmax); }}\n')
+    build_variant(f"greedy_{isa}", ["greedy.cpp"], binding, ["-O3", MARCHES[isa]], python_module=False)
+    return getattr(torch.ops, f"sluice_test_greedy_{isa}")
+
+
 def variant_isas() -> list[str]:
     """The keys of MARCHES this CPU can run (none off x86-64)."""
     if platform.machine() != "x86_64":
