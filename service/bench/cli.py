@@ -77,6 +77,8 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                        "plan, run only the rest.")
     peers.add_argument("--estimate", action="store_true", help="Print the plan and its expected duration; run nothing.")
     peers.add_argument("--baseline", default="", help="A git ref whose Sluice runs beside this one, alternating.")
+    peers.add_argument("--rounds", type=int, default=1, help="Run every server line this many times, the order "
+                       "reversed each round; figures are each line's median (a machine whose speed drifts).")
     peers.add_argument("--shapes", default="", help="Random models served by Sluice on A and B too, e.g. "
                        "qwen2-135m,qwen3-135m (architectures llama, qwen2, qwen3; sizes 135m, 360m, 1.7b).")
     peers.set_defaults(func=_peers_command)
@@ -218,7 +220,11 @@ def _peers_command(args) -> int:
         return 0
     from sluice.service.bench.peers import run_peers
 
-    run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume)
+    try:
+        run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume, args.rounds)
+    except ValueError as e:  # what run_peers refuses before it builds or starts anything
+        print(f"sluice bench peers: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

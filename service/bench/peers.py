@@ -3,7 +3,9 @@
 Per model size (135m: SmolLM2-135M-Instruct; 360m, 1.7b: random models of SmolLM2's shapes, peer_models.py) and
 weight format pair (peer_plan.py), each server runs alone, measured on workloads A, B, C (and D, repetitive, with
 n-gram speculation off and on) scaled to the size. The results file is rewritten after every server, so a run
-cut short keeps what it measured, and `resume` skips the lines it already holds with the same plan.
+cut short keeps what it measured, and `resume` skips the lines it already holds with the same plan. With `rounds`
+above one every line runs that many times, the order reversed each round (S, L, ..., L, S): a machine whose speed
+drifts over minutes then weighs on every line alike, and each figure is the median of the line's rounds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -33,12 +36,15 @@ NO_SPEC_FLAG = "this sluice serve has no --speculative-method (n-gram speculatio
 
 def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), pairs=PAIRS,
               d_sizes: tuple[str, ...] = ("135m",), baseline: str = "", shapes: tuple[str, ...] = (),
-              resume: bool = False, log=print) -> dict:
+              resume: bool = False, rounds: int = 1, log=print) -> dict:
     """Build what is missing, run every line of the plan in turn, rewrite JSON and Markdown after each one.
 
     `baseline`: a git ref whose Sluice runs right before this one on every Sluice line ("Sluice@<sha8> ...").
     `shapes`: other layer layouts ("qwen2-135m", see shapes.py) served by Sluice alone on A and B.
+    `rounds`: times every line runs, in alternating order; each figure is the median of its rounds.
     """
+    if rounds < 1 or (resume and rounds > 1):
+        raise ValueError("--rounds must be at least 1, and --resume keeps single-round lines only")
     cache = cache_root() / "peers"
     server = build_llama_server(cache, log)
     pythons = {"Sluice": sys.executable}
@@ -56,6 +62,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     threads = str(len(os.sched_getaffinity(0)))
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "threads": threads,
                         "sizes": list(sizes), "baseline": sha, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "rounds": rounds,
                         "models": {s: ("SmolLM2-135M-Instruct" if s == "135m" else f"random weights, SmolLM2-{s.upper()}"
                                        "'s shape") for s in sizes},
                         "disk_mib": disk_mib(models.values())}, "servers": {}}
@@ -67,22 +74,52 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     for text in estimate_lines(lines):
         log(text)
     spec_ok = _has_spec_flag(sys.executable)
-    for line in lines:
+    measured: dict[str, list[dict]] = {}
+    for line, turn in round_order(lines, rounds):
         done = results["servers"].get(line.name)
         if resume and done and done.get("plan") == _plan_of(line) and not {"error", "skipped"} & set(done):
             log(f"--- {line.name}: in {output} already")
             continue
-        log(f"--- {line.name}")
+        log(f"--- {line.name}" + (f" (round {turn + 1} of {rounds})" if rounds > 1 else ""))
         if line.sluice and line.spec and not spec_ok:
             log(f"skipped: {NO_SPEC_FLAG}")
             results["servers"][line.name] = {"skipped": NO_SPEC_FLAG, "plan": _plan_of(line)}
         else:
             cmds = [command(line, launch, models, server, pythons, threads) for launch in line.launches]
-            results["servers"][line.name] = _measure(line, cmds, log)
+            measured.setdefault(line.name, []).append(_measure(line, cmds, log))
+            results["servers"][line.name] = median_of_rounds(measured[line.name])
         results["ratios"] = ratios(results["servers"], results["meta"]["sizes"])
         _write(output, results)
     log(f"wrote {output} and {output.with_suffix('.md')}")
     return results
+
+
+def round_order(lines: list[Line], rounds: int) -> list[tuple[Line, int]]:
+    """(line, round) in run order: the plan's order, then reversed, and so on."""
+    return [(line, turn) for turn in range(rounds) for line in (lines if turn % 2 == 0 else lines[::-1])]
+
+
+MEDIAN_FIELDS = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms", "duration_s")
+
+
+def median_of_rounds(runs: list[dict]) -> dict:
+    """One line's result from its rounds: the last round's, with each workload's speeds and latencies and each
+    resident-memory figure the median over the rounds that measured it, failures and completions summed, and the
+    rounds themselves kept under "rounds" (one round: that round as it is)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = json.loads(json.dumps(runs[-1]))
+    for key, value in runs[-1].items():
+        if key.startswith("rss_mib"):
+            out[key] = statistics.median(r[key] for r in runs if r.get(key) is not None)
+        elif key in "ABCD" and isinstance(value, dict):
+            present = [r[key] for r in runs if isinstance(r.get(key), dict)]
+            for field in MEDIAN_FIELDS:
+                out[key][field] = statistics.median(w[field] for w in present)
+            for field in ("completed", "failed"):
+                out[key][field] = sum(w.get(field, 0) for w in present)
+    out["rounds"] = runs
+    return out
 
 
 def command(line: Line, launch: Launch, models: dict, server: Path, pythons: dict, threads: str) -> list[str]:

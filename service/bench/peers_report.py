@@ -77,6 +77,9 @@ def table(results: dict) -> str:
            f"CPU features used by the llama.cpp build: {', '.join(meta.get('cpu_flags', []))}. "
            f"{meta.get('threads', '?')} threads. Started {meta.get('started', '?')}.",
            "Ratios are Sluice / llama.cpp: above 1 is better for A (tok/s), below 1 for B (TPOT), C (TTFT) and RSS."]
+    if meta.get("rounds", 1) > 1:
+        out.append(f"Each figure is the median of {meta['rounds']} rounds: every server line ran once a round, the "
+                   "order reversed each round.")
     for size in meta.get("sizes", []):
         out += ["", f"## {size} ({meta.get('models', {}).get(size, '')})", "",
                 "| weights (Sluice / llama.cpp) | A tok/s | A ratio | B TPOT p50 ms | B ratio | C TTFT p50 ms | "

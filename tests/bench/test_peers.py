@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import orjson
 import pytest
@@ -254,6 +255,37 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     assert "| Sluice bf16 ngram | 5.0 | 2.50 | - | 12.6 |" in text and "D TPOT 2.40× lower" in text
     assert "| 1.7b Sluice bf16 ngram | skipped: no flag |" in text
     assert json.loads(json.dumps(r)) == r  # the results file holds them as they are
+
+
+def test_rounds_alternate_the_order_and_report_each_lines_median():
+    from sluice.service.bench.peers import median_of_rounds, round_order, run_peers
+
+    lines = plan(("360m",), parse_formats("bf16"), ())
+    order = round_order(lines, 3)
+    names = [line.name for line in lines]
+    assert [(line.name, turn) for line, turn in order] == [
+        *((n, 0) for n in names), *((n, 1) for n in reversed(names)), *((n, 2) for n in names)]
+    assert round_order(lines, 1) == [(line, 0) for line in lines]
+
+    def run(a, tpot, rss, failed=0):
+        return {"plan": {"p": 1}, "rss_mib": rss, "A": {"output_tok_s": a, "tpot_p50_ms": 1.0, "ttft_p50_ms": 9.0,
+                                                        "duration_s": 3.0, "completed": 64, "failed": failed},
+                "B": {"output_tok_s": 10.0, "tpot_p50_ms": tpot, "ttft_p50_ms": 5.0, "duration_s": 2.0,
+                      "completed": 4, "failed": 0, "spec": {}}}
+
+    runs = [run(300.0, 11.0, 1000.0), run(250.0, 13.0, 1020.0, failed=1), run(280.0, 12.5, 990.0)]
+    merged = median_of_rounds(runs)
+    assert merged["A"]["output_tok_s"] == 280.0 and merged["B"]["tpot_p50_ms"] == 12.5 and merged["rss_mib"] == 1000.0
+    assert merged["A"]["failed"] == 1 and merged["A"]["completed"] == 192 and merged["rounds"] == runs
+    assert median_of_rounds(runs[:1]) is runs[0]  # one round: as measured
+    assert runs[2]["A"]["output_tok_s"] == 280.0 and "rounds" not in runs[2]  # the rounds themselves untouched
+    text = table({"meta": {"cpu_flags": [], "sizes": ["360m"], "rounds": 3},
+                  "servers": {"360m Sluice bf16": merged}, "ratios": {}})
+    assert "the median of 3 rounds" in text and "| 360m Sluice bf16 | 280.0 |" in text
+    with pytest.raises(ValueError, match="--resume"):
+        run_peers(Path("unused.json"), ("360m",), resume=True, rounds=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        run_peers(Path("unused.json"), ("360m",), rounds=0)
 
 
 @pytest.mark.slow  # SmolLM2's tokenizer (and config)
