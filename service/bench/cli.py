@@ -215,10 +215,12 @@ def _peers_command(args) -> int:
     except ValueError as e:
         print(f"sluice bench peers: error: {e}", file=sys.stderr)
         return 2
+    from sluice.service.bench.peers import round_order, run_peers
+
     if args.estimate:
-        print("\n".join([*(line.name for line in lines), *estimate_lines(lines)]))
+        runs = [line for line, _ in round_order(lines, max(1, args.rounds))]
+        print("\n".join([*(line.name for line in runs), *estimate_lines(runs)]))
         return 0
-    from sluice.service.bench.peers import run_peers
 
     try:
         run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume, args.rounds)

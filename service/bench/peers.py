@@ -71,7 +71,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         results["servers"] = old.get("servers", {})
         results["meta"]["sizes"] = list(dict.fromkeys([*old.get("meta", {}).get("sizes", []), *sizes]))
         results["meta"]["models"] = {**old.get("meta", {}).get("models", {}), **results["meta"]["models"]}
-    for text in estimate_lines(lines):
+    for text in estimate_lines([line for line, _ in round_order(lines, rounds)]):
         log(text)
     spec_ok = _has_spec_flag(sys.executable)
     measured: dict[str, list[dict]] = {}

@@ -320,6 +320,11 @@ def test_cli_estimate_prints_the_plan_and_rejects_unknown_formats(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "360m Sluice int4\n360m llama.cpp Q4_1\n" in out and "expected duration" in out
+    args = parser.parse_args(["bench", "peers", "--estimate", "--sizes", "360m", "--formats", "int4", "--d-sizes",
+                              "none", "--rounds", "2"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out  # both rounds, the second reversed, in the plan and in the time
+    assert "360m Sluice int4\n360m llama.cpp Q4_1\n360m llama.cpp Q4_1\n360m Sluice int4\n4 server lines" in out
     args = parser.parse_args(["bench", "peers", "--estimate", "--formats", "q8"])
     assert args.func(args) == 2
     args = parser.parse_args(["bench", "serve", "--dataset-name", "repetitive"])
