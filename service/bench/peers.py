@@ -112,7 +112,7 @@ def median_of_rounds(runs: list[dict]) -> dict:
     for key, value in runs[-1].items():
         if key.startswith("rss_mib"):
             out[key] = statistics.median(r[key] for r in runs if r.get(key) is not None)
-        elif key in "ABCD" and isinstance(value, dict):
+        elif key in ("A", "B", "C", "D") and isinstance(value, dict):
             present = [r[key] for r in runs if isinstance(r.get(key), dict)]
             for field in MEDIAN_FIELDS:
                 out[key][field] = statistics.median(w[field] for w in present)
