@@ -134,6 +134,22 @@ def test_kernel_rows_past_one_pass_take_turns_on_tiles_of_the_weight(kernel, row
         torch.testing.assert_close(layer(x), w4a8_reference(x, *q4_1(weight)), rtol=1e-5, atol=1e-5)
 
 
+def test_threads_that_split_a_row_of_groups_quantize_it_alike(kernel):
+    # 61 rows of 18 groups: past the 1,024 groups one thread takes, two threads split the rows' groups mid-row
+    # (549 each), and the last block of interleaved rows holds 5 where the others hold 8 (AVX-512) or 3 (AVX2).
+    torch.manual_seed(61)
+    weight = torch.randn(64, 576) * 0.05
+    layer, x = int4_linear(weight, None, kernel), torch.randn(61, 576)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            layer.kernel_max_rows = 10**6
+            torch.testing.assert_close(layer(x), w4a8_reference(x, *q4_1(weight)), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_kernel_refuses_what_it_cannot_read(kernel):
     packed, scale, minimum = pack_q4_1(quantize(torch.randn(16, 64), "Q4_1"))
     with pytest.raises(RuntimeError, match="multiple of 32"):
