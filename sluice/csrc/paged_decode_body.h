@@ -98,7 +98,42 @@ static inline __attribute__((always_inline)) void NAME(heads_simd)(
             for (int64_t h = 0; h < G; h++)
                 for (int64_t v = 0; v < V; v++)
                     qv[h][v] = V_MUL(Q_LOADV(q + ((g0 + j) * G + h) * D + VW * v), V_SET1(scale));
-            for (int64_t t = c0; t < c1; t++) {
+            int64_t t = c0;
+#if VW == 16
+            /* SCORE_TILE tokens at a time: one transposed reduction per query and tile (reduce8_store, V_HSUM's
+             * bits) in place of a shuffle tree per token and query. One or two queries keep the tile's sums in
+             * registers; more would spill them, so their K rows go to a float tile in L1 that each query reads.
+             * AVX2 keeps a sum per token: its 16 registers spill either way, and its tree is a level shorter. */
+            for (; G <= 2 && t + SCORE_TILE <= c1; t += SCORE_TILE) {
+                vf s[2][SCORE_TILE];
+                for (int64_t i = 0; i < SCORE_TILE; i++) {
+                    vf kv[MAX_D / VW];
+                    NAME(span_row)(key_cache, table, t + i, len, j, g0, block_size, token_stride, span, V, kv);
+                    for (int64_t h = 0; h < G; h++) {
+                        s[h][i] = V_MUL(qv[h][0], kv[0]);
+                        for (int64_t v = 1; v < V; v++) s[h][i] = V_FMADD(qv[h][v], kv[v], s[h][i]);
+                    }
+                }
+                for (int64_t h = 0; h < G; h++) reduce8_store(s[h], scores + (j * G + h) * max_len + t);
+            }
+            for (; t + SCORE_TILE <= c1; t += SCORE_TILE) {
+                float ktile[SCORE_TILE * MAX_D];
+                for (int64_t i = 0; i < SCORE_TILE; i++) {
+                    vf kv[MAX_D / VW];
+                    NAME(span_row)(key_cache, table, t + i, len, j, g0, block_size, token_stride, span, V, kv);
+                    for (int64_t v = 0; v < V; v++) V_STOREU(ktile + i * D + VW * v, kv[v]);
+                }
+                for (int64_t h = 0; h < G; h++) {
+                    vf s[SCORE_TILE];
+                    for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_MUL(qv[h][0], V_LOADU(ktile + i * D));
+                    for (int64_t v = 1; v < V; v++)
+                        for (int64_t i = 0; i < SCORE_TILE; i++)
+                            s[i] = V_FMADD(qv[h][v], V_LOADU(ktile + i * D + VW * v), s[i]);
+                    reduce8_store(s, scores + (j * G + h) * max_len + t);
+                }
+            }
+#endif
+            for (; t < c1; t++) {
                 vf kv[MAX_D / VW];
                 NAME(span_row)(key_cache, table, t, len, j, g0, block_size, token_stride, span, V, kv);
                 for (int64_t h = 0; h < G; h++) {
