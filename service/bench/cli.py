@@ -206,19 +206,20 @@ def _offline_command(args) -> int:
 def _peers_command(args) -> int:
 
     from sluice.service.bench.peer_plan import estimate_lines, parse_formats, parse_sizes, plan
+    from sluice.service.bench.peers import check_rounds, round_order, run_peers
 
     shapes = tuple(s for s in args.shapes.split(",") if s)
     try:
         sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats), (
             parse_sizes(args.d_sizes) if args.d_sizes.strip().lower() not in ("", "none") else ())
         lines = plan(sizes, pairs, d_sizes, shapes=shapes)
+        check_rounds(args.rounds, args.resume)
     except ValueError as e:
         print(f"sluice bench peers: error: {e}", file=sys.stderr)
         return 2
-    from sluice.service.bench.peers import round_order, run_peers
 
     if args.estimate:
-        runs = [line for line, _ in round_order(lines, max(1, args.rounds))]
+        runs = [line for line, _ in round_order(lines, args.rounds)]
         print("\n".join([*(line.name for line in runs), *estimate_lines(runs)]))
         return 0
 

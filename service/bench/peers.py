@@ -11,6 +11,7 @@ drifts over minutes then weighs on every line alike, and each figure is the medi
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import json
@@ -43,8 +44,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     `shapes`: other layer layouts ("qwen2-135m", see shapes.py) served by Sluice alone on A and B.
     `rounds`: times every line runs, in alternating order; each figure is the median of its rounds.
     """
-    if rounds < 1 or (resume and rounds > 1):
-        raise ValueError("--rounds must be at least 1, and --resume keeps single-round lines only")
+    check_rounds(rounds, resume)
     cache = cache_root() / "peers"
     server = build_llama_server(cache, log)
     pythons = {"Sluice": sys.executable}
@@ -94,6 +94,12 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     return results
 
 
+def check_rounds(rounds: int, resume: bool) -> None:
+    """Refuses a round count the run cannot honour: below one, or several with `resume` (which skips whole lines)."""
+    if rounds < 1 or (resume and rounds > 1):
+        raise ValueError("--rounds must be at least 1, and --resume keeps single-round lines only")
+
+
 def round_order(lines: list[Line], rounds: int) -> list[tuple[Line, int]]:
     """(line, round) in run order: the plan's order, then reversed, and so on."""
     return [(line, turn) for turn in range(rounds) for line in (lines if turn % 2 == 0 else lines[::-1])]
@@ -108,7 +114,7 @@ def median_of_rounds(runs: list[dict]) -> dict:
     rounds themselves kept under "rounds" (one round: that round as it is)."""
     if len(runs) == 1:
         return runs[0]
-    out = json.loads(json.dumps(runs[-1]))
+    out = copy.deepcopy(runs[-1])
     for key, value in runs[-1].items():
         if key.startswith("rss_mib"):
             out[key] = statistics.median(r[key] for r in runs if r.get(key) is not None)

@@ -327,6 +327,10 @@ def test_cli_estimate_prints_the_plan_and_rejects_unknown_formats(capsys):
     assert "360m Sluice int4\n360m llama.cpp Q4_1\n360m llama.cpp Q4_1\n360m Sluice int4\n4 server lines" in out
     args = parser.parse_args(["bench", "peers", "--estimate", "--formats", "q8"])
     assert args.func(args) == 2
+    for refused in (["--rounds", "0"], ["--rounds", "2", "--resume"]):  # refused as run_peers refuses them
+        args = parser.parse_args(["bench", "peers", "--estimate", "--sizes", "360m", "--formats", "int4", *refused])
+        assert args.func(args) == 2
+        assert "--rounds must be at least 1" in capsys.readouterr().err
     args = parser.parse_args(["bench", "serve", "--dataset-name", "repetitive"])
     assert args.dataset_name == "repetitive"
     assert SCALES["1.7b"].d[1] > 0
