@@ -102,8 +102,9 @@ static inline __attribute__((always_inline)) void NAME(heads_simd)(
 #if VW == 16
             /* SCORE_TILE tokens at a time: one transposed reduction per query and tile (reduce8_store, V_HSUM's
              * bits) in place of a shuffle tree per token and query. One or two queries keep the tile's sums in
-             * registers; more would spill them, so their K rows go to a float tile in L1 that each query reads.
-             * AVX2 keeps a sum per token: its 16 registers spill either way, and its tree is a level shorter. */
+             * registers; more would spill them, so their K rows go to a float tile in L1 that each query reads,
+             * up to 64 dims: a wider row has more products per tree, and the tile's stores and loads then cost
+             * more than the trees they save. AVX2 keeps a sum per token: its 16 registers spill either way. */
             for (; G <= 2 && t + SCORE_TILE <= c1; t += SCORE_TILE) {
                 vf s[2][SCORE_TILE];
                 for (int64_t i = 0; i < SCORE_TILE; i++) {
@@ -116,7 +117,7 @@ static inline __attribute__((always_inline)) void NAME(heads_simd)(
                 }
                 for (int64_t h = 0; h < G; h++) reduce8_store(s[h], scores + (j * G + h) * max_len + t);
             }
-            for (; t + SCORE_TILE <= c1; t += SCORE_TILE) {
+            for (; V <= 4 && t + SCORE_TILE <= c1; t += SCORE_TILE) {
                 float ktile[SCORE_TILE * MAX_D];
                 for (int64_t i = 0; i < SCORE_TILE; i++) {
                     vf kv[MAX_D / VW];
