@@ -227,6 +227,17 @@ static inline void reduce8_store(const vf *s, float *dst) {
 #endif
 }
 
+/* One query's scores against SCORE_TILE float K rows k[i] (V vectors each), stored to dst[0..SCORE_TILE): the
+ * tile's products for each lane in the per-token order (a product, then FMAs), one reduce8_store for all eight. */
+static inline __attribute__((always_inline)) void score_tile(const vf *q, const float *const *k, int64_t V,
+                                                             float *dst) {
+    vf s[SCORE_TILE];
+    for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_MUL(q[0], V_LOADU(k[i]));
+    for (int64_t v = 1; v < V; v++)
+        for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_FMADD(q[v], V_LOADU(k[i] + VW * v), s[i]);
+    reduce8_store(s, dst);
+}
+
 /* exp(x) for x <= 0 (scores less their max): x = n ln2 + r, exp(r) = 1 + r + r^2 P(r) (Cephes' expf polynomial,
  * ~1 ulp), times 2^n built in the exponent bits; below -87 it is 0, as expf's result would be subnormal or zero. */
 static inline vf vexp(vf x) {

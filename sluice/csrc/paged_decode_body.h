@@ -119,19 +119,14 @@ static inline __attribute__((always_inline)) void NAME(heads_simd)(
             }
             for (; V <= 4 && t + SCORE_TILE <= c1; t += SCORE_TILE) {
                 float ktile[SCORE_TILE * MAX_D];
+                const float *k[SCORE_TILE];
                 for (int64_t i = 0; i < SCORE_TILE; i++) {
                     vf kv[MAX_D / VW];
                     NAME(span_row)(key_cache, table, t + i, len, j, g0, block_size, token_stride, span, V, kv);
                     for (int64_t v = 0; v < V; v++) V_STOREU(ktile + i * D + VW * v, kv[v]);
+                    k[i] = ktile + i * D;
                 }
-                for (int64_t h = 0; h < G; h++) {
-                    vf s[SCORE_TILE];
-                    for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_MUL(qv[h][0], V_LOADU(ktile + i * D));
-                    for (int64_t v = 1; v < V; v++)
-                        for (int64_t i = 0; i < SCORE_TILE; i++)
-                            s[i] = V_FMADD(qv[h][v], V_LOADU(ktile + i * D + VW * v), s[i]);
-                    reduce8_store(s, scores + (j * G + h) * max_len + t);
-                }
+                for (int64_t h = 0; h < G; h++) score_tile(qv[h], k, V, scores + (j * G + h) * max_len + t);
             }
 #endif
             for (; t < c1; t++) {
@@ -216,11 +211,7 @@ static inline __attribute__((always_inline)) void NAME(rows_simd)(
         NAME(f32_rows)(key_cache, table, head, block_size, token_stride, t0, SCORE_TILE, hi, V, tile, k);
         for (int64_t n = 0; n < NQ; n++) {
             if (t0 >= seen_by[n]) continue;
-            vf s[SCORE_TILE];
-            for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_MUL(qv[n][0], V_LOADU(k[i]));
-            for (int64_t v = 1; v < V; v++)
-                for (int64_t i = 0; i < SCORE_TILE; i++) s[i] = V_FMADD(qv[n][v], V_LOADU(k[i] + VW * v), s[i]);
-            reduce8_store(s, scores + n * max_len + t0);
+            score_tile(qv[n], k, V, scores + n * max_len + t0);
         }
     }
     for (int64_t t = full; t < hi; t++) {
