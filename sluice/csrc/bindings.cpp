@@ -24,6 +24,7 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "int4 linear (Q4_1 weights, int8 activations), few rows");
+  m.def("q4_0_linear", &q4_0_linear, "int4 linear on Q4_0 weights (packed codes, no minimum)");
   m.def("q4_k_linear", &q4_k_linear, "int4 linear on Q4_K weights (packed codes, the file's scales), few rows");
   m.def("q5_0_linear", &q5_0_linear, "int4 linear on Q5_0 weights (packed codes and fifth bits)");
   m.def("q5_1_linear", &q5_1_linear, "int4 linear on Q5_1 weights (packed codes and fifth bits)");

@@ -15,6 +15,9 @@
 // [ceil(N / 16), K / 32, 16]. x float32 [M, K], K a multiple of 32; y float32 [M, N].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                        const at::Tensor& minimum, int64_t N);
+// The same kernel on Q4_0 weights, their codes packed as int4_linear's, d float16 [ceil(N / 16), K / 32, 16];
+// element = (q - 8) d.
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N);
 // The same kernel on Q4_K weights, their codes packed as int4_linear's and their scales as the file has them:
 // scales_mins uint8 [ceil(N / 16), K / 32, 2, 16] (each group's 6-bit scale sc and minimum m), supers float16
 // [ceil(N / 16), K / 256, 2, 16] (d and -dmin per 256 inputs); element = q * d * sc + m * (-dmin). K a multiple
@@ -77,8 +80,9 @@ class LlamaLayerOps {
   // One linear on GGUF blocks: parts side by side (a GGUF may store q and v in different types), each a GGML type with
   // its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum); Q4_K (12), Q5_0 (6) and Q5_1 (7)
   // packed for q4_k_linear (a, b, c = nibbles, scales_mins, supers), q5_0_linear and q5_1_linear (nibbles, fifth bits,
-  // scales), Q6_K (14) for q6_k_linear (nibbles, high_scales, supers), Q8_0 (8) for q8_0_packed_linear (a, b = codes,
-  // scale; c empty), each or as stored; any other type's rows of blocks in a for gguf_linear; n outputs in all.
+  // scales), Q6_K (14) for q6_k_linear (nibbles, high_scales, supers), Q8_0 (8) and Q4_0 (2) for q8_0_packed_linear and
+  // q4_0_linear (a, b = codes, scale; c empty), each or as stored; any other type's rows of blocks in a for
+  // gguf_linear; n outputs in all.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).

@@ -1,13 +1,13 @@
-// Weight-only int4 (and int5, int8) linear (Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for calls of any
+// Weight-only int4 (and int5, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for calls of any
 // size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d
 // and minimum m, element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit
-// per code, Q5_0's element (q - 16) d; Q8_0: a byte per code, kept as q + 128; the policies below). Each input row is
+// per code, Q5_0's element (q - 16) d; Q4_0: Q4_1's nibbles, element (q - 8) d; Q8_0: a byte per code, kept as q + 128; the policies below). Each input row is
 // quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
-// activations carry it). Q5_0 and Q8_0 have no minimum: their codes' offset (16, 128) comes off the integer sum as
+// activations carry it). Q4_0, Q5_0 and Q8_0 have no minimum: their codes' offset (8, 16, 128) comes off the integer sum as
 // that offset times the sum of the group's activation codes, so each group costs one float multiply-add fewer, and
-// the sum is llama.cpp's own, sum_j (q - 16) qx. The inner sums are exact integer dot products (u8 x s8 -> s32), so
+// the sum is llama.cpp's own, sum_j (q - 8) qx for Q4_0. The inner sums are exact integer dot products (u8 x s8 -> s32), so
 // every instruction set below computes the same values; only the final float sums may round in another order.
 //
 // Layout (gguf_blocks.py's pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles): outputs in
@@ -234,23 +234,31 @@ struct Q5Scales {
   }
 };
 
-// Q8_0, packed as the nibbles are but a byte per code (8 chunks of 4 inputs per group: 512 bytes per group of a
-// block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d, d float16 [blocks, G, 16]; the 128
-// comes off the integer sum, where i8_dot has not taken it off already.
-struct Q8_0Scales {
+// One float16 scale d per group and output, [blocks, G, 16], and no minimum: the codes' offset comes off the integer
+// sum (that offset times the group's activation codes), so a group costs two float operations, not Q4_1's three.
+template <bool ByteCodes, int32_t CodeBias>
+struct ScaleOnly {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = true, kMinimum = false;
-  static constexpr int32_t kCodeBias = kSignedByteDot ? 0 : 128;
+                        kByteCodes = ByteCodes, kMinimum = false;
+  static constexpr int32_t kCodeBias = CodeBias;
   const uint16_t* d;
   int64_t G;
-  void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 32
-    sluice::prefetch(d + (b * G + g) * kBlock + sluice::kPrefetchBytes / 32, 2 * kBlock);
+  void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 16 (bytes: 32)
+    sluice::prefetch(d + (b * G + g) * kBlock + sluice::kPrefetchBytes / (ByteCodes ? 32 : 16), 2 * kBlock);
   }
 #ifdef I4_LANES
   fvec scale(int64_t b, int64_t g, int h) const { return f_half(d + (b * G + g) * kBlock + h * I4_LANES); }
 #endif
   float scale_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(d[(b * G + g) * kBlock + o]); }
 };
+
+// Q4_0: Q4_1's nibbles, element = (q - 8) d.
+using Q4_0Scales = ScaleOnly<false, 8>;
+
+// Q8_0, packed as the nibbles are but a byte per code (8 chunks of 4 inputs per group: 512 bytes per group of a
+// block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d; the 128 comes off the integer sum,
+// where i8_dot has not taken it off already.
+using Q8_0Scales = ScaleOnly<true, kSignedByteDot ? 0 : 128>;
 
 // Q6_K: codes of 6 bits, element = d * sc * (q - 32), with a signed 8-bit sc per 16 inputs (a group's low nibbles,
 // then its high ones) and a float16 d per 256 inputs. Per group uint8 [blocks, G, 160]: the codes' bit 4 and bit 5
@@ -528,6 +536,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     }
     return Q4_1Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()),
                       reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>()), G};
+  });
+}
+
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N) {
+  return packed_linear("q4_0_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(has_shape(scale, at::kHalf, {blocks, G, kBlock}),
+                "q4_0_linear: scale float16 [ceil(N / 16), K / 32, 16], contiguous");
+    return Q4_0Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), G};
   });
 }
 

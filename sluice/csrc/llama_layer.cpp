@@ -12,6 +12,7 @@
 namespace {
 
 constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row blocks
+constexpr int64_t kQ4_0 = 2;        // GGML's Q4_0: packed for q4_0_linear where b holds its scales
 constexpr int64_t kQ4_K = 12;       // GGML's Q4_K: packed for q4_k_linear where b holds its scales
 constexpr int64_t kQ5_0 = 6;        // GGML's Q5_0 and Q5_1: packed for q5_0_linear, q5_1_linear where b holds the
 constexpr int64_t kQ5_1 = 7;        // fifth bits
@@ -49,6 +50,7 @@ at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
     } else {
       const bool packed = p.b.defined() && p.b.numel() > 0;
       outs.push_back(p.type == kPackedQ4_1               ? int4_linear(x, p.a, p.b, p.c, p.n)
+                     : p.type == kQ4_0 && packed         ? q4_0_linear(x, p.a, p.b, p.n)
                      : p.type == kQ4_K && packed         ? q4_k_linear(x, p.a, p.b, p.c, p.n)
                      : p.type == kQ5_0 && packed         ? q5_0_linear(x, p.a, p.b, p.c, p.n)
                      : p.type == kQ5_1 && packed         ? q5_1_linear(x, p.a, p.b, p.c, p.n)

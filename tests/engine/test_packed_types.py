@@ -1,5 +1,5 @@
-"""Q5_0, Q5_1, Q6_K and Q8_0 regrouped for csrc/int4_linear.cpp (q5_0_linear, q5_1_linear, q6_k_linear,
-q8_0_packed_linear): every
+"""Q4_0, Q5_0, Q5_1, Q6_K and Q8_0 regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear, q5_1_linear,
+q6_k_linear, q8_0_packed_linear): every
 bit of the file kept, the kernel against the exact product of the int8-rounded activations and the file's weights,
 every instruction set the same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama
 with Q5_0, Q5_1 and Q8_0 linears through the fused layer and the Python path)."""
@@ -14,11 +14,13 @@ from sluice.service.engine.layers.gguf_blocks import (
     BLOCK_TYPES,
     GgufBlocks,
     dequantize,
+    pack_q4_0,
     pack_q5_0,
     pack_q5_1,
     pack_q6_k,
     pack_q8_0,
     quantize,
+    unpack_q4_0,
     unpack_q5_0,
     unpack_q5_1,
     unpack_q6_k,
@@ -28,9 +30,11 @@ from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufEmbedd
 from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
-PACKS = {"Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
+PACKS = {"Q4_0": (pack_q4_0, unpack_q4_0, "q4_0_linear"),
+         "Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
          "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"), "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear")}
-SHAPES = {"Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
+SHAPES = {"Q4_0": [(3, 16, 4, 16, 4), (3, 16, 16)],  # codes (nibbles), scales
+          "Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
           "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
           "Q6_K": [(3, 16, 4, 16, 4), (3, 16, 160), (3, 2, 16)],  # nibbles, high bits and scales, d per 256
           "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)]}  # codes (bytes), scales
@@ -137,8 +141,8 @@ def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero group: scale 0
     weight = dequantize(blocks, qtype, k).double()
-    # Q5_0's (q - 16) and Q5_1's minimum both multiply the rounded activations: the exact product is the reference,
-    # only the float sums' order differs (and, rarely, an activation within an ulp of a rounding tie).
+    # Q4_0's (q - 8), Q5_0's (q - 16) and Q5_1's minimum all multiply the rounded activations: the exact product is
+    # the reference, only the float sums' order differs (and, rarely, an activation within an ulp of a rounding tie).
     got, want = linear(x).double(), int8_rounded(x).double() @ weight.T
     scale = (x.double().abs() @ weight.abs().T).amax()
     assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
@@ -178,7 +182,7 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
     with pytest.raises(RuntimeError, match="qs uint8"):  # the other layout's codes
         getattr(kernel, op)(x, pack_q5_0(quantized("Q5_0", 48, 512, 6))[0] if qtype == "Q8_0" else
                             pack_q8_0(quantized("Q8_0", 48, 512, 6))[0], *packed[1:], 48)
-    if qtype != "Q8_0":
+    if len(packed) == 3:  # a middle buffer of the wrong shape
         with pytest.raises(RuntimeError, match="high_scales uint8" if qtype == "Q6_K" else "fifth uint8"):
             getattr(kernel, op)(x, packed[0], packed[1][:, :, :8].contiguous(), packed[2], 48)
 

@@ -57,10 +57,12 @@ MARCHES = {"portable": "-march=x86-64", "avx2": "-march=x86-64-v3"}
 
 def integer_kernels(isa: str):
     """The integer-weight linears (int4_linear.cpp, gguf_linear.cpp, q6_k_dequantize.cpp) built for `isa`
-    (a key of MARCHES) as torch ops: `torch.ops.sluice_test_int_<isa>`, with int4_linear, q4_k_linear, q5_0_linear,
-    q5_1_linear, q6_k_linear, q8_0_packed_linear, isa, gguf_linear, gguf_dequantize and q6_k_dequantize."""
+    (a key of MARCHES) as torch ops: `torch.ops.sluice_test_int_<isa>`, with int4_linear, q4_0_linear, q4_k_linear,
+    q5_0_linear, q5_1_linear, q6_k_linear, q8_0_packed_linear, isa, gguf_linear, gguf_dequantize and
+    q6_k_dequantize."""
     binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
                f'TORCH_LIBRARY(sluice_test_int_{isa}, m) {{ m.def("int4_linear", &int4_linear); '
+               'm.def("q4_0_linear", &q4_0_linear); '
                'm.def("q4_k_linear", &q4_k_linear); m.def("q5_0_linear", &q5_0_linear); '
                'm.def("q5_1_linear", &q5_1_linear); m.def("q6_k_linear", &q6_k_linear); '
                'm.def("q8_0_packed_linear", &q8_0_packed_linear); '

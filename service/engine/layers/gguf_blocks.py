@@ -1,6 +1,6 @@
 """GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
 Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
-`--quantization int8 | int4` stores), and the repacking of Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 into
+`--quantization int8 | int4` stores), and the repacking of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 into
 csrc/int4_linear.cpp's blocks of 16 rows.
 """
 
@@ -140,24 +140,45 @@ def _by_row(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])
 
 
+def _pack_nibble_rows(data: torch.Tensor, halves: int) -> tuple[torch.Tensor, ...]:
+    """Rows of blocks of `halves` float16 values and 16 bytes of nibbles (Q4_0: d; Q4_1: d, m) → int4_linear's
+    nibbles [N/16, G, 4, 16, 4] and each value float16 [N/16, G, 16], N padded with zero rows to blocks of 16."""
+    n, nbytes = data.shape[0], 2 * halves + 16
+    blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // nbytes, nbytes)
+    values = (blocks[..., 2 * h:2 * h + 2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
+              for h in range(halves))
+    return _interleave(blocks[..., 2 * halves:]), *values
+
+
+def _unpack_nibble_rows(nibbles: torch.Tensor, values: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+    """The inverse of _pack_nibble_rows: the first n rows as stored."""
+    packs, groups = nibbles.shape[:2]
+    heads = [t.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2) for t in values]
+    return torch.cat([*heads, _deinterleave(nibbles)], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]
+
+
+def pack_q4_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 rows uint8 [N, G * 18] → q4_0_linear's blocks of 16 rows (N padded with zero rows): nibbles
+    [N/16, G, 4, 16, 4] as Q4_1's, d float16 [N/16, G, 16]. Every bit kept (unpack_q4_0)."""
+    nibbles, scale = _pack_nibble_rows(data, 1)
+    return nibbles, scale
+
+
+def unpack_q4_0(nibbles: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q4_0: the first n rows as Q4_0 blocks, uint8 [n, G * 18]."""
+    return _unpack_nibble_rows(nibbles, (scale,), n)
+
+
 def pack_q4_1(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 rows uint8 [N, G * 20] → int4_linear's blocks of 16 rows (N padded with zero rows): nibbles
     [N/16, G, 4, 16, 4], scale and minimum float16 [N/16, G, 16]."""
-    n = data.shape[0]
-    blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // 20, 20)
-    nibbles = _interleave(blocks[..., 4:])
-    scale, minimum = (blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
-                      for at in (0, 2))
+    nibbles, scale, minimum = _pack_nibble_rows(data, 2)
     return nibbles, scale, minimum
 
 
 def unpack_q4_1(nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_q4_1: the first n rows as Q4_1 blocks, uint8 [n, G * 20]."""
-    packs, groups = nibbles.shape[:2]
-    rows = _deinterleave(nibbles)
-    d, m = (t.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2)
-            for t in (scale, minimum))
-    return torch.cat([d, m, rows], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]
+    return _unpack_nibble_rows(nibbles, (scale, minimum), n)
 
 
 def _negated(half: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,15 @@
 """Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows together at
-load (`pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte; `pack_q5_0` and `pack_q5_1`,
-the fifth bits in the kernel's order; `pack_q6_k`, its two high bits so; `pack_q8_0`, a byte per code: several times
-faster than reading the rows as stored, docs/performance.md), the activations rounded to int8 per 32 inputs as
-llama.cpp does; for calls of any size, except Q6_K (`prefill_op`): SmolLM2's first layers keep their down
-projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations changed its greedy
-answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized (`q6_k_dequantize`)
-and multiplied in float, as for the types read as stored. Calls of few rows (decoding) of the other types (Q4_0,
-Q5_K) run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill)
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows
+together at load (`pack_q4_0` and `pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte;
+`pack_q5_0` and `pack_q5_1`, the fifth bits in the kernel's order; `pack_q6_k`, its two high bits so; `pack_q8_0`, a
+byte per code: several times faster than reading the rows as stored, docs/performance.md), the activations rounded
+to int8 per 32 inputs as llama.cpp does; for calls of any size, except Q6_K (`prefill_op`): SmolLM2's first
+layers keep their down projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations
+changed its greedy answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized
+(`q6_k_dequantize`) and multiplied in float, as for the types read as stored. Calls of few rows (decoding) of the other type (Q5_K)
+run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill)
 dequantize a tile of output rows at a time into a scratch and multiply.
 Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
 its linears to csrc/llama_layer.cpp (`kernel_op`).
@@ -30,6 +30,7 @@ from sluice.service.engine.layers.gguf_blocks import (
     PACK_ROWS,
     GgufBlocks,
     dequantize,
+    pack_q4_0,
     pack_q4_1,
     pack_q4_k,
     pack_q5_0,
@@ -38,6 +39,7 @@ from sluice.service.engine.layers.gguf_blocks import (
     pack_q8_0,
     q8_0_rows,
     quantize,
+    unpack_q4_0,
     unpack_q4_1,
     unpack_q4_k,
     unpack_q5_0,
@@ -47,7 +49,7 @@ from sluice.service.engine.layers.gguf_blocks import (
 )
 from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
 
-# Rows a call of a type stored as is (Q4_0, Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles +
+# Rows a call of a type stored as is (Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles +
 # GEMM). The GEMV unpacks every weight block once per few input rows, the tiles once per call, so the tiles win
 # past a crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
 # (docs/performance.md); the other packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output
@@ -73,7 +75,8 @@ class Packing:
     prefill_op: str | None = None
 
 
-PACKINGS = {"Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
+PACKINGS = {"Q4_0": Packing(("blocks", "scale"), "q4_0_linear", pack_q4_0, unpack_q4_0),
+            "Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
             "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k),
             "Q5_0": Packing(("blocks", "fifth", "scale"), "q5_0_linear", pack_q5_0, unpack_q5_0),
             "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1),
