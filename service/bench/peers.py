@@ -25,7 +25,16 @@ from pathlib import Path
 from sluice.machine import cache_root
 from sluice.service.bench.llama_cpp import ISA, build_llama_server, cpu_flags
 from sluice.service.bench.peer_models import disk_mib, prepare
-from sluice.service.bench.peer_plan import PAIRS, SPEC_LLAMA, SPEC_SLUICE, Launch, Line, estimate_lines, plan
+from sluice.service.bench.peer_plan import (
+    GGUF_SERVED,
+    PAIRS,
+    SPEC_LLAMA,
+    SPEC_SLUICE,
+    Launch,
+    Line,
+    estimate_lines,
+    plan,
+)
 from sluice.service.bench.peer_plan import workloads as scaled_workloads
 from sluice.service.bench.peers_report import ratios, table
 from sluice.service.bench.serve import ServeConfig, run_serve
@@ -56,7 +65,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         pythons[f"Sluice@{sha[:8]}"] = str(baseline_python(sha, cache, log))
     lines = plan(sizes, pairs, d_sizes, bf16=bool({"avx512_bf16", "amx_bf16"} & cpu_flags()), baseline=sha,
                  shapes=shapes)
-    kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *(["Q4_K_M"] if ("Q4_K", "Q4_K_M") in pairs else [])]))
+    kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *(GGUF_SERVED[o] for o, _ in pairs if o in GGUF_SERVED)]))
     log("preparing models: " + ", ".join(sizes))
     models = prepare(cache, sizes, kinds, log)
     threads = str(len(os.sched_getaffinity(0)))
@@ -136,21 +145,22 @@ def command(line: Line, launch: Launch, models: dict, server: Path, pythons: dic
         return [*cmd, *SPEC_LLAMA.get(line.spec, ())]
     model = models[line.size, "hf"] if line.arch == "llama" else random_checkpoint(line.arch, line.size)
     python = pythons[line.engine]
-    return sluice_command(python, line.fmt, model, models.get((line.size, "Q4_K_M")), launch.kv_tokens,
+    return sluice_command(python, line.fmt, model, models.get((line.size, GGUF_SERVED.get(line.fmt))), launch.kv_tokens,
                           spec=bool(line.spec), kv16="--kv-cache-dtype" in _serve_help(python))
 
 
-def sluice_command(python: str, fmt: str, model: Path, q4k: Path | None, kv_tokens: int, spec: bool = False,
+def sluice_command(python: str, fmt: str, model: Path, gguf_file: Path | None, kv_tokens: int, spec: bool = False,
                    kv16: bool = True) -> list[str]:
     """`sluice serve` for one weight format with `kv_tokens` of KV cache (blocks of 16), stored in float16 where
     `kv16` and the compute dtype is float32, as llama.cpp's default f16 cache whatever its weights (a commit from
-    before --kv-cache-dtype keeps its cache in the compute dtype)."""
-    if fmt == "Q4_K":
-        model = q4k  # llama.cpp's own Q4_K_M file, its blocks served as stored
+    before --kv-cache-dtype keeps its cache in the compute dtype). `gguf_file`: llama.cpp's own file, whose blocks
+    the GGUF_SERVED formats serve as stored."""
+    if fmt in GGUF_SERVED:
+        model = gguf_file
     dtype = "bfloat16" if fmt == "bf16" else "float32"
     cmd = [python, "-m", "sluice.service.cli", "serve", "--model", str(model), "--dtype", dtype,
            "--max-model-len", "2048", "--block-size", "16", "--num-kv-blocks", str(kv_tokens // 16)]
-    quant = {"int4": "int4", "Q4_K": "gguf"}.get(fmt)
+    quant = "gguf" if fmt in GGUF_SERVED else "int4" if fmt == "int4" else None
     kv = ["--kv-cache-dtype", "float16"] if kv16 and fmt != "bf16" else []
     return [*cmd, *(["--quantization", quant] if quant else []), *kv, *(SPEC_SLUICE if spec else ())]
 
