@@ -26,7 +26,13 @@ from sluice.service.engine.layers.gguf_blocks import (
     unpack_q6_k,
     unpack_q8_0,
 )
-from sluice.service.engine.layers.gguf_linear import PACKED_MAX_ROWS, GgufEmbedding, GgufLinear
+from sluice.service.engine.layers.gguf_linear import (
+    KERNEL_MAX_ROWS_DEFAULT,
+    PACKED_MAX_ROWS,
+    GgufBlockMethod,
+    GgufEmbedding,
+    GgufLinear,
+)
 from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
@@ -128,6 +134,26 @@ def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
     for isa in variant_isas():  # the portable loop and the AVX2 lanes unpack the same codes
         assert torch.equal(integer_kernels(isa).q6_k_dequantize(*packed._packed()), kernel.q6_k_dequantize(
             *packed._packed())), isa
+
+
+def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
+    # A head's rows are one per sequence: a step of 40 sequences gives each the logits it gets alone (a layer's
+    # Q6_K still multiplies float tiles past 32 rows: its prefill).
+    n, k = 40, 512
+    blocks = GgufBlocks(quantized("Q6_K", n, k, seed=4), "Q6_K", k)
+    method = GgufBlockMethod(torch.float32, kernel)
+    cpu = torch.device("cpu")
+    tied = method.tied_head(method.embedding(blocks, cpu, torch.float32))
+    untied, layer = (method.make_parts([blocks], [None], [name], cpu, torch.float32) for name in ("lm_head", "down_proj"))
+    assert tied.kernel_max_rows == untied.kernel_max_rows == PACKED_MAX_ROWS
+    assert layer.kernel_max_rows == KERNEL_MAX_ROWS_DEFAULT
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
+    logits = tied(x)
+    for row in (0, 17, 39):
+        assert torch.equal(logits[row], tied(x[row:row + 1])[0])
+    weight = dequantize(blocks.data, "Q6_K", k).double()
+    want, scale = int8_rounded(x).double() @ weight.T, (x.double().abs() @ weight.abs().T).amax()
+    assert ((logits.double() - want).abs() > 1e-6 * scale).sum() <= max(1, logits.numel() // 40)
 
 
 @pytest.mark.parametrize("qtype", WHOLE_CALLS)

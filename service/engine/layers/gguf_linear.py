@@ -8,7 +8,8 @@ byte per code: several times faster than reading the rows as stored, docs/perfor
 to int8 per 32 inputs as llama.cpp does; for calls of any size, except Q6_K (`prefill_op`): SmolLM2's first
 layers keep their down projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations
 changed its greedy answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized
-(`q6_k_dequantize`) and multiplied in float, as for the types read as stored. Calls of few rows (decoding) of the other type (Q5_K)
+(`q6_k_dequantize`) and multiplied in float, as for the types read as stored (an output head in Q6_K stays on the
+kernel: `head_on_kernel`). Calls of few rows (decoding) of the other type (Q5_K)
 run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill)
 dequantize a tile of output rows at a time into a scratch and multiply.
 Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
@@ -185,6 +186,17 @@ class GgufLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}{kernel}"
 
 
+def head_on_kernel(linear: nn.Module) -> nn.Module:
+    """An output head on its packed kernel for calls of every size, Q6_K's too (`prefill_op` is for the layers'
+    prefill): a head's rows are the sampled rows, one per sequence, so a decode step of 64 sequences computes each
+    row as a step of one does, the same logits whatever the batch (llama.cpp too rounds a Q6_K head's activations,
+    per 256). A Q4_0 or Q4_K_M file of a model whose hidden size is a multiple of 256 keeps its head in Q6_K, and
+    float tiles of it at every step of a large batch cost more than the layers' kernels (docs/performance.md)."""
+    if isinstance(linear, GgufLinear) and linear.packed:
+        linear.kernel_max_rows = PACKED_MAX_ROWS
+    return linear
+
+
 class GgufEmbedding(nn.Module):
     """Token embeddings in GGUF blocks: only the looked-up rows are dequantized, into `dtype`. The blocks are a
     GgufLinear's (`table`, packed where its type is), which a tied head runs: one copy of the bytes."""
@@ -247,7 +259,8 @@ class GgufBlockMethod(LinearMethod):
         if kinds[0] == "float":
             return PlainLinear(torch.cat(weights).to(dtype), None if bias is None else bias.to(dtype), pad=True)
         data = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
-        return GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel)
+        linear = GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel)
+        return head_on_kernel(linear) if parts == ["lm_head"] else linear
 
     def embedding(self, weight, device, dtype):
         if isinstance(weight, GgufBlocks):
@@ -257,7 +270,7 @@ class GgufBlockMethod(LinearMethod):
     def tied_head(self, embed):
         if isinstance(embed, GgufEmbedding):
             self.made[embed.qtype] += 1
-            return embed.table
+            return head_on_kernel(embed.table)
         return super().tied_head(embed)
 
     def describe(self) -> str:
