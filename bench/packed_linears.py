@@ -18,7 +18,7 @@ from sluice.service.engine.layers.gguf_linear import GgufLinear
 
 HIDDEN, INNER, LAYERS, VOCAB = 2048, 8192, 24, 49152
 SHAPES = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN), "down": (HIDDEN, INNER)}
-SCALES = {"Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_1": (0, 2), "Q6_K": (208,)}  # float16 fields of a block
+SCALES = {"Q4_0": (0,), "Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_1": (0, 2), "Q6_K": (208,)}  # float16 fields of a block
 
 
 def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
