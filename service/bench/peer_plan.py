@@ -1,11 +1,11 @@
 """What `bench peers` runs: servers per size and weight format, workloads scaled per size, and how long it takes.
 
 Weight formats pair up, Sluice's against llama.cpp's: fp32/F32, bf16/BF16, int4/Q4_1 and Sluice's GGUF blocks as
-stored (`--quantization gguf`: "Q4_K", "Q4_0") on the very Q4_K_M and Q4_0 files llama.cpp serves. Both keep K/V in 16 bits (llama.cpp's
-default f16 cache; Sluice's `--kv-cache-dtype float16` where it computes in float32) and get the same KV capacity:
-llama.cpp at its best runs A and B with 64 slots (no unified KV: with it, every slot scans the whole cache) and C
-with 16 longer slots, a server each; Sluice runs everything on one server holding as many KV tokens as the larger
-of the two. Workload D (repetitive) runs with and without n-gram speculation on both.
+stored (`--quantization gguf`: "Q4_K", "Q4_0") on the very Q4_K_M and Q4_0 files llama.cpp serves. Both keep K/V
+in 16 bits (llama.cpp's default f16 cache; Sluice's `--kv-cache-dtype float16` where it computes in float32) and get
+the same KV capacity: llama.cpp at its best runs A and B with 64 slots (no unified KV: with it, every slot scans the
+whole cache) and C with 16 longer slots, a server each; Sluice runs everything on one server holding as many KV
+tokens as the larger of the two. Workload D (repetitive) runs with and without n-gram speculation on both.
 
 Every workload keeps its shape at every size (A: a burst of 64; B: one at a time; C: 16 at a time, prompts
 several times A's) but shrinks its counts as the model grows, so that a whole run on 2 cores, every pair, stays
@@ -168,9 +168,11 @@ def params(shape: Shape, vocab: int = 49152) -> float:
 # (ms per token of a batch, prefill or batched decode; ms per decode step at batch 1), Sluice's and llama.cpp's
 # formats apart (both name a Q4_0). Only for the estimate.
 SLUICE_SPEED = {"fp32": ((0.5, 11.0), (5.5, 115.0)), "bf16": ((0.6, 5.6), (4.5, 58.0)),
-                "int4": ((0.85, 5.0), (4.7, 26.0)), "Q4_K": ((1.0, 6.0), (5.0, 30.0)), "Q4_0": ((0.85, 4.7), (4.7, 24.0))}
-LLAMA_SPEED = {"F32": ((0.9, 11.1), (2.0, 115.0)), "BF16": ((0.5, 8.9), (2.0, 58.0)), "Q4_1": ((0.7, 21.8), (5.0, 32.0)),
-               "Q4_K_M": ((0.8, 24.0), (5.0, 32.0)), "Q4_0": ((0.5, 9.0), (5.0, 30.0))}
+                "int4": ((0.85, 5.0), (4.7, 26.0)), "Q4_K": ((1.0, 6.0), (5.0, 30.0)),
+                "Q4_0": ((0.85, 4.7), (4.7, 24.0))}
+LLAMA_SPEED = {"F32": ((0.9, 11.1), (2.0, 115.0)), "BF16": ((0.5, 8.9), (2.0, 58.0)),
+               "Q4_1": ((0.7, 21.8), (5.0, 32.0)), "Q4_K_M": ((0.8, 24.0), (5.0, 32.0)),
+               "Q4_0": ((0.5, 9.0), (5.0, 30.0))}
 D_PROMPT = 560  # D's prompts, tokens
 
 

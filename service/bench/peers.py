@@ -65,7 +65,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         pythons[f"Sluice@{sha[:8]}"] = str(baseline_python(sha, cache, log))
     lines = plan(sizes, pairs, d_sizes, bf16=bool({"avx512_bf16", "amx_bf16"} & cpu_flags()), baseline=sha,
                  shapes=shapes)
-    kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *(GGUF_SERVED[o] for o, _ in pairs if o in GGUF_SERVED)]))
+    served = (GGUF_SERVED[ours] for ours, _ in pairs if ours in GGUF_SERVED)  # the files Sluice's gguf lines read
+    kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *served]))
     log("preparing models: " + ", ".join(sizes))
     models = prepare(cache, sizes, kinds, log)
     threads = str(len(os.sched_getaffinity(0)))

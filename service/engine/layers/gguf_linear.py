@@ -9,9 +9,9 @@ to int8 per 32 inputs as llama.cpp does; for calls of any size, except Q6_K (`pr
 layers keep their down projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations
 changed its greedy answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized
 (`q6_k_dequantize`) and multiplied in float, as for the types read as stored (an output head in Q6_K stays on the
-kernel: `head_on_kernel`). Calls of few rows (decoding) of the other type (Q5_K)
-run an integer-weight GEMV on the blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill)
-dequantize a tile of output rows at a time into a scratch and multiply.
+kernel: `head_on_kernel`). Calls of few rows (decoding) of the other type (Q5_K) run an integer-weight GEMV on the
+blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill) dequantize a tile of output rows at a time
+into a scratch and multiply.
 Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
 its linears to csrc/llama_layer.cpp (`kernel_op`).
 """
