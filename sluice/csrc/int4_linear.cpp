@@ -1,22 +1,24 @@
-// Weight-only int4 (and int5, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for calls of any
-// size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a float16 scale d
-// and minimum m, element = q * d + m (Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit
-// per code, Q5_0's element (q - 16) d; Q4_0: Q4_1's nibbles, element (q - 8) d; Q8_0: a byte per code, kept as q + 128; the policies below). Each input row is
-// quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+// Weight-only int4 (and int5, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for
+// calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a
+// float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element (q - 8) d; Q4_K: each group's scale
+// d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's element (q - 16) d; Q8_0: a byte per
+// code, kept as q + 128; the policies below). Each input row is quantized per group of 32 to int8 (qx, scale
+// dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
-// activations carry it). Q4_0, Q5_0 and Q8_0 have no minimum: their codes' offset (8, 16, 128) comes off the integer sum as
-// that offset times the sum of the group's activation codes, so each group costs one float multiply-add fewer, and
-// the sum is llama.cpp's own, sum_j (q - 8) qx for Q4_0. The inner sums are exact integer dot products (u8 x s8 -> s32), so
-// every instruction set below computes the same values; only the final float sums may round in another order.
+// activations carry it). Q4_0, Q5_0 and Q8_0 have no minimum: their codes' offset (8, 16, 128) comes off the
+// integer sum as that offset times the sum of the group's activation codes, so each group costs one float
+// multiply-add fewer, and the sum is llama.cpp's own, sum_j (q - 8) qx or (q - 16) qx. The inner sums are exact
+// integer dot products (u8 x s8 -> s32), so every instruction set below computes the same values; only the final
+// float sums may round in another order.
 //
-// Layout (gguf_blocks.py's pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles): outputs in
-// blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for each output o
-// of the block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low nibble) and
-// j + 16 (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles inputs
-// 16+4c..16+4c+3: four consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd) sums
-// against four activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales come 16
-// at a time (Q4_1's scale and minimum: float16 [blocks, G, 16]).
+// Layout (gguf_blocks.py's pack_q4_0, pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles):
+// outputs in blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for
+// each output o of the block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low
+// nibble) and j + 16 (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles
+// inputs 16+4c..16+4c+3: four consecutive inputs per 32-bit lane, which is what vpdpbusd (or pmaddubsw + pmaddwd)
+// sums against four activation bytes broadcast to every lane. One weight load thus serves 16 outputs, and scales
+// come 16 at a time (Q4_1's scale and minimum: float16 [blocks, G, 16]).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>

@@ -1,8 +1,8 @@
 """Q4_0, Q5_0, Q5_1, Q6_K and Q8_0 regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear, q5_1_linear,
-q6_k_linear, q8_0_packed_linear): every
-bit of the file kept, the kernel against the exact product of the int8-rounded activations and the file's weights,
-every instruction set the same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama
-with Q5_0, Q5_1 and Q8_0 linears through the fused layer and the Python path)."""
+q6_k_linear, q8_0_packed_linear): every bit of the file kept, the kernel against the exact product of the
+int8-rounded activations and the file's weights, every instruction set the same, and the fused layer's linear on the
+same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1 and Q8_0 linears through the fused layer and
+the Python path)."""
 
 from __future__ import annotations
 
