@@ -9,11 +9,12 @@ exactly what one-token decoding would have shown them.
 - Greedy: drafts are accepted while each equals the argmax of its position; the first mismatch emits that
   argmax, and a fully accepted run emits the argmax after the last draft (the bonus token). The output is the
   one-token decoder's.
-- Sampled: the draft is a one-hot proposal q, so speculative rejection sampling accepts draft x with
-  probability p(x) and otherwise samples from p with x removed, renormalized (max(0, p - q) normalized); a
-  fully accepted run samples the bonus token from the last position's p. Every emitted token is distributed as
-  one-token sampling from p. A seeded request draws its accept test from (seed, position) on a stream of its
-  own and its token from the same (seed, position) number as one-token sampling, so a seed reproduces its text.
+- Sampled: each position draws the token one-token sampling would draw there, t ~ p with the row's own
+  uniform, and the draft x is accepted when t == x; the first mismatch emits t, a fully accepted run emits the
+  bonus position's t. For a one-hot proposal q this is exact speculative rejection sampling: x is accepted with
+  probability p(x), and a rejected position's t is distributed as p without x, renormalized (max(0, p - q)
+  normalized). Since every draw is the one-token draw at the same (seed, position), a seeded request emits the
+  same text with drafts and without them (logprobs, grammars and allowed_token_ids turn drafts off).
 """
 
 from __future__ import annotations
@@ -30,10 +31,7 @@ from sluice.service.engine.sampler import (
     greedy_ids,
     mask_stop_tokens,
     read_back,
-    row_uniforms,
 )
-
-_ACCEPT_STREAM = 0x5BEC_DEC0_DE00_0001  # xor-ed into a request's seed for its accept tests
 
 
 def expand_rows(to_sample: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -61,43 +59,25 @@ def verify(logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[Sc
     if random_rows:
         index = to_device(random_rows, torch.long, device)
         filtered, uniforms = filtered_logits(x[index], [rows[i] for i in random_rows])
-        row_drafts = [t for r in requests for t in [*r.draft_token_ids, -1]]  # -1: the row after the last draft
-        drafts = [row_drafts[i] for i in random_rows]
-        cols = to_device([max(d, 0) for d in drafts], torch.long, device)[:, None]
-        p_draft = torch.softmax(filtered, dim=-1).gather(1, cols)[:, 0]
-        # The residual of row j: p without its draft (a bonus row, draft -1, keeps p whole).
-        is_draft = to_device([d >= 0 for d in drafts], torch.bool, device)[:, None]
-        residual = filtered.scatter(1, cols, torch.where(is_draft, float("-inf"), filtered.gather(1, cols)))
-        parts += [draw(residual, uniforms).double(), p_draft.double()]
+        parts.append(draw(filtered, uniforms).double())
     flat = read_back(torch.cat(parts))
     n = len(rows)
     target = [int(t) for t in flat[:n]]
-    resampled, accept = {}, {}
-    if random_rows:
-        m = len(random_rows)
-        resampled = dict(zip(random_rows, (int(t) for t in flat[n : n + m]), strict=True))
-        # accept[row]: whether the row's draft passes its test, u < p(draft)
-        u = row_uniforms([rows[i] for i in random_rows], _ACCEPT_STREAM)
-        accept = {row: ui < p for row, ui, p in zip(random_rows, u, flat[n + m : n + 2 * m], strict=True)}
+    for k, row in enumerate(random_rows):  # a sampled row's target is its one-token draw
+        target[row] = int(flat[n + k])
     runs, first = [], 0
     for r in requests:
-        runs.append(_run(r, first, target, resampled, accept))
+        runs.append(_run(r, first, target))
         first += 1 + len(r.draft_token_ids)
     return runs
 
 
-def _run(r: ScheduledRequest, first: int, target: list[int], resampled: dict, accept: dict) -> list[int]:
-    """Accept r's drafts left to right (its rows start at `first`); the first rejection ends the run."""
-    greedy = r.sampling_params.greedy
+def _run(r: ScheduledRequest, first: int, target: list[int]) -> list[int]:
+    """Accept r's drafts left to right while each equals its position's target (its rows start at `first`); the
+    first mismatch emits that target and ends the run."""
     run = []
     for j, draft in enumerate(r.draft_token_ids):
-        row = first + j
-        if greedy:
-            accepted, other = target[row] == draft, target[row]
-        else:
-            accepted, other = accept[row], resampled[row]
-        if not accepted:
-            return [*run, other]
+        if target[first + j] != draft:
+            return [*run, target[first + j]]
         run.append(draft)
-    last = first + len(r.draft_token_ids)
-    return [*run, target[last] if greedy else resampled[last]]
+    return [*run, target[first + len(r.draft_token_ids)]]

@@ -5,7 +5,7 @@ import torch
 
 from sluice.scheduling.output import ScheduledRequest
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.sampler import filtered_logits
+from sluice.service.engine.sampler import draw, filtered_logits
 from sluice.service.engine.spec_verify import expand_rows, verify
 
 # chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails once in a thousand runs,
@@ -88,3 +88,23 @@ def test_expanded_rows_see_the_drafts_before_them():
     assert [row.num_output_tokens for row in rows] == [3, 4, 5]
     assert [row.min_tokens_pending for row in rows] == [True, True, False]
     assert history == [1, 2, 3]  # the request's own list is never extended
+
+
+def test_sampled_verification_emits_what_one_token_sampling_draws_at_each_position():
+    """Accepting a draft exactly when the position's one-token draw equals it: the emitted run is the one-token
+    decoder's, position by position, for every seed (and the acceptance rate is still p(draft))."""
+    gen = torch.Generator().manual_seed(3)
+    params = [SamplingParams(temperature=0.8, top_k=6, seed=s) for s in range(200)]
+    logits = torch.randn(3, 8, generator=gen) * 2
+    drafts = [int(logits[0].argmax()), int(logits[1].argmax())]
+    reqs = [request(f"r{i}", drafts, p) for i, p in enumerate(params)]
+    runs = verify(logits.repeat(len(reqs), 1), reqs, expand_rows(reqs))
+    for r, run in zip(reqs, runs, strict=True):
+        one_token = []
+        for j, row in enumerate(expand_rows([r])):
+            x, u = filtered_logits(logits[j][None], [row])
+            one_token.append(int(draw(x, u)[0]))
+            if j == len(drafts) or one_token[-1] != drafts[j]:
+                break
+        assert run == one_token
+    assert 0 < sum(len(run) > 1 for run in runs) < len(runs)  # some accepted, some rejected

@@ -3,6 +3,7 @@ speculation, under chunking, prefix hits and both preemption modes; processors, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -130,17 +131,23 @@ def test_stops_and_max_tokens_cut_a_run_where_one_token_steps_stop():
         assert counts["generated"] == sum(len(r.token_ids) for r in on), params
 
 
-def test_seeded_sampling_with_speculation_is_reproducible():
+def test_seeded_sampling_is_the_same_with_and_without_drafts():
+    """A seed's text is a function of the request: each position draws with its (seed, position) uniform, with
+    drafts proposed or not (and so whatever logprobs, which turns drafts off, says)."""
     ours, prompts, _, _ = copying_pair()
     params = [SamplingParams(max_tokens=40, temperature=0.3, top_p=0.95, seed=100 + i) for i in range(3)]
+    with_logprobs = [dataclasses.replace(p, logprobs=1) for p in params]
 
-    def run():
-        engine = make_engine(ours, "recompute", num_blocks=128, speculative_method="ngram")
+    def run(method, sampling):
+        engine = make_engine(ours, "recompute", num_blocks=128, speculative_method=method)
         counts = spec_counts(engine)
-        return [r.token_ids for r in engine.generate([prompts[i] for i in CYCLING], params)], counts
+        return [r.token_ids for r in engine.generate([prompts[i] for i in CYCLING], sampling)], counts
 
-    (first, counts), (second, _) = run(), run()
-    assert first == second and counts["drafts"] > 0, counts
+    (first, counts), (second, _) = run("ngram", params), run("ngram", params)
+    assert first == second and counts["drafts"] > 0 and counts["accepted"] > 0, counts
+    assert run("none", params)[0] == first
+    logprobs_on, counts = run("ngram", with_logprobs)
+    assert counts["drafts"] == 0 and logprobs_on == first
 
 
 def test_requests_with_logprobs_decode_without_drafts():
