@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from sluice.service.engine.outputs import EngineOutput
 from sluice.service.engine.pooling import EmbeddingSpec
 
 logger = logging.getLogger("sluice.async_engine")
+READER_LAG_FACTOR = 8
 
 
 class EngineDeadError(RuntimeError):
@@ -80,6 +82,7 @@ class _Group:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)  # as seen by the dispatcher
     size: int = 1  # engine requests in the group: each step may queue one output for every one of them
+    last_read: float = field(default_factory=time.monotonic)  # when its reader last took an output
 
 
 class RequestStream:
@@ -97,6 +100,7 @@ class RequestStream:
         if self._remaining == 0:
             raise StopAsyncIteration
         out = await self._group.queue.get()
+        self._group.last_read = time.monotonic()
         if out.finished:
             self._remaining -= 1
         return out
@@ -116,12 +120,16 @@ class AsyncEngine:
     """Runs LLMEngine.step() in one dedicated thread; every engine call goes through that thread, in order."""
 
     def __init__(self, engine: SyncEngine, max_queued_requests: int = 256, max_stream_buffer: int = 4096,
-                 executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None):
+                 executor: ThreadPoolExecutor | None = None, tracer: RequestTracer | None = None,
+                 reader_stall_timeout: float = 30.0):
         self.engine = engine  # the engine thread's own: the API reads `model`, `stats` and the streams instead
         self.model = ModelInfo.of(engine)
         self.tracer = tracer  # None: tracing off, requests carry no trace headers
         self.max_queued_requests = max_queued_requests
         self.max_stream_buffer = max_stream_buffer
+        # A full buffer cuts a stream off only once its reader has taken nothing for this long: a reader that
+        # keeps taking outputs, however far a loaded machine leaves it behind, is slow, not gone.
+        self.reader_stall_timeout = reader_stall_timeout
         # One worker: add, abort and step never overlap, and FIFO order means an abort queued after an
         # add always finds the request.
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
@@ -148,7 +156,8 @@ class AsyncEngine:
         engine = await asyncio.get_running_loop().run_in_executor(executor, LLMEngine, config)
         if tracer is not None:
             tracer.model_name = engine.served_model_name
-        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor, tracer)
+        return cls(engine, config.server.max_queued_requests, config.server.max_stream_buffer, executor, tracer,
+                   config.server.stream_write_timeout)
 
     def start(self) -> None:
         """Start the background loop; call from the event loop."""
@@ -337,7 +346,8 @@ class AsyncEngine:
                 "preemptions": dict(self._preemptions)}
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
-        """Hand outputs to their streams; a stream whose reader fell too far behind is cut off."""
+        """Hand outputs to their streams; a stream whose reader stopped taking them is cut off."""
+        now = time.monotonic()
         for out in outputs:
             if out.timeline is not None and out.timeline.events is not None and self.tracer is not None:
                 try:  # a request whose client left still gets its span: this is its abort notice
@@ -349,9 +359,12 @@ class AsyncEngine:
                 continue
             self._no_output.discard(out.request_id)
             # The bound is per request: a 64-choice call fills 64 slots in one step even for a fast reader.
-            if group.queue.qsize() >= self.max_stream_buffer * group.size:
-                logger.warning("request %s: client not reading, %d outputs buffered; aborting",
-                               out.request_id, group.queue.qsize())
+            # A reader still taking outputs may fall behind up to READER_LAG_FACTOR times the buffer, no further.
+            buffered, bound = group.queue.qsize(), self.max_stream_buffer * group.size
+            if buffered >= bound and (now - group.last_read >= self.reader_stall_timeout
+                                      or buffered >= READER_LAG_FACTOR * bound):
+                logger.warning("request %s: client not reading for %.1fs, %d outputs buffered; aborting",
+                               out.request_id, now - group.last_read, buffered)
                 self._fail(group, FinishReason.ERROR, ErrorCode.SLOW_READER,
                            "the client did not read the stream fast enough")
                 continue

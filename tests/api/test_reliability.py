@@ -7,6 +7,8 @@ import asyncio
 import json
 import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -194,6 +196,56 @@ async def test_stuck_reader_is_cut_off_and_others_keep_pace(roomy):
             break
     assert min(ratios) < 1.5, ratios
     await good_request(roomy.url)
+
+
+def dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's payload."""
+    out, pos = b"", 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return out
+        out += body[end + 2 : end + 2 + size]
+        pos = end + 2 + size + 2
+
+
+async def steady_reader(port: int) -> None:
+    """The heavy request read at a steady 8 KB every 20 ms, straight from a socket with a small window: a few
+    times slower than the engine writes it, so the server's buffer for it passes --max-stream-buffer, but never
+    a pause near --stream-write-timeout (the server's writes wait for ~80 KB to drain: 0.2 s at this pace)."""
+    loop = asyncio.get_running_loop()
+    sock = stuck_client(port)
+    sock.setblocking(False)
+    raw = b""
+    try:
+        while chunk := await loop.sock_recv(sock, 8192):
+            raw += chunk
+            if raw.endswith(b"\r\n0\r\n\r\n"):
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+    chunks = parse_sse(dechunk(body))
+    assert all(finish_reasons(chunks, i) == ["length"] for i in range(64)), [c for c in chunks if "error" in c]
+
+
+async def test_reading_client_is_never_cut_off_on_a_loaded_machine(roomy):
+    """A heavy reader that reads as fast as it can next to two processes spinning on the cores (as the suite's
+    other worker does), and one that reads steadily far behind the engine (what a loaded machine does to a
+    client, made certain), both get every choice: the buffer bound cuts off only a reader that takes nothing
+    for --stream-write-timeout."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        await reading_neighbour(roomy.url)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    await steady_reader(roomy.port)
+    await wait_idle(roomy)
 
 
 async def test_slow_reader_gets_everything(roomy):

@@ -136,13 +136,31 @@ async def test_step_exception_kills_engine_and_fails_streams():
     await eng.shutdown()
 
 
-async def test_slow_consumer_is_cut_off_without_blocking_the_loop():
+async def test_stuck_consumer_is_cut_off_without_blocking_the_loop():
     fake = FakeEngine()
-    eng = await started(fake, max_stream_buffer=5)
+    eng = await started(fake, max_stream_buffer=5, reader_stall_timeout=0.2)
     async with await eng.add_request("slow", [1], params(10_000)) as stream:
         await until(lambda: fake.aborted == ["slow"])
         outs = [o async for o in stream]
-    assert len(outs) == 6 and outs[-1].finish_reason == "error"
+    assert 6 <= len(outs) <= 41 and outs[-1].finish_reason == "error" and outs[-1].error
+    await eng.shutdown()
+
+
+async def test_consumer_that_keeps_reading_is_never_cut_off_however_far_behind():
+    """A full buffer is no verdict on a reader that keeps taking outputs (a loaded machine slows it down); only
+    falling 8 buffers behind is."""
+    fake = FakeEngine(step_delay=0.001)
+    eng = await started(fake, max_stream_buffer=5, reader_stall_timeout=0.5)
+    outs = []
+    async with await eng.add_request("slow", [1], params(30)) as stream:
+        async for out in stream:
+            outs.append(out)
+            await asyncio.sleep(0.02)  # twenty times slower than the engine writes
+    assert len(outs) == 30 and outs[-1].finish_reason == "length" and fake.aborted == []
+    async with await eng.add_request("far", [1], params(10_000)) as stream:
+        await until(lambda: fake.aborted == ["far"])
+        outs = [o async for o in stream]
+    assert len(outs) == 41 and outs[-1].finish_reason == "error"
     await eng.shutdown()
 
 
