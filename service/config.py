@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -88,13 +89,26 @@ class ServerConfig:
     port: int = knob(8000, "Port to listen on.")
     api_key: str = knob("", "Require 'Authorization: Bearer <key>' on the API (empty: no auth).")
     max_queued_requests: int = knob(256, "Requests allowed to wait before new ones get 429.")
+    max_n: int = knob(16, "Most samples (`n`) one completions or chat request may ask for; more is a 400 naming n.")
+    max_prompts_per_request: int = knob(
+        64, "Most sequences one completions or chat request may start: its prompts (one for chat) times n. A longer "
+        "prompt list is a 400 naming prompt, too many times n one naming n. Each is an engine request, so "
+        "--max-queued-requests bounds it too."
+    )
+    max_embedding_inputs: int = knob(
+        128, "Most inputs one /v1/embeddings request may hold (more: 400 naming input). Each is an engine request, "
+        "so --max-queued-requests bounds it too."
+    )
     shutdown_timeout: float = knob(30.0, "Seconds in-flight requests may take to finish after SIGTERM.")
     max_request_body_bytes: int = knob(1 << 20, "Largest accepted request body in bytes (larger: 413).")
     max_stream_buffer: int = knob(
-        4096, "Outputs buffered per request for a client that stops reading its stream; past this it is aborted."
+        4096, "Outputs buffered per request for a client that stops reading its stream: past this, a request whose "
+        "client has taken nothing for --stream-write-timeout seconds is aborted (one still reading may fall 8 "
+        "times this far behind)."
     )
     stream_write_timeout: float = knob(
-        30.0, "Seconds one SSE write may wait on a client that stopped reading; then its connection is dropped."
+        30.0, "Seconds one SSE write may wait on a client that stopped reading (then its connection is dropped), "
+        "and a full --max-stream-buffer on one that takes nothing (then its requests are aborted)."
     )
     stream_send_buffer: int = knob(
         262144, "Kernel send buffer in bytes per SSE stream: bounds what a client that stops reading holds (0: OS)."
@@ -123,6 +137,12 @@ class ServerConfig:
         choices=["none", "auto", "qwen3", "deepseek_r1"],
     )
 
+    def validate(self) -> None:
+        """Raise ValueError on a bound that cannot work."""
+        if min(self.max_queued_requests, self.max_n, self.max_prompts_per_request, self.max_embedding_inputs) < 1:
+            raise ValueError("max_queued_requests, max_n, max_prompts_per_request and max_embedding_inputs must "
+                             "be >= 1")
+
 
 # A compile that the server's load keeps from ending within this many times its CPU limit, in wall time, is ended
 # as busy (retryable, not cached as too complex).
@@ -142,6 +162,10 @@ class GrammarConfig:
     grammar_compile_queue: int = knob(
         32, "Distinct grammar compiles allowed to wait for a worker; past it new ones get 429."
     )
+    grammar_queue_timeout: float = knob(
+        10.0, "Seconds a grammar compile may wait for a worker; past it the requests waiting on it get 429 with "
+        "Retry-After (retry). A compile that started is bounded by --grammar-compile-timeout."
+    )
     grammar_max_bytes: int = knob(
         256 * 1024, "Largest constraint text compiled, in bytes (a tool set's combined schema included)."
     )
@@ -156,11 +180,45 @@ class GrammarConfig:
 
     def validate(self) -> None:
         """Raise ValueError on a bound that cannot work."""
-        if self.grammar_compile_timeout <= 0 or self.grammar_token_budget_ms <= 0:
-            raise ValueError("grammar_compile_timeout and grammar_token_budget_ms must be positive")
+        if min(self.grammar_compile_timeout, self.grammar_queue_timeout, self.grammar_token_budget_ms) <= 0:
+            raise ValueError("grammar_compile_timeout, grammar_queue_timeout and grammar_token_budget_ms must be "
+                             "positive")
         if min(self.grammar_compile_workers, self.grammar_compile_queue, self.grammar_max_bytes,
                self.grammar_cache_bytes) < 1:
             raise ValueError("grammar_compile_workers, _queue, grammar_max_bytes and _cache_bytes must be >= 1")
+
+
+# Adapter names: what /v1/models lists, a request's `model` names and the comma-separated labels of
+# vllm:lora_requests_info carry, so nothing that could split or forge a label.
+LORA_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+LORA_NAME_MAX = 64
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime load routes
+
+
+def lora_name_problem(name: str, base_model: str = "") -> str | None:
+    """Why `name` cannot name an adapter (None: it can): the one rule for --lora-modules and the load route."""
+    if not isinstance(name, str) or not 0 < len(name) <= LORA_NAME_MAX or not set(name) <= LORA_NAME_CHARS:
+        return f"an adapter name is 1 to {LORA_NAME_MAX} letters, digits, '.', '_' or '-'"
+    if base_model and name == base_model:
+        return "an adapter cannot take the served model's name"
+    return None
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """(name, path) of one --lora-modules entry: 'name=path' or vLLM's JSON form; ValueError otherwise."""
+    if spec.lstrip().startswith("{"):
+        try:
+            entry = json.loads(spec)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules entry {spec!r} is not valid JSON: {e}") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                or not isinstance(entry.get("path"), str):
+            raise ValueError(f"--lora-modules entry {spec!r} needs string fields name and path")
+        return entry["name"], entry["path"]
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules entry {spec!r} is not name=path")
+    return name, path
 
 
 @dataclass(slots=True)
@@ -168,19 +226,37 @@ class LoRAConfig:
     """LoRA adapters served beside the base model (vLLM's flags); a request names one in its `model`."""
 
     enable_lora: bool = knob(
-        False, "Serve LoRA adapters: those of --lora-modules and those loaded at run time "
-        "(POST /v1/load_lora_adapter). Implied by --lora-modules.")
+        False, "Serve LoRA adapters: those of --lora-modules and, with --allow-runtime-lora, those loaded at run "
+        "time. Implied by --lora-modules and --allow-runtime-lora.")
     lora_modules: tuple[str, ...] = knob(
         (), "Adapters to load at start, each 'name=path' (a peft directory) or vLLM's JSON form "
-        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; several separated by spaces.', nargs="*", type=str)
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; several separated by spaces. A name is 1 to 64 '
+        "letters, digits, '.', '_' or '-'. Clients cannot unload these.", nargs="*", type=str)
+    allow_runtime_lora: bool = knob(
+        False, "Let clients load and unload adapters at run time (POST /v1/load_lora_adapter and "
+        f"/v1/unload_lora_adapter), from --lora-dir only; {RUNTIME_LORA_ENV}=true (or 1) turns it on too where "
+        "LoRA is on. Off: those routes answer 404 runtime_lora_disabled. Implies --enable-lora.")
+    lora_dir: str = knob(
+        "", "The one directory runtime loads may read adapters from (needed by --allow-runtime-lora): a lora_path "
+        "must resolve inside it, symlinks and '..' followed; a relative one is taken from it.")
+    max_runtime_loras: int = knob(
+        8, "Most adapters loaded at run time at once, counted apart from --lora-modules' (which always fit).")
     max_loras: int = knob(4, "Distinct adapters one engine step may run (adapter slots on the device).")
     max_lora_rank: int = knob(16, "Largest adapter rank accepted (the slots are sized for it).")
-    max_cpu_loras: int = knob(0, "Most adapters loaded at once, in host memory (0: 4 x --max-loras).")
+    max_cpu_loras: int = knob(0, "Most adapters loaded at once in host memory, --lora-modules' and runtime ones "
+                                 "together (0: 4 x --max-loras).")
 
     @property
     def enabled(self) -> bool:
         """Whether the engine wraps its linears for adapters."""
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or bool(self.lora_modules) or self.allow_runtime_lora
+
+    @property
+    def runtime_loading(self) -> bool:
+        """Whether clients may load and unload adapters: --allow-runtime-lora, or vLLM's environment switch
+        (1 or true, any case) where LoRA is on."""
+        env = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+        return self.enabled and (self.allow_runtime_lora or env)
 
     @property
     def max_adapters(self) -> int:
@@ -188,11 +264,23 @@ class LoRAConfig:
         return self.max_cpu_loras or 4 * self.max_loras
 
     def validate(self) -> None:
-        """Raise ValueError on a bound that cannot work."""
-        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
-            raise ValueError("max_loras and max_lora_rank must be >= 1, max_cpu_loras >= 0")
+        """Raise ValueError on a bound that cannot work, a bad adapter name, or runtime loading without --lora-dir."""
+        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0 or self.max_runtime_loras < 0:
+            raise ValueError("max_loras and max_lora_rank must be >= 1, max_cpu_loras and max_runtime_loras >= 0")
         if self.enabled and self.max_adapters < len(self.lora_modules):
             raise ValueError(f"{len(self.lora_modules)} --lora-modules but --max-cpu-loras {self.max_adapters}")
+        names = [parse_lora_module(spec)[0] for spec in self.lora_modules]
+        for name in names:
+            if problem := lora_name_problem(name):
+                raise ValueError(f"--lora-modules {name!r}: {problem}")
+        if len(set(names)) < len(names):
+            raise ValueError("--lora-modules names an adapter twice")
+        if self.runtime_loading:
+            if not self.lora_dir:
+                raise ValueError(f"--allow-runtime-lora (or {RUNTIME_LORA_ENV}) needs --lora-dir DIR, the one "
+                                 "directory clients may load adapters from")
+            if not os.path.isdir(self.lora_dir):
+                raise ValueError(f"--lora-dir {self.lora_dir} is not a directory")
 
 
 @dataclass(slots=True)
@@ -214,6 +302,7 @@ class SluiceConfig:
             raise ValueError(f"num_threads must be >= 0 (0: the usable cores), not {self.model.num_threads}")
         self.cache.validate()
         self.scheduler.validate()
+        self.server.validate()
         self.grammar.validate()
         self.lora.validate()
 

@@ -28,7 +28,7 @@ from sluice.service.api.middlewares import (
 )
 from sluice.service.api.openapi import openapi_spec
 from sluice.service.api.preprocess import prepare_generate
-from sluice.service.api.protocol import RequestError
+from sluice.service.api.protocol import RequestCaps, RequestError
 from sluice.service.api.reasoning import split_output
 from sluice.service.api.responses import ResponseBuilder, head
 from sluice.service.api.responses_request import prepare_responses, renamed
@@ -101,12 +101,12 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model and its LoRA adapters (`parent`: the base model)."""
+    """The served model and its LoRA adapters, by name and never by path (`parent`: the base model)."""
     model = _engine(request.app[STATE]).model
     state = request.app[STATE]
     return _json({"object": "list", "data": [{
         "id": model.served_model_name, "object": "model", "created": state.started,
-        "owned_by": "sluice", "max_model_len": model.max_model_len, "root": state.config.model.model, "parent": None,
+        "owned_by": "sluice", "max_model_len": model.max_model_len, "root": model.served_model_name, "parent": None,
     }, *adapter_cards(model, state.started)]})
 
 
@@ -142,7 +142,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     # Parsing, the chat template and the tokenizer run in the preparation pool, never on the event loop.
     server = state.config.server
     prep = await state.preprocessor.run(prepare_generate, raw, chat, model, server.tool_call_parser,
-                                        server.reasoning_parser)
+                                        server.reasoning_parser, RequestCaps.of(server))
     req, prefix, batch = prep.req, prep.prefix, prep.batch
     prompt_lens = [len(ids) for _, ids, _ in batch[::req.n]]  # the n samples of a prompt are adjacent
     logger.info("%s: %s, %d prompt(s) x n=%d, prompt tokens %s, max_tokens %d, stream=%s", prefix,
@@ -162,7 +162,7 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     raw = await request.read()
     aengine = _engine(state)
-    prep = await state.preprocessor.run(prepare_embeddings, raw, aengine.model, state.config.server.max_queued_requests)
+    prep = await state.preprocessor.run(prepare_embeddings, raw, aengine.model, RequestCaps.of(state.config.server))
     stream = await _admit(request, aengine, prep.batch, prep.priority, "input")
     outputs = {}
     async with stream:

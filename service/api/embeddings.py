@@ -3,7 +3,10 @@
 Any served model answers it with its pooled final hidden state (vLLM serves a generative model the same way
 with its pooling runner): an embedding model (Qwen3-Embedding, a sentence-transformers decoder) gives its
 trained vectors, a chat model a usable but untrained one. Each input is one prompt-only engine request, batched
-with whatever else runs; how the model pools is resolved once at load (service/engine/pooling.py).
+with whatever else runs; how the model pools is resolved once at load (service/engine/pooling.py). A `model`
+naming a LoRA adapter gives that adapter's vectors (its deltas apply to the pooled forward as to generation), and
+`cache_salt` isolates the prefix cache as on the completion routes: both enter the request's SamplingParams and
+so the first block's hash.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from sluice.scheduling.sampling_params import PoolingParams, SamplingParams
 from sluice.service.api import json_codec
 from sluice.service.api.errors import RequestError
 from sluice.service.api.preprocess import check_model, load_body, refuse_if_longer_than_context
-from sluice.service.api.protocol import invalid
+from sluice.service.api.protocol import DEFAULT_CAPS, RequestCaps, invalid
 from sluice.service.api.protocol_embeddings import EmbeddingRequest
 from sluice.service.engine.async_engine import ModelInfo
 from sluice.service.engine.outputs import EngineOutput
@@ -31,29 +34,29 @@ class PreparedEmbeddings:
     batch: list[tuple[str, list[int], SamplingParams]]
     priority: int
     base64: bool
+    model: str | None = None  # the requested model name (an adapter's, or the served one); None: not given
 
 
-def prepare_embeddings(raw: bytes, model: ModelInfo, max_inputs: int) -> PreparedEmbeddings:
-    """Everything between the body's bytes and `AsyncEngine.add_requests`; `max_inputs`: the most inputs one
-    request may hold here (the server's queue limit, each input being a request)."""
+def prepare_embeddings(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT_CAPS) -> PreparedEmbeddings:
+    """Everything between the body's bytes and `AsyncEngine.add_requests`; `caps`: the server's per-request bounds
+    (--max-embedding-inputs)."""
     body = load_body(raw)
     try:
         req = EmbeddingRequest.model_validate(body)
     except ValidationError as e:
         raise invalid(e) from None
-    check_model(req.model, model)
+    lora = check_model(req.model, model)  # 404 for a name not served
     spec = model.embedding
     if spec is None:
         raise RequestError("this server does not serve embeddings", "model")
     inputs = req.input
     inputs = [inputs] if isinstance(inputs, str) or isinstance(inputs[0], int) else inputs
-    if len(inputs) > max_inputs:
-        raise RequestError(f"'input' may hold at most {max_inputs} items on this server (--max-queued-requests)",
-                           "input")
+    caps.check_embedding_inputs(len(inputs))
     if req.dimensions is not None and (why := spec.dimensions_error(req.dimensions)) is not None:
         raise RequestError(why, "dimensions")
     keep = _truncation(req.truncate_prompt_tokens, model.max_model_len)
-    params = SamplingParams(max_tokens=1, pooling=PoolingParams(spec.mode, spec.normalize, req.dimensions))
+    params = SamplingParams(max_tokens=1, pooling=PoolingParams(spec.mode, spec.normalize, req.dimensions),
+                            cache_salt=req.cache_salt, lora_request=lora)
     prefix = "embd-" + uuid.uuid4().hex
     batch = []
     for i, ids in enumerate(_token_ids(inputs, model, req.get("add_special_tokens"), keep is None)):
@@ -67,7 +70,7 @@ def prepare_embeddings(raw: bytes, model: ModelInfo, max_inputs: int) -> Prepare
                                f"'{where}' has {len(ids)} tokens. Shorten it, or pass truncate_prompt_tokens.",
                                where, code="context_length_exceeded")
         batch.append((f"{prefix}-{i}", ids, params))
-    return PreparedEmbeddings(batch, req.get("priority"), req.get("encoding_format") == "base64")
+    return PreparedEmbeddings(batch, req.get("priority"), req.get("encoding_format") == "base64", req.model)
 
 
 def _truncation(truncate: int | None, max_model_len: int) -> int | None:
@@ -89,8 +92,8 @@ def _token_ids(inputs: list, model: ModelInfo, special: bool, bound_text: bool) 
     texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
     for i, text in texts:
         if bound_text:  # +1: an embedding's prompt may fill the whole context (nothing is generated after it)
-            refuse_if_longer_than_context(len(text.encode("utf-8", "replace")), model.tokenizer,
-                                          model.max_model_len + 1, "input" if len(inputs) == 1 else f"input[{i}]")
+            refuse_if_longer_than_context(text, model.tokenizer, model.max_model_len + 1,
+                                          "input" if len(inputs) == 1 else f"input[{i}]")
     out = list(inputs)
     if texts:
         encoded = model.tokenizer([t for _, t in texts], add_special_tokens=special)["input_ids"]
@@ -105,7 +108,8 @@ def _token_ids(inputs: list, model: ModelInfo, special: bool, bound_text: bool) 
 
 
 def embedding_response(prep: PreparedEmbeddings, outputs: dict[str, EngineOutput], model_name: str) -> bytes:
-    """The reply's JSON: one vector per input, in input order (float32 numbers, or their bytes in base64)."""
+    """The reply's JSON: one vector per input, in input order (float32 numbers, or their bytes in base64); its
+    `model` is the one the request named (an adapter's name), else `model_name`, the served one."""
     data, tokens = [], 0
     for index, (rid, _, _) in enumerate(prep.batch):
         out = outputs[rid]
@@ -113,6 +117,6 @@ def embedding_response(prep: PreparedEmbeddings, outputs: dict[str, EngineOutput
         embedding = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if prep.base64 else vector
         data.append({"object": "embedding", "index": index, "embedding": embedding})
         tokens += out.num_prompt_tokens
-    reply = {"object": "list", "data": data, "model": model_name,
+    reply = {"object": "list", "data": data, "model": prep.model or model_name,
              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return json_codec.dumps(reply)

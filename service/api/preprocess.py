@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import math
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TypeVar
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api import json_codec
 from sluice.service.api.errors import RequestError, param_path
 from sluice.service.api.formatting import Choice
-from sluice.service.api.protocol import GenerateRequest, parse_chat, parse_completion, resolve_params
+from sluice.service.api.protocol import (
+    DEFAULT_CAPS,
+    GenerateRequest,
+    RequestCaps,
+    parse_chat,
+    parse_completion,
+    resolve_params,
+)
 from sluice.service.api.reasoning import constrain_after, plan_reasoning
 from sluice.service.api.tool_parsers import ToolOutput
 from sluice.service.api.tools import ToolPlan, plan_tools, template_args
@@ -91,29 +102,118 @@ def check_depth(value, limit: int) -> None:
 
 # ---- prompt bounds --------------------------------------------------------------------------------------
 
-_MAX_TOKEN_BYTES: dict[int, int] = {}
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode): the character each byte is spelled with, reversed."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+
+
+_BYTE_OF = _byte_of_char()
+_WHITESPACE_BYTES = {b for c in map(chr, range(0x3001)) if c.isspace() for b in c.encode()}  # Unicode's, all < U+3001
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBound:
+    """How many bytes of text one token can cover: `measure(text)` gives a count of tokens that no encoding of the
+    text goes below, in one pass over its bytes.
+
+    Byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen): each character of a vocabulary entry stands for one byte, and
+    an added token covers its text's UTF-8 bytes; `width[b]` is the longest token holding byte b. A token of n
+    bytes holds only bytes whose width is at least n, so weighing each byte b of the text 1/width[b], a token's
+    bytes weigh at most 1 and the text's weigh at most its number of tokens (a byte no token holds weighs 0). Other
+    tokenizers: one width for every byte, the UTF-8 length of the longest token's display form (SentencePiece's
+    "▁" is 3 bytes for 1, "<0x41>" 6 for 1, an unknown character at most 4). `widest` 0: a token may cover any
+    length (WordPiece's or a fused unknown token, a slow tokenizer's), so nothing is refused before encoding. A
+    tokenizer with a normalizer is measured on the normalized text, which is what its tokens cover.
+    """
+
+    widest: int  # the most bytes one token covers
+    classes: bytes | None = None  # byte -> index into `widths` (a bytes.translate table); None: all are `widest`
+    widths: tuple[int, ...] = ()
+    normalizer: object = None
+
+    def measure(self, text: str) -> tuple[int, int]:
+        """(UTF-8 bytes of `text`, the fewest tokens they can be)."""
+        data = raw = text.encode("utf-8", "replace")
+        if not self.widest:
+            return len(raw), 0
+        if self.normalizer is not None:
+            data = self.normalizer.normalize_str(text).encode("utf-8", "replace")
+        if self.classes is None:
+            return len(raw), -(-len(data) // self.widest)
+        classed = data.translate(self.classes)
+        weight = sum((Fraction(classed.count(i), w) for i, w in enumerate(self.widths) if w), Fraction(0))
+        return len(raw), math.ceil(weight)
+
+
+_BOUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BOUND_LOCK = threading.Lock()
 
 
-def max_token_bytes(tokenizer) -> int:
-    """The most UTF-8 bytes any one token (special tokens included) spells: text of B bytes is at least
-    B / this many tokens. Computed once per tokenizer."""
-    key = id(tokenizer)
+def prompt_bound(tokenizer) -> PromptBound:
+    """The tokenizer's PromptBound, computed once (~0.3 s for a 50k vocabulary: `sluice serve` does it at start)."""
     with _BOUND_LOCK:
-        if key not in _MAX_TOKEN_BYTES:
-            pieces = [t for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t]
-            _MAX_TOKEN_BYTES[key] = max(1, max((len(p.encode("utf-8", "replace")) for p in pieces), default=1))
-        return _MAX_TOKEN_BYTES[key]
+        bound = _BOUNDS.get(tokenizer)
+        if bound is None:
+            bound = _BOUNDS[tokenizer] = _bound_of(tokenizer)
+        return bound
 
 
-def refuse_if_longer_than_context(num_bytes: int, tokenizer, max_model_len: int, param: str) -> None:
-    """Refuse text that cannot fit the context whatever its tokens are, before paying for tokenizing it."""
-    least_tokens = -(-num_bytes // max_token_bytes(tokenizer))
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token (special tokens included) covers; 0 when nothing bounds it."""
+    return prompt_bound(tokenizer).widest
+
+
+def _bound_of(tokenizer) -> PromptBound:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer: its rules are its own code, nothing here bounds them
+        return PromptBound(0)
+    spec = json.loads(backend.to_str())
+    model, normalizer = spec["model"], backend.normalizer
+    if "ByteLevel" in json.dumps(spec.get("normalizer")):
+        return PromptBound(0)  # bytes spelled as characters before the normalizer's other steps: not measured here
+    added = {a["content"] for a in spec.get("added_tokens") or ()}
+    # an added token that strips takes in the whitespace beside it, of any length
+    strips = any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or ())
+    # an added token is matched in the text as given, or once normalized: either way it covers its text's bytes
+    texts = [t.encode() for t in added | ({normalizer.normalize_str(t) for t in added} if normalizer else set())]
+    kind, vocab = model.get("type"), model.get("vocab") or {}
+    if kind == "BPE" and "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
+        try:
+            texts += [bytes(_BYTE_OF[c] for c in piece) for piece in vocab if piece not in added]
+        except KeyError:  # a character outside the byte alphabet: not byte-level after all
+            pass
+        else:
+            width = [0] * 256
+            for data in texts:
+                for b in set(data):
+                    width[b] = max(width[b], len(data))
+            for b in _WHITESPACE_BYTES if strips else ():
+                width[b] = 0
+            widths = (0, *sorted(set(width) - {0}))
+            return PromptBound(max(widths), bytes(widths.index(w) for w in width), widths, normalizer)
+    if strips:
+        return PromptBound(0)
+    pieces = [piece for piece, _ in vocab] if kind == "Unigram" else list(vocab)
+    # An unknown character must be a token of its own (<unk>, at most 4 bytes) or its bytes' (<0x41>): a fused unk
+    # stands for a run of any length, WordPiece's for a whole word, and BPE without either drops the character.
+    falls_back = model.get("byte_fallback") and {f"<0x{b:02X}>" for b in range(256)} <= set(pieces)
+    if not (falls_back or (kind == "BPE" and model.get("unk_token") and not model.get("fuse_unk"))):
+        return PromptBound(0)
+    widest = max([*(len(p.encode("utf-8", "replace")) for p in pieces), *map(len, texts)], default=1)
+    return PromptBound(max(4, widest), normalizer=normalizer)
+
+
+def refuse_if_longer_than_context(text: str, tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse text that cannot fit the context whatever its tokens are, before paying for tokenizing it (measured
+    byte by byte against what the tokenizer's tokens cover)."""
+    num_bytes, least_tokens = prompt_bound(tokenizer).measure(text)
     if least_tokens + 1 > max_model_len:
         raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your {param} holds "
-            f"{num_bytes} bytes of text, which is at least {least_tokens} tokens. Please reduce the length of "
-            f"the {param}.", param, code="context_length_exceeded")
+            f"This model's maximum context length is {max_model_len} tokens. However, the {num_bytes} bytes of text "
+            f"in your {param} are at least {least_tokens} tokens. Please reduce the length of the {param}.", param,
+            code="context_length_exceeded")
 
 
 # ---- a generate request ---------------------------------------------------------------------------------
@@ -139,10 +239,11 @@ def check_model(name, model: ModelInfo):
 
 
 def prepare_generate(raw: bytes, chat: bool, model: ModelInfo, tool_call_parser: str,
-                     reasoning_parser: str = "none") -> Prepared:
-    """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool)."""
+                     reasoning_parser: str = "none", caps: RequestCaps = DEFAULT_CAPS) -> Prepared:
+    """Everything between the body's bytes and `AsyncEngine.add_requests` (runs in the Preprocessor's pool);
+    `caps`: the server's bounds on n and prompt lists."""
     body = load_body(raw)
-    req = parse_chat(body) if chat else parse_completion(body)
+    req = parse_chat(body, caps) if chat else parse_completion(body, caps)
     return prepare_request(req, model, tool_call_parser, reasoning_parser)
 
 
@@ -155,15 +256,16 @@ def prepare_request(req: GenerateRequest, model: ModelInfo, tool_call_parser: st
     plan = plan_tools(req, tokenizer, tool_call_parser) if chat else None
     reasoning = None
     if chat:
-        refuse_if_longer_than_context(_chat_bytes(req, plan), tokenizer, max_len, "messages")
+        # the prompt as the tokenizer will see it, measured whole: every message, the tools' text, the template's
         text = chat_prompt_text(tokenizer, req.messages, plan, template_kwargs=req.template_kwargs)
+        refuse_if_longer_than_context(text, tokenizer, max_len, "messages")
         prompts = [tokenizer.encode(text, add_special_tokens=False)]
         reasoning = plan_reasoning(reasoning_parser, tokenizer, text)
         constrain_after(req.params, reasoning)  # a response_format or tool grammar holds after the thinking
     else:
         for p in req.prompts:
             if isinstance(p, str):
-                refuse_if_longer_than_context(len(p.encode("utf-8", "replace")), tokenizer, max_len, "prompt")
+                refuse_if_longer_than_context(p, tokenizer, max_len, "prompt")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     prefix = prefix or ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     batch, choices = [], {}
@@ -179,15 +281,6 @@ def prepare_request(req: GenerateRequest, model: ModelInfo, tool_call_parser: st
                                                   tools=ToolOutput(plan.parser) if plan and plan.active else None,
                                                   reasoning=reasoning.parser() if reasoning else None)
     return Prepared(req, prefix, batch, choices)
-
-
-def _chat_bytes(req: GenerateRequest, plan: ToolPlan | None) -> int:
-    """UTF-8 bytes of the messages' text and of the tools' JSON: the rendered prompt holds at least these (a
-    template that knows tools renders them, and the prompted path writes them into the system prompt)."""
-    size = sum(len((m.get("content") or "").encode("utf-8", "replace")) for m in req.messages)
-    if plan is not None and plan.active:
-        size += sum(len(json_codec.dumps(f)) for f in plan.spec.functions)
-    return size
 
 
 def _echo_text(req: GenerateRequest, p: int, ids: list[int], tokenizer) -> str:

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api.errors import RequestError, param_path
 from sluice.service.api.protocol_models import (
-    MAX_CHOICES,
     TAGS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,6 +25,7 @@ from sluice.service.api.protocol_models import (
 )
 from sluice.service.api.structured import parse_structured_output
 from sluice.service.api.tools import ToolSpec, parse_tools
+from sluice.service.config import ServerConfig
 
 MAX_TEMPLATE_KWARGS_BYTES = 16384  # chat_template_kwargs' values as JSON
 # apply_chat_template's own parameters and what the server renders itself: a request never sets these
@@ -56,6 +56,56 @@ class GenerateRequest:
     echo: bool = False  # completions: the reply starts with the prompt's text
     tools: ToolSpec | None = None  # chat: tools, tool_choice, parallel_tool_calls (service/api/tools.py)
     template_kwargs: dict = field(default_factory=dict)  # chat: chat_template_kwargs, e.g. enable_thinking
+
+
+# ---- what one request may fan out to --------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RequestCaps:
+    """What one request may fan out to: the one place these rules are decided (ServerConfig's --max-n,
+    --max-prompts-per-request, --max-embedding-inputs). Each sequence or input is an engine request, so no cap is
+    above --max-queued-requests either: past it the request could never be queued. Each refusal is a 400 naming the
+    parameter and the flag that bounds it, before anything is tokenized."""
+
+    max_n: int
+    max_prompts: int  # prompts x n
+    max_embedding_inputs: int
+    max_queued: int
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> RequestCaps:
+        return cls(server.max_n, server.max_prompts_per_request, server.max_embedding_inputs,
+                   server.max_queued_requests)
+
+    def _bound(self, cap: int, flag: str) -> tuple[int, str]:
+        return (cap, flag) if cap <= self.max_queued else (self.max_queued, "--max-queued-requests")
+
+    def check_n(self, n: int) -> None:
+        """`n`: samples of each prompt."""
+        cap, flag = self._bound(self.max_n, "--max-n")
+        if n > cap:
+            raise RequestError(f"'n' must be at most {cap} on this server ({flag})", "n")
+
+    def check_prompts(self, prompts: int, n: int, param: str = "prompt") -> None:
+        """A request's sequences: its `prompts` (one for chat) times `n`; `param` names its prompt."""
+        self.check_n(n)
+        cap, flag = self._bound(self.max_prompts, "--max-prompts-per-request")
+        if prompts > cap:
+            raise RequestError(f"'{param}' may hold at most {cap} prompts on this server ({flag}), got {prompts}",
+                               param)
+        if prompts * n > cap:
+            raise RequestError(f"prompts x n must be at most {cap} on this server ({flag}), got {prompts} x {n}",
+                               "n")
+
+    def check_embedding_inputs(self, inputs: int) -> None:
+        """/v1/embeddings: its inputs."""
+        cap, flag = self._bound(self.max_embedding_inputs, "--max-embedding-inputs")
+        if inputs > cap:
+            raise RequestError(f"'input' may hold at most {cap} items on this server ({flag}), got {inputs}",
+                               "input")
+
+
+DEFAULT_CAPS = RequestCaps.of(ServerConfig())
 
 
 # ---- pydantic's errors as OpenAI's ----------------------------------------------------------------------
@@ -125,7 +175,7 @@ def _common(m: SamplingRequest, body: dict, chat: bool, max_tokens: int | None) 
                            include_usage=bool(opts and opts.include_usage), priority=m.get("priority"), user=m.user)
 
 
-def parse_completion(body: dict) -> GenerateRequest:
+def parse_completion(body: dict, caps: RequestCaps = DEFAULT_CAPS) -> GenerateRequest:
     """Validate a /v1/completions body."""
     m = _validate(CompletionRequest, body)
     if body.get("tools") is not None:
@@ -138,16 +188,16 @@ def parse_completion(body: dict) -> GenerateRequest:
     prompt = m.prompt
     one = isinstance(prompt, str) or isinstance(prompt[0], int)  # a text or one list of token ids
     req.prompts = [prompt] if one else prompt
-    if len(req.prompts) * req.n > MAX_CHOICES:
-        raise RequestError(f"prompts x n must be at most {MAX_CHOICES}", "n")
+    caps.check_prompts(len(req.prompts), req.n)
     return req
 
 
-def parse_chat(body: dict) -> GenerateRequest:
+def parse_chat(body: dict, caps: RequestCaps = DEFAULT_CAPS) -> GenerateRequest:
     """Validate a /v1/chat/completions body."""
     m = _validate(ChatCompletionRequest, body)
     max_tokens = m.max_completion_tokens if m.max_completion_tokens is not None else m.max_tokens
     req = _common(m, body, chat=True, max_tokens=max_tokens)
+    caps.check_prompts(1, req.n, "messages")
     if m.logprobs:
         req.params.logprobs = m.top_logprobs or 0
     elif m.top_logprobs is not None:

@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 from sluice.service.api.protocol_models import (
     INT32,
+    CacheSalt,
+    SamplingRequest,
     Strict,
     Text,
     TokenIds,
@@ -16,20 +18,19 @@ from sluice.service.api.protocol_models import (
     one_of,
 )
 
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs; the server's queue limit may be lower
-
 EmbeddingInput = one_of(
     _prompt_kind, "must be a non-empty string, list of strings, list of token ids or list of token-id lists",
-    text=Text, texts=list_of(Text, min_length=1, max_length=MAX_EMBEDDING_INPUTS), ids=TokenIds,
-    batch=list_of(TokenIds, min_length=1, max_length=MAX_EMBEDDING_INPUTS))
+    text=Text, texts=list_of(Text, min_length=1), ids=TokenIds, batch=list_of(TokenIds, min_length=1))
 
 
 class EmbeddingRequest(Strict):
     """A /v1/embeddings body."""
 
     input: EmbeddingInput = Field(description="A string, a list of strings, a list of token ids or a list of lists "
-                                  "of them; one vector each.")
-    model: str | None = Field(None, description="The served model name (see /v1/models); optional.")
+                                  "of them; one vector each; at most the server's --max-embedding-inputs (128 by "
+                                  "default).")
+    model: str | None = Field(None, description="The served model name, or a LoRA adapter's (see /v1/models): the "
+                              "vectors are that adapter's; optional.")
     encoding_format: Literal["float", "base64"] | None = Field(
         "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes, base64.")
     dimensions: int | None = Field(None, ge=1, lt=INT32, description=(
@@ -41,6 +42,7 @@ class EmbeddingRequest(Strict):
     add_special_tokens: bool | None = Field(True, description="Let the tokenizer add its special tokens to text.")
     priority: int | None = Field(0, ge=-INT32, le=INT32 - 1, description="Scheduling priority under "
                                  "--scheduling-policy priority: lower is served first.")
+    cache_salt: CacheSalt | None = SamplingRequest.model_fields["cache_salt"]  # as completions declare it
     user: str | None = Field(None, description="End-user id (accepted, not used).")
 
 

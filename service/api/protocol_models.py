@@ -29,9 +29,8 @@ from pydantic_core import PydanticCustomError
 from sluice.service.api.structured import MAX_CHOICES as MAX_GUIDED_CHOICES
 from sluice.service.api.tools import MAX_TOOLS
 
-MAX_N = 16  # samples per prompt
-MAX_PROMPTS = 64  # prompts in one completions request
-MAX_CHOICES = 64  # prompts x n: each is an engine request
+# What one request fans out to (n, the prompts of a list, embedding inputs) is bounded by the server's knobs
+# (--max-n, --max-prompts-per-request, --max-embedding-inputs), checked in one place: protocol.RequestCaps.
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
@@ -117,8 +116,8 @@ StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 Stop = one_of(_kind, "must be a string or a list of strings", str=StopText,
               list=list_of(StopText, max_length=MAX_STOP))
 Prompt = one_of(_prompt_kind, "must be a non-empty string, list of strings, or list of token ids",
-                text=Text, texts=list_of(Text, min_length=1, max_length=MAX_PROMPTS), ids=TokenIds,
-                batch=list_of(TokenIds, min_length=1, max_length=MAX_PROMPTS))
+                text=Text, texts=list_of(Text, min_length=1), ids=TokenIds, batch=list_of(TokenIds, min_length=1))
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)]
 
 
 def _token_key(key: str) -> str:
@@ -170,8 +169,9 @@ class SamplingRequest(Strict):
     """The fields both endpoints share."""
 
     model: str | None = Field(None, description="The served model name (see /v1/models); optional.")
-    n: int | None = _range(1, MAX_N, 1, "Independent samples of the prompt (they share its KV cache blocks).")
-    best_of: int | None = _range(1, MAX_N, None, "Must equal n when given.")
+    n: int | None = Field(1, ge=1, description="Independent samples of the prompt (they share its KV cache blocks); "
+                          "at most the server's --max-n (16 by default).")
+    best_of: int | None = Field(None, ge=1, description="Must equal n when given.")
     temperature: float | None = _range(0.0, 2.0, 1.0, "Sampling temperature; 0 is greedy.")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
     top_k: int | None = _range(-1, INT32, 0, "Keep the k most likely tokens; 0 or -1 disables.")
@@ -197,7 +197,7 @@ class SamplingRequest(Strict):
     bad_words: list_of(StopText, max_length=MAX_STOP) | None = Field(
         None, description="Words never generated (their last token is banned after the rest of them).")
     skip_special_tokens: bool | None = True
-    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = Field(
+    cache_salt: CacheSalt | None = Field(
         None, description="Prefix-cache isolation: cached blocks are shared only among requests with the same "
                           "salt (e.g. one per tenant).")
     response_format: ResponseFormat | None = Field(None, description=(
@@ -221,7 +221,8 @@ class SamplingRequest(Strict):
 class CompletionRequest(SamplingRequest):
     """A /v1/completions body."""
 
-    prompt: Prompt = Field(description="A string, a list of strings, a list of token ids or a list of lists of them.")
+    prompt: Prompt = Field(description="A string, a list of strings, a list of token ids or a list of lists of them; "
+                           "prompts times n at most the server's --max-prompts-per-request (64 by default).")
     max_tokens: int | None = _range(1, INT32, 16, "Most tokens to generate; prompt + max_tokens must fit the context.")
     logprobs: int | None = _range(0, MAX_LOGPROBS, None, "Return the sampled token's logprob and this many "
                                   "alternatives.")

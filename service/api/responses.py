@@ -7,6 +7,10 @@ a `message` with one `output_text` part (the content; always there when the repl
 and closed (`response.output_item.done`) before the next opens; a non-streamed reply is the same reading with
 the events dropped, so the two always agree. A call cut by max_output_tokens ends `incomplete` in the stream
 and is left out of the final response, as the chat path drops it from a finished reply.
+
+The response object echoes the request's settings, never its input items. Streamed, the opening snapshots
+(`response.created`, `response.in_progress`) leave out the echoes a client can make large (instructions, tools,
+user): only the final response carries them, so no reply holds its request more than once.
 """
 
 from __future__ import annotations
@@ -41,9 +45,24 @@ def head(m: ResponsesRequest, response_id: str, model: str) -> dict:
         "tool_choice": (choice or "auto") if choice is None or isinstance(choice, str) else choice.model_dump(),
         "parallel_tool_calls": m.get("parallel_tool_calls"), "temperature": m.get("temperature"),
         "top_p": m.get("top_p"), "max_output_tokens": m.max_output_tokens, "text": {"format": text_format},
-        "reasoning": m.reasoning or _NO_REASONING, "metadata": m.metadata or {}, "user": m.user,
+        "reasoning": _reasoning_echo(m), "metadata": m.metadata or {}, "user": m.user,
         "store": False, "previous_response_id": None, "truncation": "disabled",
     }
+
+
+def _opening(response: dict) -> dict:
+    """A snapshot of the stream's opening events: without the echoed fields whose size the client chooses
+    (instructions up to the context, tools up to the body limit, user), which only the final response (the terminal
+    event, or the non-streamed body) carries. A reply then holds its request at most once; the other echoed fields
+    are a few bytes (text.format's schema: bounded by its own limit)."""
+    return {**response, "instructions": None, "tools": [], "user": None}
+
+
+def _reasoning_echo(m: ResponsesRequest) -> dict:
+    r = m.reasoning
+    if r is None:
+        return _NO_REASONING
+    return {"effort": r.effort, "summary": r.summary if r.summary is not None else r.generate_summary}
 
 
 def response_usage(choice: Choice) -> dict:
@@ -77,9 +96,9 @@ class ResponseBuilder:
         return {**self.head, "status": status, "output": list(self.items)}
 
     def start(self) -> list[dict]:
-        """The stream's first events."""
-        return [self._event("response.created", response=self._response("in_progress")),
-                self._event("response.in_progress", response=self._response("in_progress"))]
+        """The stream's first events (their snapshots without the fields only the final response echoes)."""
+        return [self._event("response.created", response=_opening(self._response("in_progress"))),
+                self._event("response.in_progress", response=_opening(self._response("in_progress")))]
 
     def feed(self, out) -> list[dict]:
         """One engine output of the reply: the events it completes."""

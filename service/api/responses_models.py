@@ -137,6 +137,18 @@ class TextConfig(Strict):
     format: TextFormat | None = Field(None, description="text; json_object; json_schema {name, schema, strict}.")
 
 
+Setting = Annotated[str, Field(max_length=32)]
+
+
+class ReasoningConfig(Strict):
+    """OpenAI's reasoning options: accepted and echoed, not used. Values are short strings (new ones keep coming:
+    they are not checked against a list); other keys are dropped, so the echo is a few bytes whatever is sent."""
+
+    effort: Setting | None = Field(None, description="none, minimal, low, medium, high, ...")
+    summary: Setting | None = Field(None, description="auto, concise, detailed")
+    generate_summary: Setting | None = Field(None, description="Older spelling of summary.")
+
+
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      whole(f"maps at most {MAX_METADATA} keys of up to 64 characters to strings of up to 512",
                            MAX_METADATA)]
@@ -161,7 +173,7 @@ class _ResponsesBase(Strict):
     previous_response_id: str | None = Field(None, description="Not supported (nothing is stored): a 400.")
     conversation: Any = Field(None, description="Not supported (nothing is stored): a 400.")
     background: bool | None = Field(None, description="Only false: a background response would need storing.")
-    reasoning: dict[str, Any] | None = Field(None, description="Accepted (effort, summary), echoed, not used.")
+    reasoning: ReasoningConfig | None = Field(None, description="Accepted (effort, summary), echoed, not used.")
     include: list_of(str, max_length=32) | None = Field(None, description="Accepted, not used.")
     truncation: Literal["auto", "disabled"] | None = Field(None, description="Accepted; prompts are never cut.")
     metadata: Metadata | None = Field(None, description="Echoed in the response.")

@@ -252,6 +252,9 @@ class AsyncEngine:
         try:
             await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority,
                                        trace_headers if self.tracer is not None else None)
+        except GrammarBusyError as e:  # a grammar evicted since its compile above, compiled again and queued out
+            self._release(group)
+            raise QueueFullError(str(e)) from None
         except BaseException:  # ValueError, or the handler cancelled: the add may still run, abort after it
             self._release(group)
             raise

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -10,22 +11,26 @@ from pathlib import Path
 
 from sluice.machine import CPUINFO, cpu_flags_line
 
+logger = logging.getLogger("sluice.cpu")
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_CPU_MAX = CGROUP_ROOT / "cpu.max"
 MEMINFO = Path("/proc/meminfo")
 PROC_CGROUP = Path("/proc/self/cgroup")
 # cgroup v1 writes "no limit" as the largest page-aligned int64; anything this large means unlimited.
 _UNLIMITED = 1 << 60
-# Work done for one request beside the step (preparing a body, compiling a grammar) runs at this nice level. On a
-# machine with as many busy cores as the step has threads, equal priority takes a core from the step's threads and
-# the step waits for its slowest thread: every stream slows by more than that request's share. At +5 the kernel
-# gives the step's threads about three quarters of a shared core (CFS weights 1024 : 335) and the work still ends.
+# Work done for one request beside the step (preparing a body, compiling a grammar) runs this many nice levels
+# below the server's own (SERVER_NICENESS; lower_priority). On a machine with as many busy cores as the step has
+# threads, equal priority takes a core from the step's threads and the step waits for its slowest thread: every
+# stream slows by more than that request's share. At +5 the kernel gives the step's threads about three quarters of
+# a shared core (CFS weights 1024 : 335) and the work still ends.
 BACKGROUND_NICENESS = 5
-# A grammar compile runs for up to its CPU limit (--grammar-compile-timeout) beside every stream's step, on each of
-# the compile workers at once: at +5 two of them take a quarter of both cores' time. At +10 (1024 : 110) the step
+# A grammar compile runs for up to its CPU limit (--grammar-compile-timeout) beside every stream's step, on each
+# of the compile workers at once: at +5 two of them take a quarter of both cores' time. At +10 (1024 : 110) the step
 # keeps about nine tenths; the limit counts the compile's own CPU time, so a slower compile under load is not
 # refused for it.
 COMPILE_NICENESS = 10
+MAX_NICENESS = 19  # Linux's lowest priority: a relative level past it is cut to it
 # CPU flags of a native bf16 matmul: AMX tiles (Sapphire Rapids on) or AVX-512 BF16 (Cooper Lake, Zen 4 on).
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -146,10 +151,36 @@ def release_freed_memory() -> bool:
     return True
 
 
-def lower_priority(niceness: int = BACKGROUND_NICENESS) -> None:
-    """Lower the calling thread's scheduling priority (Linux: nice is per thread; threads it starts inherit it);
-    elsewhere a no-op."""
+def thread_niceness() -> int | None:
+    """The calling thread's nice value (Linux: nice is per thread); None where it cannot be read."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     except (AttributeError, OSError):
-        pass
+        return None
+
+
+# The server's own nice value: read when this module is first imported, by the server's main thread before it
+# lowers any thread. The work below is lowered relative to it, never to an absolute level: a server started at nice
+# 5 still gets its separation, and one started above 5 is not asked to raise a thread's priority (which needs a
+# privilege and would fail). Forked children (the compile zygote and its workers) inherit it with the memory, so a
+# worker forked from the already lowered zygote still lands at the server's level + COMPILE_NICENESS.
+SERVER_NICENESS = thread_niceness()
+
+
+def lower_priority(niceness: int = BACKGROUND_NICENESS, base: int | None = None) -> int | None:
+    """Set the calling thread's nice value to `niceness` above `base` (default: SERVER_NICENESS, else the thread's
+    own), at most MAX_NICENESS; a thread already lower stays where it is (Linux: threads it starts inherit it).
+    Returns the thread's nice value after the call; None where nice values cannot be read (not Linux)."""
+    current = thread_niceness()
+    if current is None:
+        return None
+    if base is None:
+        base = current if SERVER_NICENESS is None else SERVER_NICENESS
+    target = min(MAX_NICENESS, base + niceness)
+    if target > current:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), target)
+        except OSError:  # e.g. a seccomp profile that forbids it: the work runs at the server's priority
+            logger.warning("could not lower a worker thread's priority to nice %d", target)
+            return current
+    return thread_niceness()

@@ -92,12 +92,12 @@ class LLMEngine(ConstrainedDecoding):
         else:
             model = prepare_weights(model, config.model, self.device, self.dtype)
         self.model, self.tokenizer = model, tokenizer
+        self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.loras, lora_slots = None, None  # the adapter registry, where LoRA is on (lora/manager.py)
         if config.lora.enabled:  # before the runner sizes the KV cache: the adapter slots take memory too
             from sluice.service.engine.lora.manager import enable_lora
 
-            self.loras, lora_slots = enable_lora(model, config.lora, self.device, self.dtype)
-        self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
+            self.loras, lora_slots = enable_lora(model, config.lora, self.device, self.dtype, self.served_model_name)
         self.vocab_size = int(model.config.vocab_size)
         m = config.model  # how /v1/embeddings pools this model (any model serves it: its final hidden state)
         self.embedding = resolve_embedding(m.pooling, m.embedding_normalize, m.embedding_dimensions, model.config)

@@ -61,7 +61,8 @@ class GrammarCompiler:
         self._errors: OrderedDict[tuple[str, str], GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self._service = CompileService(self.info.serialize_json(), config.grammar_compile_workers,
-                                       config.grammar_compile_timeout, config.grammar_compile_queue, self._finish)
+                                       config.grammar_compile_timeout, config.grammar_compile_queue, self._finish,
+                                       config.grammar_queue_timeout)
 
     def compile(self, constraint: StructuredOutput):
         """The compiled grammar, waiting for it; GrammarError when it is invalid or too complex."""

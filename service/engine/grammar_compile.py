@@ -1,10 +1,11 @@
-"""CompileService: grammar compiles in child processes, bounded in time, queue length and waiting clients.
+"""CompileService: grammar compiles in child processes, bounded in time, queue length, queue wait and waiting clients.
 
 Each worker thread owns one child process (grammar_worker.serve, forked from the zygote, zygote.py) and sends it
 one constraint at a time. A compile past its time limit, or one whose every waiting client left, is ended by
-killing that child (a C++ compile cannot be interrupted from a thread); the next job forks a fresh one. Identical
-constraints waiting or compiling at once share one job. Threads (and their children) start only when the queue
-needs them.
+killing that child (a C++ compile cannot be interrupted from a thread); the next job forks a fresh one. A job
+still queued after its wait bound is failed as busy by one more thread, so a waiter's answer comes within the
+queue's wait bound plus one compile's wall-clock bound. Identical constraints waiting or compiling at once share
+one job. Threads (and their children) start only when the queue needs them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ _POLL = 0.05  # how often a running compile looks for the end of its time or of 
 
 
 class GrammarBusyError(RuntimeError):
-    """Too many distinct grammar compiles are already waiting."""
+    """Too many distinct grammar compiles are already waiting, or this one waited too long: retry later."""
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +41,7 @@ class CompileJob:
     future: Future = field(default_factory=Future)
     waiters: int = 1
     abandoned: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 _zygote: Zygote | None = None
@@ -138,13 +140,16 @@ class _Worker:
 
 
 class CompileService:
-    """Runs compiles in up to `workers` child processes; `finish` turns a reply's JSON into the result."""
+    """Runs compiles in up to `workers` child processes; `finish` turns a reply's JSON into the result. A job
+    queued for more than `queue_timeout` s fails with GrammarBusyError."""
 
     def __init__(self, tokenizer_info_json: str, workers: int, timeout: float, queue_size: int,
-                 finish: Callable[[StructuredOutput, str], object]):
+                 finish: Callable[[StructuredOutput, str], object], queue_timeout: float = 10.0):
         self._info, self._timeout, self._queue_size, self._finish = tokenizer_info_json, timeout, queue_size, finish
+        self._queue_timeout = queue_timeout
         self._max_threads = workers
         self._threads: list[threading.Thread] = []
+        self._expiry: threading.Thread | None = None
         self._idle = 0
         self._queue: deque[CompileJob] = deque()
         self._jobs: dict[tuple[str, str], CompileJob] = {}  # queued or compiling, by constraint key
@@ -166,7 +171,10 @@ class CompileService:
                 thread = threading.Thread(target=self._serve, daemon=True, name="sluice-grammar-compile")
                 self._threads.append(thread)
                 thread.start()
-            self._cond.notify()
+            if self._expiry is None:
+                self._expiry = threading.Thread(target=self._expire, daemon=True, name="sluice-grammar-queue")
+                self._expiry.start()
+            self._cond.notify_all()  # an idle worker, and the expiry thread if the queue was empty
             return job
 
     def release(self, job: CompileJob) -> None:
@@ -183,6 +191,27 @@ class CompileService:
             except ValueError:  # already running: its worker sees `abandoned` and kills the compile
                 return
         job.future.cancel()
+
+    def _expire(self) -> None:
+        """Fail each job still queued `queue_timeout` s after it came (the oldest first: the queue is FIFO)."""
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue[0]
+                left = job.queued_at + self._queue_timeout - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._queue.popleft()
+                if self._jobs.get(job.constraint.key) is job:
+                    del self._jobs[job.constraint.key]
+            c = job.constraint
+            logger.warning("grammar compile for %s waited %.1f s for a worker: refused as busy", c.param,
+                           self._queue_timeout)
+            job.future.set_exception(GrammarBusyError(
+                f"{c.param} waited more than {self._queue_timeout:g} s for a grammar compile worker "
+                "(--grammar-queue-timeout); the server is busy compiling others"))
 
     def _serve(self) -> None:
         worker = _Worker(self._info)

@@ -351,3 +351,123 @@ def test_mean_pooling_server_refuses_dimensions(qwen3_mean_dir, tmp_path):
         assert info.value.body["param"] == "dimensions" and "Matryoshka" in info.value.body["message"]
     finally:
         srv.stop()
+
+
+# ---- `model` naming a LoRA adapter, `cache_salt`, and the per-request caps, through `sluice serve` ----------------
+
+CAP_FLAGS = ("--max-n", "2", "--max-prompts-per-request", "4", "--max-embedding-inputs", "3")
+
+
+@pytest.fixture(scope="module")
+def lora_server(model_dir, tmp_path_factory):
+    """The tiny Llama (last-token pooling) in float32 with one adapter given at start-up, and small caps."""
+    from tests.support.lora import make_adapter
+    from tests.support.server import Server
+
+    adapter = make_adapter(model_dir, str(tmp_path_factory.mktemp("adapter") / "a"), seed=1)
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs"), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--lora-modules", f"a={adapter}", *CAP_FLAGS).wait_ready()
+    yield srv, adapter
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def _post(srv, path: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(srv.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _prefix_hits(srv) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("sluice_prefix_cache_hit_tokens_total{"))
+
+
+def _merged_last_hidden(model_dir: str, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    """transformers (+ peft, the adapter merged): the last token's final hidden state, L2-normalized."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1].float()
+    return torch.nn.functional.normalize(hidden, dim=0)
+
+
+def test_an_adapters_name_gives_the_adapters_vectors(lora_server, model_dir):
+    from tests.support.server import MODEL
+
+    srv, adapter = lora_server
+    ids = _tiny.tokenizer().encode(TEXTS[0])
+    status, base = _post(srv, "/v1/embeddings", {"model": MODEL, "input": ids})
+    assert status == 200 and base["model"] == MODEL
+    status, tuned = _post(srv, "/v1/embeddings", {"model": "a", "input": [ids, ids[:9]]})
+    assert status == 200 and tuned["model"] == "a", tuned  # the reply names what was asked for
+    assert_close(base["data"][0]["embedding"], _merged_last_hidden(model_dir, None, ids))
+    assert_close(tuned["data"][0]["embedding"], _merged_last_hidden(model_dir, adapter, ids))
+    assert_close(tuned["data"][1]["embedding"], _merged_last_hidden(model_dir, adapter, ids[:9]))
+    cosine = torch.nn.functional.cosine_similarity(torch.tensor(base["data"][0]["embedding"]),
+                                                   torch.tensor(tuned["data"][0]["embedding"]), dim=0).item()
+    assert cosine < 0.99, cosine  # not the base model's vector
+    status, err = _post(srv, "/v1/embeddings", {"model": "b", "input": ids})
+    assert status == 404 and err["error"]["param"] == "model"
+
+
+def test_cache_salt_isolates_embeddings_prefixes(lora_server, model_dir):
+    from tests.support.server import MODEL
+
+    srv, adapter = lora_server
+    ids = _tiny.tokenizer().encode(TEXTS[1] + " " + TEXTS[0])
+    assert len(ids) >= 48  # several full blocks of 16
+    want = _merged_last_hidden(model_dir, None, ids)
+
+    def embed(model=MODEL, **extra) -> float:
+        """The vector checked; the prefix-cache hits the call added."""
+        before = _prefix_hits(srv)
+        status, reply = _post(srv, "/v1/embeddings", {"model": model, "input": ids, **extra})
+        assert status == 200, reply
+        if model == MODEL:
+            assert_close(reply["data"][0]["embedding"], want)
+        return _prefix_hits(srv) - before
+
+    assert embed(cache_salt="tenant-1") == 0  # the first time: nothing cached
+    assert embed(cache_salt="tenant-2") == 0  # another salt finds none of tenant-1's blocks
+    assert embed() == 0  # nor does an unsalted request
+    assert embed(model="a", cache_salt="tenant-1") == 0  # nor the adapter with the same salt
+    assert embed(cache_salt="tenant-1") >= 32  # the same salt does
+    for bad in ("", "x" * 257, 5):
+        status, err = _post(srv, "/v1/embeddings", {"input": ids, "cache_salt": bad})
+        assert status == 400 and err["error"]["param"] == "cache_salt", err
+
+
+@pytest.mark.parametrize("path, body, param, flag", [
+    ("/v1/embeddings", {"input": ["a", "b", "c", "d"]}, "input", "--max-embedding-inputs"),
+    ("/v1/embeddings", {"input": [[5], [6], [7], [8]]}, "input", "--max-embedding-inputs"),
+    ("/v1/completions", {"prompt": "a", "n": 3}, "n", "--max-n"),
+    ("/v1/completions", {"prompt": ["a"] * 5}, "prompt", "--max-prompts-per-request"),
+    ("/v1/completions", {"prompt": ["a"] * 3, "n": 2}, "n", "--max-prompts-per-request"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 3}, "n", "--max-n"),
+])
+def test_fan_out_past_a_cap_is_a_400_naming_the_parameter(lora_server, path, body, param, flag):
+    srv, _ = lora_server
+    status, err = _post(srv, path, {**body, "max_tokens": 1})
+    assert status == 400 and err["error"]["param"] == param and flag in err["error"]["message"], err
+
+
+def test_fan_out_up_to_the_caps_is_served(lora_server):
+    srv, _ = lora_server
+    status, reply = _post(srv, "/v1/embeddings", {"input": ["a", "b", "c"]})
+    assert status == 200 and len(reply["data"]) == 3
+    status, reply = _post(srv, "/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+    assert status == 200 and len(reply["choices"]) == 4, reply

@@ -125,3 +125,42 @@ async def test_hostile_constraints_answer_fast_beside_a_stream(server):
             assert (await post(session, server, {"guided_choice": choices}))[0] == 200
     await wait_idle(server)
     assert "Traceback" not in server.log()
+
+
+QUEUE_FLAGS = ("--num-kv-blocks", "64", "--grammar-compile-workers", "1", "--grammar-compile-timeout", "2",
+               "--grammar-queue-timeout", "0.5")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_every_heavy_compile_at_once_gets_an_answer_within_the_queue_bound(model_dir, shared_servers):
+    """Distinct heavy schemas at once on one compile worker: the one compiling ends within its limit (a 200, or a
+    400 grammar_too_complex), the ones queued behind it get a 429 with Retry-After after the queue's wait bound
+    rather than after every compile ahead of them (2 s of CPU each)."""
+    import aiohttp
+
+    server = shared_servers.get(model_dir, *QUEUE_FLAGS)
+
+    async def ask(session, i):
+        schema = {"type": "string", "pattern": f"^[a-z]{{{3900 + i}}}$"}  # seconds of a core to compile
+        started = time.perf_counter()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fmt(schema)}
+        async with session.post(server.url + "/v1/chat/completions", json=body) as r:
+            out = await r.json()
+            return r.status, r.headers.get("Retry-After"), out, time.perf_counter() - started
+
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, server, {"response_format": {"type": "json_object"}}))[0] == 200  # worker up
+        answers = await asyncio.gather(*(ask(session, i) for i in range(6)))
+    print("answers:", [(status, f"{took:.2f} s") for status, _, _, took in answers])
+    busy = [a for a in answers if a[0] == 429]
+    assert busy, answers  # one worker cannot take six compiles of seconds each within 0.5 s
+    for status, _, out, took in answers:
+        assert status in (200, 400, 429), out
+        assert status != 400 or out["error"]["code"] == "grammar_too_complex", out
+        assert took < 0.5 + 4 * 2 + 5, (status, took)  # the queue's wait plus one compile's wall bound, and slack
+    for _, retry_after, out, took in busy:
+        assert retry_after and out["error"]["type"] == "rate_limit_error" and "grammar-queue-timeout" in str(out)
+        assert took < 5, took  # not the 5 x 2 s of the compiles ahead of it
+    await wait_idle(server)
+    assert "Traceback" not in server.log()

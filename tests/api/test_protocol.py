@@ -207,3 +207,53 @@ def test_resolve_reports_sampling_param_conflicts():
     with pytest.raises(RequestError) as e:
         resolve_params(r, [1], max_model_len=50, vocab_size=100)
     assert e.value.param == "stop_token_ids"
+
+
+# ---- per-request caps (ServerConfig's --max-n, --max-prompts-per-request, --max-embedding-inputs) ---------------
+
+def test_caps_come_from_the_server_config_and_the_queue_bounds_them():
+    from sluice.service.api.protocol import DEFAULT_CAPS, RequestCaps
+    from sluice.service.config import ServerConfig
+
+    server = ServerConfig()
+    assert (DEFAULT_CAPS.max_n, DEFAULT_CAPS.max_prompts, DEFAULT_CAPS.max_embedding_inputs) == (16, 64, 128)
+    assert max(DEFAULT_CAPS.max_n, DEFAULT_CAPS.max_prompts, DEFAULT_CAPS.max_embedding_inputs) \
+        < server.max_queued_requests  # one request never fills the queue by itself
+    caps = RequestCaps(max_n=4, max_prompts=8, max_embedding_inputs=300, max_queued=6)
+
+    def refused(fn, *args) -> RequestError:
+        with pytest.raises(RequestError) as info:
+            fn(*args)
+        assert info.value.status == 400
+        return info.value
+
+    assert parse_completion({"prompt": ["a"] * 3, "n": 2}, caps).n == 2  # 6: the queue's bound, reached
+    e = refused(parse_completion, {"prompt": "a", "n": 5}, caps)
+    assert e.param == "n" and "at most 4" in e.message and "--max-n" in e.message
+    e = refused(parse_completion, {"prompt": [[1]] * 7}, caps)  # 7 <= --max-prompts-per-request, > the queue
+    assert e.param == "prompt" and "--max-queued-requests" in e.message
+    e = refused(parse_completion, {"prompt": ["a"] * 2, "n": 4}, caps)
+    assert e.param == "n" and "2 x 4" in e.message
+    e = refused(parse_chat, {"messages": MSG, "n": 5}, caps)
+    assert e.param == "n" and "--max-n" in e.message
+    caps.check_embedding_inputs(6)
+    e = refused(caps.check_embedding_inputs, 7)
+    assert e.param == "input" and "--max-queued-requests" in e.message
+    e = refused(RequestCaps(4, 8, 3, 256).check_embedding_inputs, 4)
+    assert e.param == "input" and "--max-embedding-inputs" in e.message
+
+
+def test_the_cap_knobs_are_flags_and_must_be_positive():
+    import argparse
+
+    from sluice.service.api.protocol import RequestCaps
+    from sluice.service.config import add_config_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    config = config_from_args(parser.parse_args(["--max-n", "2", "--max-prompts-per-request", "5",
+                                                 "--max-embedding-inputs", "7"]))
+    assert RequestCaps.of(config.server) == RequestCaps(2, 5, 7, 256)
+    config.server.max_n = 0
+    with pytest.raises(ValueError, match="max_n"):
+        config.validate()

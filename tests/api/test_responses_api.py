@@ -185,6 +185,30 @@ def test_an_empty_reply_is_an_empty_message():
     assert message["content"][0]["text"] == "" and message["type"] == "message"
 
 
+def test_the_request_is_echoed_at_most_once_and_reasoning_settings_are_bounded():
+    big = "x" * 300_000
+    tools = [{**ADD, "name": f"f{i}", "description": big} for i in range(3)]  # inactive: never in the prompt
+    m = parse_body({"input": "x", "instructions": "Be brief.", "tools": tools, "tool_choice": "none", "user": big,
+                    "reasoning": {"effort": "low", "summary": "auto", "anything": big}})
+    builder = ResponseBuilder(head(m, "resp_1", "tiny"), Choice(0, 0))
+    events = builder.start()
+    for out in _outputs(["Hi"], FinishReason.STOP):
+        events += builder.feed(out)
+    events += builder.finish()
+    _check_stream(events, builder.response())
+    for opening in events[:2]:  # the snapshots before the reply: without the echoes a client makes large
+        assert opening["response"]["tools"] == [] and opening["response"]["instructions"] is None
+        assert opening["response"]["user"] is None
+    final = events[-1]["response"]
+    assert final["instructions"] == "Be brief." and [t["name"] for t in final["tools"]] == ["f0", "f1", "f2"]
+    assert final["user"] == big and final["reasoning"] == {"effort": "low", "summary": "auto"}  # unknown keys dropped
+    sent = sum(len(json.dumps(e)) for e in events)
+    assert sent < 1.1 * 4 * len(big), sent  # once: tools and user, not three times
+    with pytest.raises(RequestError) as info:
+        parse_body({"input": "x", "reasoning": {"effort": big}})
+    assert info.value.param == "reasoning.effort" and big not in info.value.message
+
+
 def test_openapi_describes_the_route():
     spec = openapi_spec("test")
     op = spec["paths"]["/v1/responses"]["post"]
@@ -257,6 +281,30 @@ async def test_raw_stream_events_match_the_spec(tiny):
     status, events = await _raw(tiny, {"model": MODEL, "input": "Hi", "max_output_tokens": 6, "stream": True})
     assert status == 200
     _check_stream(events, events[-1]["response"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["input item", "reasoning setting"])
+async def test_a_900_kb_reasoning_input_is_not_echoed(tiny, where):
+    import aiohttp
+
+    big = "x" * 900_000
+    if where == "input item":  # an earlier reply's thinking: left out of the prompt, and out of the reply
+        body = {"input": [{"type": "reasoning", "id": "rs_1", "summary": [],
+                           "content": [{"type": "reasoning_text", "text": big}]}, {"role": "user", "content": "Hi"}]}
+    else:  # unknown keys of `reasoning` are dropped, not echoed
+        body = {"input": "Hi", "reasoning": {"effort": "low", "note": big}}
+    body.update(model=MODEL, max_output_tokens=4, temperature=0)
+    async with aiohttp.ClientSession() as session:
+        for stream in (True, False):
+            async with session.post(tiny.url + "/v1/responses", json={**body, "stream": stream}) as resp:
+                raw = await resp.read()
+            assert resp.status == 200, raw[:300]
+            assert len(raw) < 64 * 1024, (stream, len(raw))  # well under the input, let alone 2x or 3x it
+            if not stream:
+                assert json.loads(raw)["reasoning"] == ({"effort": None, "summary": None} if where == "input item"
+                                                        else {"effort": "low", "summary": None})
+    await wait_idle(tiny)
 
 
 @pytest.mark.anyio

@@ -49,8 +49,10 @@ BODIES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
           "/tokenize": {"model": MODEL, "prompt": "Hi"}, "/detokenize": {"model": MODEL, "tokens": [5, 6]},
           "/v1/embeddings": {"model": MODEL, "input": "Hi"},
           "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2}}
-# Past the key, a server without --enable-lora answers the adapter routes with lora_disabled (their handlers ran).
-PAST_THE_KEY = {"/v1/load_lora_adapter": (400, "lora_disabled"), "/v1/unload_lora_adapter": (400, "lora_disabled")}
+# Past the key, a server without --allow-runtime-lora answers the adapter routes with 404 runtime_lora_disabled
+# (their handlers ran: an unknown path answers code not_found).
+PAST_THE_KEY = {"/v1/load_lora_adapter": (404, "runtime_lora_disabled"),
+               "/v1/unload_lora_adapter": (404, "runtime_lora_disabled")}
 
 
 async def test_every_route_but_the_probes_needs_the_key(server):

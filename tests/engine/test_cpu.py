@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 from sluice.service.engine.cpu import available_cpus
 
 
@@ -44,3 +46,88 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     started = time.monotonic()
     wait_for_build_lock(lock, stale_after=0.3, poll=0.05)
     assert 0.25 < time.monotonic() - started < 5 and not lock.exists()
+
+
+# ---- niceness: relative to the server's own ---------------------------------------------------------------------
+
+_NICE_PROBE = """
+import json, os, sys, threading
+from sluice.service.engine.cpu import COMPILE_NICENESS, lower_priority, thread_niceness
+
+seen = {"main": thread_niceness()}
+
+def pool_thread():  # as the preparation pool's initializer runs
+    seen["returned"] = lower_priority()
+    seen["thread"] = thread_niceness()
+
+t = threading.Thread(target=pool_thread)
+t.start()
+t.join()
+seen["main_after"] = thread_niceness()
+# The compile zygote lowers itself, then forks workers that lower themselves to COMPILE_NICENESS: still relative
+# to the server's level, not to the zygote's.
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    lower_priority()
+    child = os.fork()
+    if child == 0:
+        os.write(w, str(lower_priority(COMPILE_NICENESS)).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    os._exit(0)
+os.waitpid(pid, 0)
+os.close(w)
+seen["worker"] = int(os.read(r, 16))
+print(json.dumps(seen))
+"""
+
+
+def _niceness_under(start: int) -> dict:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("nice") is None or not hasattr(os, "getpriority"):
+        pytest.skip("needs Linux nice values")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    out = subprocess.run(["nice", "-n", str(start - base), sys.executable, "-c", _NICE_PROBE], capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_background_work_is_lowered_relative_to_the_server():
+    from sluice.service.engine.cpu import BACKGROUND_NICENESS, COMPILE_NICENESS
+
+    if os.getpriority(os.PRIO_PROCESS, 0) > 5:
+        pytest.skip("the test process already runs above nice 5")
+    seen = _niceness_under(5)  # a server started at nice 5 still gets its separation
+    assert seen["main"] == 5 and seen["main_after"] == 5  # only the pool's thread is lowered
+    assert seen["thread"] == seen["returned"] == 5 + BACKGROUND_NICENESS == 10
+    assert seen["worker"] == 5 + COMPILE_NICENESS == 15  # not 5 + 5 + 10
+
+
+def test_a_server_near_the_bottom_is_cut_at_19_not_refused():
+    seen = _niceness_under(17)  # the absolute nice 5 would have needed raising the priority, and failed silently
+    assert seen["main"] == 17
+    assert seen["thread"] == seen["returned"] == seen["worker"] == 19
+
+
+def test_a_thread_already_lower_stays_where_it_is():
+    import threading
+
+    from sluice.service.engine.cpu import lower_priority, thread_niceness
+
+    seen = {}
+
+    def work():
+        here = thread_niceness()
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, here + 8))
+        seen["after"] = lower_priority(5, base=here)  # below its own level already: left alone, no raise
+        seen["want"] = min(19, here + 8)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen["after"] == seen["want"]

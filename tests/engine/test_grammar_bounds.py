@@ -200,6 +200,32 @@ def test_identical_compiles_share_a_job_a_full_queue_is_busy_and_abandoned_jobs_
     assert c.compile(StructuredOutput("regex", "[cd]{2}", "e")) is not None
 
 
+def test_a_job_waits_in_the_queue_a_bounded_time_then_is_busy(tok, no_starvation):
+    from sluice.service.engine.grammar import GrammarBusyError
+
+    c, _, worker, _ = compiler_with_its_worker(tok, grammar_compile_timeout=5, grammar_queue_timeout=0.5)
+    service = c._service
+    os.kill(worker, signal.SIGSTOP)  # the only worker's compile goes on as long as the test needs
+    running = service.submit(StructuredOutput("regex", "[a-z]{4}", "a"))
+    time.sleep(0.2)
+    started = time.perf_counter()
+    queued = [service.submit(StructuredOutput("json", slow(3901 + i), f"q{i}")) for i in range(3)]
+    assert service.submit(StructuredOutput("json", slow(3901), "joined")) is queued[0]  # one job, one deadline
+    for job in queued:
+        with pytest.raises(GrammarBusyError, match=r"waited more than 0.5 s .*--grammar-queue-timeout"):
+            job.future.result(timeout=10)
+    waited = time.perf_counter() - started
+    assert 0.5 <= waited < 3 and running.future.running(), waited  # the compile ahead of them goes on
+    with pytest.raises(GrammarBusyError, match="grammar-queue-timeout"):  # the blocking path: the same answer
+        c.compile(StructuredOutput("regex", "[a-c]{3}", "sync"))
+    assert not c._errors  # busy is not remembered as the constraint's fault
+    service.release(running)  # killed, stopped as it is
+    with pytest.raises(GrammarError, match="abandoned"):
+        running.future.result(timeout=5)
+    assert c.compile(StructuredOutput("json", slow(20), "q0")) is not None  # a fresh worker takes the next at once
+    assert not service._queue and not service._jobs
+
+
 def test_jobs_arriving_together_run_on_every_worker(tok):
     c = compiler_for(tok, grammar_compile_timeout=2, grammar_compile_workers=2)
     c.compile(StructuredOutput("regex", "[0-9]", "warm"))  # one thread, now idle

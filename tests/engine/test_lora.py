@@ -4,34 +4,18 @@ rows of other adapters and of the base model in the same steps; checks, slots, s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.lora.adapter import Geometry, LoRAError, read_adapter
+from tests.support.lora import call as lora_call
+from tests.support.lora import make_adapter
 from tests.support.parity import hf_greedy_batch
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["The capital of France is", "Hello world, how are", "Streaming tokens over", "你好世界"]
-
-
-def make_adapter(model_dir: str, out: str, seed: int, targets=ALL_TARGETS, r: int = 8, scale: float = 0.3) -> str:
-    """A random-initialized peft LoRA adapter of the model at `model_dir`, saved to `out`; large enough deltas
-    to change greedy output."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
-                                                 init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.mul_(scale / p.abs().mean())
-    peft_model.save_pretrained(out)
-    return out
 
 
 def merged_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -45,8 +29,8 @@ def merged_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]],
     return hf_greedy_batch(model, prompts, max_new, min_new_tokens=max_new)
 
 
-def lora_engine(model_dir: str, modules: list[str], max_loras: int = 4, **scheduler):
-    """An fp32 CPU engine on `model_dir` serving `modules` ('name=path')."""
+def lora_engine(model_dir: str, modules: list[str], max_loras: int = 4, lora_dir: str = "", **scheduler):
+    """An fp32 CPU engine on `model_dir` serving `modules` ('name=path'); runtime loads from `lora_dir` if given."""
     from sluice.service.config import SluiceConfig
     from sluice.service.engine.engine import LLMEngine
 
@@ -54,6 +38,8 @@ def lora_engine(model_dir: str, modules: list[str], max_loras: int = 4, **schedu
     config.model.model, config.model.device, config.model.dtype = str(model_dir), "cpu", "float32"
     config.cache.num_kv_blocks = 64
     config.lora.lora_modules, config.lora.max_loras = tuple(modules), max_loras
+    config.lora.enable_lora = True
+    config.lora.allow_runtime_lora, config.lora.lora_dir = bool(lora_dir), lora_dir
     for name, value in scheduler.items():
         setattr(config.scheduler, name, value)
     return LLMEngine(config)
@@ -123,7 +109,7 @@ def test_adapter_checks_name_what_is_wrong(model_dir, adapters, tmp_path):
     geometry = _geometry(model_dir)
     weights = read_adapter(adapters[0], geometry, 16, torch.float32)
     assert weights.rank == 8 and len(weights.modules) == 2 * 7
-    with pytest.raises(LoRAError, match="rank 8 is above --max-lora-rank 4"):
+    with pytest.raises(LoRAError, match=r"rank \(r in adapter_config.json\) is above --max-lora-rank 4"):
         read_adapter(adapters[0], geometry, 4, torch.float32)
     with pytest.raises(LoRAError, match="not a peft LoRA directory"):
         read_adapter(str(tmp_path / "nowhere"), geometry, 16, torch.float32)
@@ -132,18 +118,28 @@ def test_adapter_checks_name_what_is_wrong(model_dir, adapters, tmp_path):
     config = json.loads(open(f"{adapters[0]}/adapter_config.json").read())
     (bad / "adapter_model.safetensors").write_bytes(open(f"{adapters[0]}/adapter_model.safetensors", "rb").read())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
-    with pytest.raises(LoRAError, match="lm_head"):
+    with pytest.raises(LoRAError, match="target modules the model does not have; supported: down_proj") as e:
         read_adapter(str(bad), geometry, 16, torch.float32)
+    assert "lm_head" not in str(e.value) and "lm_head" in e.value.detail  # the client is told ours, the log theirs
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(LoRAError, match="use_dora"):
         read_adapter(str(bad), geometry, 16, torch.float32)
     (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))  # the tensors are rank 8
-    with pytest.raises(LoRAError, match="has shape"):
+    with pytest.raises(LoRAError, match="shape does not fit") as e:
         read_adapter(str(bad), geometry, 16, torch.float32)
+    assert "layers" not in str(e.value) and "has shape" in e.value.detail
     (bad / "adapter_config.json").write_text(json.dumps(config))
     (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    with pytest.raises(LoRAError, match="cannot be read"):
+    with pytest.raises(LoRAError, match="cannot be read") as e:
         read_adapter(str(bad), geometry, 16, torch.float32)
+    assert "header" not in str(e.value)  # safetensors' own words (which may quote the file) go to the log only
+    (bad / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"], oops')
+    with pytest.raises(LoRAError, match="not valid JSON$"):
+        read_adapter(str(bad), geometry, 16, torch.float32)
+    for value in ({"target_modules": 5}, {"lora_alpha": float("nan")}, {"lora_alpha": 10 ** 400}):
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **value}))
+        with pytest.raises(LoRAError):
+            read_adapter(str(bad), geometry, 16, torch.float32)
 
 
 def test_adapter_for_another_model_shape_is_refused(model_dir, tmp_path):
@@ -154,14 +150,28 @@ def test_adapter_for_another_model_shape_is_refused(model_dir, tmp_path):
     other = str(tmp_path / "other")
     LlamaForCausalLM(config).save_pretrained(other)
     adapter = make_adapter(other, str(tmp_path / "adapter"), seed=3)
-    with pytest.raises(LoRAError, match="the base model needs"):
+    with pytest.raises(LoRAError, match="shape does not fit the base model") as e:
         read_adapter(adapter, _geometry(model_dir), 16, torch.float32)
+    assert "the base model needs" in e.value.detail
+
+
+def test_an_operator_adapter_cannot_take_the_served_models_name(model_dir, adapters):
+    from sluice.service.engine.engine import _default_served_name
+
+    with pytest.raises(ValueError, match="cannot take the served model's name"):
+        lora_engine(model_dir, [f"{_default_served_name(str(model_dir))}={adapters[0]}"])
 
 
 def test_lora_module_specs():
+    from sluice.service.config import lora_name_problem
     from sluice.service.engine.lora.manager import parse_lora_module
 
     assert parse_lora_module("sql=/a/b") == ("sql", "/a/b")
+    for good in ("sql", "a.b_c-D9", "x" * 64):
+        assert lora_name_problem(good) is None
+    for bad in ("", "x,opA", "a b", "a/b", "é", "x" * 65, 'a"b', "a\nb", None):
+        assert lora_name_problem(bad) is not None, bad
+    assert lora_name_problem("tiny", "tiny") is not None and lora_name_problem("tiny", "other") is None
     assert parse_lora_module('{"name": "sql", "path": "/a", "base_model_name": "x"}') == ("sql", "/a")
     for bad in ("sql", "=/a", '{"name": 1}', "{oops"):
         with pytest.raises(ValueError, match="--lora-modules"):
@@ -192,9 +202,21 @@ def test_a_step_never_holds_more_adapters_than_slots_and_cached_prefixes_never_m
     for r in hashes.values():
         r.update_block_hashes(16)
     assert len({r.block_hashes[0] for r in hashes.values()}) == 3
-    engine.loras.unload("a")
-    again = engine.loras.load("a", adapters[0])
-    assert again.uid != a.uid and again.hash_key != a.hash_key
+    with pytest.raises(LoRAError, match="cannot be unloaded"):
+        engine.loras.unload("a")  # the operator's
+    assert engine.loras.get("a") is a
+
+
+def test_a_reload_under_the_same_name_gets_a_new_id(model_dir, adapters, tmp_path):
+    """A runtime adapter unloaded and loaded again under its name hashes its prefixes apart from before."""
+    import shutil
+
+    shutil.copytree(adapters[0], tmp_path / "c")
+    engine = lora_engine(model_dir, [], max_loras=1, lora_dir=str(tmp_path))
+    c = engine.loras.load_runtime("c", "c")  # relative to the root
+    engine.loras.unload("c")
+    again = engine.loras.load_runtime("c", str(tmp_path / "c"))
+    assert again.uid != c.uid and again.hash_key != c.hash_key
 
 
 def test_lora_requests_info_reports_the_adapters_of_running_and_waiting_requests():
@@ -242,17 +264,8 @@ KEY = {"Authorization": "Bearer k"}
 
 
 def call(srv, path: str, body=None, headers=KEY) -> tuple[int, str]:
-    """(status, body text) of a GET (body None) or a JSON POST."""
-    import urllib.error
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(srv.url + path, data=data, headers={"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    """(status, body text) of a GET (body None) or a JSON POST, with the key unless told otherwise."""
+    return lora_call(srv, path, body, headers)
 
 
 def prefix_hits(srv) -> float:
@@ -265,13 +278,14 @@ def prefix_hits(srv) -> float:
 def test_serve_with_adapters_load_unload_models_requests_metrics_and_cache(model_dir, adapters, tmp_path):
     from tests.support.server import MODEL, Server
 
+    root = str(Path(adapters[0]).parent)
     srv = Server(model_dir, tmp_path, "--lora-modules", f"a={adapters[0]}", "--max-loras", "2", "--api-key", "k",
-                 "--vllm-metric-names").wait_ready()
+                 "--vllm-metric-names", "--allow-runtime-lora", "--lora-dir", root).wait_ready()
     try:
         assert call(srv, "/v1/models", headers={})[0] == 401
         assert call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters[1]}, headers={})[0] == 401
         cards = {c["id"]: c for c in json.loads(call(srv, "/v1/models")[1])["data"]}
-        assert cards["a"]["parent"] == MODEL and cards["a"]["root"] == adapters[0] and cards[MODEL]["parent"] is None
+        assert cards["a"]["parent"] == MODEL and cards["a"]["root"] == "a" and cards[MODEL]["parent"] is None
 
         prompt = " ".join(PROMPTS) * 2  # several full blocks
 
@@ -289,8 +303,8 @@ def test_serve_with_adapters_load_unload_models_requests_metrics_and_cache(model
         assert complete("a")[1]["choices"][0]["text"] == with_a["choices"][0]["text"]
         assert prefix_hits(srv) > hits  # …but its own
 
-        status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(tmp_path)})
-        assert status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+        status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": root})  # no adapter
+        assert status == 400 and json.loads(text)["error"]["param"] == "lora_path" and root not in text
         status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters[1]})
         assert status == 200, text
         status, text = call(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters[1]})

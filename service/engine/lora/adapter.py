@@ -4,6 +4,9 @@ Only what the owned forward can apply is accepted: plain LoRA (no DoRA, no bias,
 attention and MLP projections, rank at most `--max-lora-rank`, every tensor the shape the base model's linear
 needs. The tensors' shapes are checked from the safetensors header before any weight is read, and the file's size
 is bounded by what an adapter of the maximum rank can hold, so a bad or huge file costs no memory.
+
+A refusal's message goes to the client: it says what is wrong in the server's own words and never quotes the files
+(their values, tensor names, parser errors) nor a path; `LoRAError.detail` holds those, for the log only.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ _TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.((?:self_at
 
 
 class LoRAError(ValueError):
-    """An adapter that cannot be served: the message says why, `param` which field (the API answers a 400)."""
+    """An adapter that cannot be served (or a load or unload refused): the message, for the client, says why in
+    the server's words; `param` names the field, `status` and `code` the API's answer; `detail` says more, for the
+    log only (it may quote the files)."""
 
-    def __init__(self, message: str, param: str = "lora_path") -> None:
+    def __init__(self, message: str, param: str = "lora_path", *, status: int = 400,
+                 code: str = "invalid_lora_adapter", detail: str = "") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code, self.detail = param, status, code, detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,21 +84,30 @@ class LoRAWeights:
 
 def read_adapter(path: str | Path, geometry: Geometry, max_rank: int, dtype: torch.dtype) -> LoRAWeights:
     """The adapter in the peft directory `path`, checked; LoRAError for anything the model cannot apply."""
+    try:
+        return _read(path, geometry, max_rank, dtype)
+    except OSError as e:  # unreadable (permissions, a file gone between the checks): a 400, not a 500
+        raise LoRAError("the adapter's files cannot be read", detail=f"{type(e).__name__}: {e}") from None
+
+
+def _read(path: str | Path, geometry: Geometry, max_rank: int, dtype: torch.dtype) -> LoRAWeights:
     from safetensors import safe_open
 
     directory = Path(path)
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not directory.is_dir() or not config_file.is_file() or not weights_file.is_file():
-        raise LoRAError(f"{path!s} is not a peft LoRA directory (with {CONFIG_FILE} and {WEIGHTS_FILE})")
+        raise LoRAError(f"lora_path is not a peft LoRA directory (with {CONFIG_FILE} and {WEIGHTS_FILE})",
+                        detail=f"path {str(path)!r}")
     if config_file.stat().st_size > _CONFIG_BYTES:
         raise LoRAError(f"{CONFIG_FILE} is larger than {_CONFIG_BYTES} bytes")
     limit = geometry.max_bytes(max_rank)
     if weights_file.stat().st_size > limit:
         raise LoRAError(f"{WEIGHTS_FILE} holds more than an adapter of rank {max_rank} can ({limit} bytes)")
     try:
-        config = json.loads(config_file.read_bytes())
+        with open(config_file, "rb") as f:
+            config = json.loads(f.read(_CONFIG_BYTES + 1))  # bounded even if the file grew since its stat
     except ValueError as e:
-        raise LoRAError(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+        raise LoRAError(f"{CONFIG_FILE} is not valid JSON", detail=str(e)) from None
     rank, scale = _check_config(config, max_rank)
     try:
         with safe_open(str(weights_file), framework="pt", device="cpu") as f:
@@ -104,7 +119,8 @@ def read_adapter(path: str | Path, geometry: Geometry, max_rank: int, dtype: tor
     except LoRAError:
         raise
     except Exception as e:  # safetensors' own error types for a truncated or foreign file
-        raise LoRAError(f"{WEIGHTS_FILE} cannot be read: {e}") from None
+        raise LoRAError(f"{WEIGHTS_FILE} cannot be read (not a safetensors file, or a truncated one)",
+                        detail=f"{type(e).__name__}: {e}") from None
     if not modules:
         raise LoRAError("the adapter holds no LoRA weights for the model's projections")
     return LoRAWeights(rank, modules)
@@ -115,10 +131,11 @@ def _check_config(config: dict, max_rank: int) -> tuple[int, float]:
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
         raise LoRAError("only peft LoRA adapters are supported (peft_type LORA)")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise LoRAError("adapter_config.json needs a positive integer r and a numeric lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not _finite(alpha):
+        raise LoRAError(f"{CONFIG_FILE} needs a positive integer r and a finite numeric lora_alpha")
     if rank > max_rank:
-        raise LoRAError(f"the adapter's rank {rank} is above --max-lora-rank {max_rank}")
+        raise LoRAError(f"the adapter's rank (r in {CONFIG_FILE}) is above --max-lora-rank {max_rank}",
+                        detail=f"r {rank}")
     unsupported = [k for k in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "fan_in_fan_out",
                                "layers_to_transform") if config.get(k)]
     if config.get("bias", "none") != "none":
@@ -127,10 +144,21 @@ def _check_config(config: dict, max_rank: int) -> tuple[int, float]:
         raise LoRAError(f"adapter options not supported: {', '.join(unsupported)}")
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
+    if not isinstance(targets, list):
+        raise LoRAError(f"target_modules in {CONFIG_FILE} must be a string or a list")
     unknown = sorted({str(t) for t in targets} - TARGETS)
     if unknown:
-        raise LoRAError(f"target modules {unknown} are not among {sorted(TARGETS)}")
+        raise LoRAError(f"{CONFIG_FILE} names target modules the model does not have; supported: "
+                        f"{', '.join(sorted(TARGETS))}", detail=f"target_modules {unknown!r}"[:1000])
     return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _finite(value) -> bool:
+    """A finite number (JSON allows NaN, Infinity and integers too large for a float)."""
+    try:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _pair(names: list[str], shapes: dict[str, tuple], geometry: Geometry, rank: int) -> dict:
@@ -139,16 +167,21 @@ def _pair(names: list[str], shapes: dict[str, tuple], geometry: Geometry, rank: 
     for name in names:
         m = _TENSOR.fullmatch(name)
         if m is None:
-            raise LoRAError(f"tensor {name!r} is not a LoRA weight of the model's projections")
+            raise LoRAError(f"{WEIGHTS_FILE} holds a tensor that is not a LoRA weight of the model's projections",
+                            detail=f"tensor {name!r}"[:1000])
         layer, module, which = int(m[1]), m[2], m[3]
         if module not in geometry.shapes or layer >= geometry.num_layers:
-            raise LoRAError(f"tensor {name!r} names no linear of the base model")
+            raise LoRAError(f"{WEIGHTS_FILE} holds a tensor for a layer or linear the base model does not have",
+                            detail=f"tensor {name!r}"[:1000])
         out, inp = geometry.shapes[module]
         want = (rank, inp) if which == "A" else (out, rank)
         if shapes[name] != want:
-            raise LoRAError(f"tensor {name!r} has shape {list(shapes[name])}, the base model needs {list(want)}")
+            raise LoRAError(f"{WEIGHTS_FILE} holds a tensor whose shape does not fit the base model's linear "
+                            f"and the adapter's rank (r in {CONFIG_FILE})",
+                            detail=f"tensor {name!r} has shape {list(shapes[name])}, the base model needs {list(want)}")
         found.setdefault((layer, module), {})[which] = name
     missing = [f"layers.{k[0]}.{k[1]}" for k, v in found.items() if len(v) != 2]
     if missing:
-        raise LoRAError(f"lora_A or lora_B missing for {missing[0]}")
+        raise LoRAError(f"{WEIGHTS_FILE} holds a lora_A without its lora_B, or the reverse",
+                        detail=f"for {missing[0]}")
     return {k: (v["A"], v["B"]) for k, v in found.items()}
