@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
 def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V together."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages become resident only when first written or read: anonymous mmap memory is
+    zero-filled by the kernel on first touch, where torch.zeros writes (and so holds) every page at once. The KV
+    cache's resident size then follows the blocks in use, not the blocks configured."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive (frombuffer holds a reference to it).
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVTensors:
@@ -31,10 +45,15 @@ class KVTensors:
         # One allocation for all layers lets a swap move a block of every layer in a single index op.
         # Zeroed rather than empty: padded block-table entries gather from real blocks, and garbage there
         # could be NaN/inf, which survives masking (0 * inf) in some attention kernels.
-        self.kv = torch.zeros((2, shape[0], num_blocks, *shape[1:]), dtype=dtype, device=self.device)
+        kv_shape, host_shape = (2, shape[0], num_blocks, *shape[1:]), (2, shape[0], num_host_blocks, *shape[1:])
+        if self.device.type == "cpu":
+            self.kv = zeros_on_first_touch(kv_shape, dtype)
+        else:
+            self.kv = torch.zeros(kv_shape, dtype=dtype, device=self.device)
         # Pinned host memory makes device<->host copies DMA-able; only meaningful with CUDA.
         pin = self.device.type == "cuda" and num_host_blocks > 0
-        self.host_kv = torch.zeros((2, shape[0], num_host_blocks, *shape[1:]), dtype=dtype, pin_memory=pin)
+        self.host_kv = (torch.zeros(host_shape, dtype=dtype, pin_memory=True) if pin
+                        else zeros_on_first_touch(host_shape, dtype))
         # (key_cache, value_cache) views per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.kv[0, i], self.kv[1, i]) for i in range(num_layers)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
@@ -58,3 +61,23 @@ def test_bfloat16_roundtrip_is_exact():
     kv.swap_out([(2, 5)])
     kv.swap_in([(5, 0)])
     assert torch.equal(kv.kv[:, :, 0], block)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_cpu_kv_pages_become_resident_as_blocks_are_written_not_at_start():
+    """1 GiB of configured KV holds almost nothing resident until blocks are written; written blocks read back, the
+    others read zeros."""
+    before = _rss_mib()
+    kv = KVTensors(4096, num_layers=8, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32, device="cpu",
+                   num_host_blocks=1024)
+    assert kv.num_bytes == 1 << 30
+    assert _rss_mib() - before < 32
+    kv.kv[:, :, :64] = 1.0  # 64 blocks of every layer: 16 MiB
+    grown = _rss_mib() - before
+    assert 15 < grown < 64, grown
+    assert kv.kv[:, :, :64].min() == 1.0 and not kv.kv[:, :, 64:128].any() and not kv.host_kv[:, :, :8].any()
