@@ -5,16 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sluice.kvcache.block import FreeBlockQueue, KVCacheBlock
+from sluice.kvcache.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, KVEventSink, external_hash
 from sluice.kvcache.hashing import BlockHash
 
 
 class BlockPool:
     """Owns every device block. A block is free iff its ref_cnt is 0; free blocks may still be cached."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventSink | None = None) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events  # where evictions and resets are reported (None: KV events off)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
@@ -61,14 +63,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its prefix hash; an existing entry for the hash wins."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its prefix hash; an existing entry for the hash wins. True when the hash
+        became findable through this block (the caller reports it: it knows the tokens)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already findable; this one stays an unshared duplicate
+            return False  # an identical block is already findable; this one stays an unshared duplicate
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Make a block unfindable by its hash (its contents can no longer be trusted)."""
@@ -78,6 +82,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([external_hash(block.block_hash)], MEDIUM_DEVICE))
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:
@@ -86,3 +92,5 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())

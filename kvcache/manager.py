@@ -6,6 +6,14 @@ from typing import Protocol
 
 from sluice.kvcache.block import KVCacheBlock
 from sluice.kvcache.block_pool import BlockPool
+from sluice.kvcache.events import (
+    MEDIUM_DEVICE,
+    BlockStored,
+    KVEventSink,
+    block_extra_keys,
+    external_hash,
+    request_event_keys,
+)
 from sluice.kvcache.hashing import BlockHash
 from sluice.kvcache.swap_space import SwapSpace
 
@@ -16,6 +24,7 @@ class CacheableRequest(Protocol):
     request_id: str
     num_computed_tokens: int
     block_hashes: list[BlockHash]
+    all_token_ids: list[int]  # read only for KV events (BlockStored carries the tokens)
 
     @property
     def num_tokens(self) -> int: ...
@@ -30,11 +39,13 @@ class KVCacheManager:
     """Allocates and frees a request's blocks; lookup always precedes allocation, block tables only grow."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0,
+        events: KVEventSink | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.events = events  # KV events (kvcache/events.py) go here; None: off, and nothing is built for them
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.swap_space = SwapSpace(num_host_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the prefix cache
@@ -120,9 +131,32 @@ class KVCacheManager:
         blocks = self.req_blocks[rid]
         start = self.req_num_cached.get(rid, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        if self.events is None:
+            for i in range(start, end):
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        else:
+            stored = [i for i in range(start, end) if self.pool.cache_block(blocks[i], request.block_hashes[i])]
+            if stored:
+                self._report_stored(request, stored)
         self.req_num_cached[rid] = max(start, end)
+
+    def _report_stored(self, request: CacheableRequest, stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks that became findable (a block whose hash another block
+        already held breaks the run: the next run names it as its parent)."""
+        lora_id, lora_name, salt = request_event_keys(request)
+        hashes, size = request.block_hashes, self.block_size
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[k - 1]
+            self.events.append(BlockStored(
+                [external_hash(h) for h in hashes[first:last + 1]],
+                external_hash(hashes[first - 1]) if first else None,
+                request.all_token_ids[first * size:(last + 1) * size], size, lora_id, MEDIUM_DEVICE, lora_name,
+                block_extra_keys(first, last - first + 1, lora_name, salt),
+            ))
+            run_start = k
 
     def free(self, request: CacheableRequest, uncache_from_block: int | None = None) -> None:
         """Release the request's device blocks (tail first, so its prefix stays cached longest) and host slots.

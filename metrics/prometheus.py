@@ -17,6 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sluice.metrics.tenant_labels import TenantLabels
 from sluice.metrics.vllm_names import CacheConfigInfo, VllmNames
 from sluice.scheduling.outcomes import FinishReason
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # annotations only: metrics must stay importable from anywher
     from sluice.scheduling.request import Request
 
 PREEMPTION_MODES = ("recompute", "swap")
+ITL_OUTCOMES = ("kept", "missed")  # a step with decoding requests, against its time-between-tokens target
 FINISH_REASONS = tuple(r.value for r in FinishReason)  # "stop", "length", "abort", "error"
 # Bounded on purpose: a label value per client-supplied string would explode the series count.
 REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "not_found", "too_large", "draining", "unavailable")
@@ -107,6 +109,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("spec_draft_tokens", Counter, "sluice_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "spec_num_draft_tokens"),
     _spec("spec_accepted", Counter, "sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
     _spec("spec_accepted_per_pos", Counter, "sluice_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft (0: the first; later positions appear once drafted).", label="position", values=("0",)),
+    # --kv-events-config: events the publisher could not queue (its subscribers see a gap in the sequence).
+    _spec("kv_events_dropped", Counter, "sluice_kv_events_dropped", "KV cache events dropped because the event publisher's queue was full."),
+    # The latency budget (--max-itl-ms): steps with decoding requests that kept their target or missed it, the
+    # target of the last step, and tokens served per tenant (--tenant-header; bounded labels, tenant_labels.py).
+    _spec("itl_steps", Counter, "sluice_itl_target_steps", "Engine steps with decoding requests and prompt work waiting, by whether they kept the time-between-tokens target (--max-itl-ms).", "itl_steps_{}", label="outcome", values=ITL_OUTCOMES),
+    _spec("itl_target", Gauge, "sluice_itl_target_seconds", "Time-between-tokens target of the last engine step (0: nothing decoding, or no prompt work waiting).", "itl_target_s"),
+    _spec("tenant_tokens", Counter, "sluice_tenant_served_tokens", "Prompt tokens computed plus tokens generated, by tenant (--tenant-header): a series for each of the heaviest tenants (16 at most), the rest under 'other'.", label="tenant"),
     _spec("step_duration", Histogram, "sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", "step_duration_s", buckets=_STEP_BUCKETS),
 )
 
@@ -176,6 +185,7 @@ class SluiceMetrics:
                                  if spec.stat is not None and spec.kind is Histogram]
         self._tracked: dict[str, _Timing] = {}  # request_id -> timing state, dropped at the finish
         self._lora_labels: tuple[str, str, str] | None = None
+        self._tenants = TenantLabels()
         self._set_lora_info(("", "", "0"))
 
     def observe_step(self, stats: SchedulerStats) -> None:
@@ -187,6 +197,8 @@ class SluiceMetrics:
                                  str(stats.max_loras)))
         if stats.spec_accepted_per_pos:
             self._observe_positions(stats.spec_accepted_per_pos)
+        for tenant, tokens in stats.tenant_tokens.items():
+            self._observe_tenant(tenant, tokens)
         if stats.num_batched_tokens:  # a step that only swapped or idled says nothing about batch size
             for observe, stat in self._step_histograms:
                 observe(getattr(stats, stat))
@@ -201,6 +213,15 @@ class SluiceMetrics:
                 child = children[str(pos)] = family.labels(self.model_name, str(pos))
             child.inc(n)
 
+    def _observe_tenant(self, tenant: str, tokens: int) -> None:
+        """Add a tenant's served tokens under its bounded label (its own among the top tenants, else 'other')."""
+        label = self._tenants.label(tenant, tokens)
+        children = self._c["tenant_tokens"]
+        child = children.get(label)
+        if child is None:
+            child = children[label] = _collectors(self.registry).tenant_tokens.labels(self.model_name, label)
+        child.inc(tokens)
+
     def _set_lora_info(self, labels: tuple[str, str, str]) -> None:
         """Point the model's lora_info child at the adapters now (the previous label set is removed)."""
         family = _collectors(self.registry).lora_info
@@ -209,6 +230,10 @@ class SluiceMetrics:
                 family.remove(self.model_name, *self._lora_labels)
             self._lora_labels = labels
         family.labels(self.model_name, *labels).set(time.time())
+
+    def observe_kv_events_dropped(self, n: int) -> None:
+        """Count KV cache events the publisher dropped (--kv-events-config)."""
+        self._c["kv_events_dropped"].inc(n)
 
     def observe_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's time to first token and the time it spent queued before its first step."""

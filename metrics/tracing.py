@@ -97,7 +97,7 @@ class Timelines:
         """Traced requests only: first schedule, preemptions, swap-ins and prefill chunks of one step."""
         if not self._traced:
             return
-        swapped_out = set(out.swapped_out_ids)
+        swapped_out, decision = set(out.swapped_out_ids), out.decision.trace()
         for rid in out.preempted_ids:
             tl = self._traced.get(rid)
             if tl is not None:
@@ -116,7 +116,9 @@ class Timelines:
                 tl.add("first_scheduled", tl.first_scheduled, {"cached_tokens": max(tl.request.num_cached_tokens, 0)})
             # Anything but the one decode token (the newest output) is prefill, recomputed outputs included.
             if s.num_output_tokens == 0 or s.start_pos < s.num_prompt_tokens + s.num_output_tokens - 1:
-                tl.add("prefill_chunk", now, {"tokens": s.num_tokens, "start": s.start_pos})
+                # With the scheduler's decision for the step: its latency target, the prompt tokens it allowed and
+                # granted, the decoding rows and the flows served (step_budget.StepDecision).
+                tl.add("prefill_chunk", now, {"tokens": s.num_tokens, "start": s.start_pos, **decision})
 
     def on_output(self, out, now: float) -> None:
         """Stamp the first token and the end; a finished output carries its timeline away (`out.timeline`)."""

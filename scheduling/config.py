@@ -57,6 +57,33 @@ class SchedulerConfig:
         "What preemption does to a victim: 'recompute' (drop its KV, redo later) or 'swap' (copy KV to host memory).",
         choices=("recompute", "swap"),
     )
+    max_itl_ms: float = knob(
+        0.0,
+        "Time-between-tokens target while requests decode, in ms: a step takes prompt tokens only up to what the "
+        "engine's measured cost model says keeps it within this (at least one KV block's worth, so prompts always "
+        "progress); with nothing decoding, prompts take the whole step budget. 0: auto, twice a decode-only step "
+        "of the current batch (a running stream keeps at least half its idle rate while a long prompt is "
+        "prefilled), or more while more clients wait for prompt work than decode (their share of the step: a "
+        "burst keeps its throughput); -1: off (prompts take every step's leftover budget).",
+    )
+    tenant_header: str = knob(
+        "",
+        "HTTP header naming the tenant a request is charged to for fair shares (e.g. x-tenant; set it only behind "
+        "a proxy that sets or strips it). Requests with the same value share one counter; without the header "
+        "(or with this empty: off), each API call (its prompt list, n samples or embedding inputs) is a client "
+        "of its own.",
+    )
+    fair_prompt_weight: float = knob(
+        1.0, "Fair shares: service charged per prompt token computed (VTC's w_p)."
+    )
+    fair_output_weight: float = knob(
+        2.0, "Fair shares: service charged per generated token (VTC's w_q; generating costs more per token)."
+    )
+    max_seqs_per_flow: int = knob(
+        0,
+        "Most sequences one API call's fan-out (prompt list, n, embedding inputs) may hold in the running batch "
+        "(0: auto, max_num_seqs less an eighth, at least one seat left for others).",
+    )
     speculative_method: str = knob(
         "none",
         "Speculative decoding: 'none', or 'ngram' (prompt lookup: each decoding request proposes the tokens that "
@@ -87,6 +114,12 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}")
         if not self.max_queue_wait >= 0:
             raise ValueError("max_queue_wait must be >= 0 (0: no limit)")
+        if not (self.max_itl_ms >= 0 or self.max_itl_ms == -1):
+            raise ValueError("max_itl_ms must be >= 0 (0: auto) or -1 (off)")
+        if not (self.fair_prompt_weight > 0 and self.fair_output_weight >= 0):
+            raise ValueError("fair_prompt_weight must be > 0 and fair_output_weight >= 0")
+        if self.max_seqs_per_flow < 0:
+            raise ValueError("max_seqs_per_flow must be >= 0 (0: auto)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
@@ -99,6 +132,13 @@ class SchedulerConfig:
         if not self.prompt_lookup_max < self.prompt_lookup_window <= MAX_PROMPT_LOOKUP_WINDOW:
             raise ValueError(f"prompt_lookup_window must be in {self.prompt_lookup_max + 1}.."
                              f"{MAX_PROMPT_LOOKUP_WINDOW} (more than prompt_lookup_max)")
+
+    @property
+    def flow_seats(self) -> int:
+        """max_seqs_per_flow with its auto value resolved."""
+        if self.max_seqs_per_flow:
+            return min(self.max_seqs_per_flow, self.max_num_seqs)
+        return max(1, self.max_num_seqs - max(1, self.max_num_seqs // 8))
 
     def resolved(self, device_type: str, cpus: int) -> SchedulerConfig:
         """A copy with the auto (0) token budget replaced by this device's value."""

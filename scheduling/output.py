@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from sluice.scheduling.outcomes import FinishReason
 from sluice.scheduling.sampling_params import SamplingParams
+from sluice.scheduling.step_budget import StepDecision
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop per-request state
     # (is_swap_in, pairs) in the order the scheduler decided them; what check_copy_order() replays.
     copy_log: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
+    decision: StepDecision = field(default_factory=StepDecision)  # how its prompt work was chosen (the trace)
 
     @property
     def is_empty(self) -> bool:
@@ -193,3 +195,9 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # The latency budget: this step's time-between-tokens target (0: nothing decoded) and whether the step kept
+    # it (one of the two is 1 for a measured step that had a target).
+    itl_target_s: float = 0.0
+    itl_steps_kept: int = 0
+    itl_steps_missed: int = 0
+    tenant_tokens: dict[str, int] = field(default_factory=dict)  # tokens served this step, by tenant

@@ -73,6 +73,10 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "num_cached_tokens",
+        "flow_id",
+        "client_id",
+        "tenant",
+        "num_charged_tokens",
     )
 
     def __init__(
@@ -83,6 +87,8 @@ class Request:
         eos_token_id: int | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        flow_id: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -104,6 +110,12 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first admission (-1: not yet admitted)
+        # Fair shares (fairness.py): the flow is the API call that admitted it (its fan-out shares one), the client
+        # whose counter it is charged to is its tenant where the operator names tenants, else its flow.
+        self.flow_id = flow_id or request_id
+        self.tenant = tenant
+        self.client_id = f"tenant:{tenant}" if tenant else f"flow:{self.flow_id}"
+        self.num_charged_tokens = 0  # tokens whose computation its client was charged for (recompute is free)
 
     @property
     def num_tokens(self) -> int:

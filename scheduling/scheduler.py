@@ -7,25 +7,29 @@ import heapq
 import time
 
 from sluice.kvcache.manager import KVCacheManager, cdiv
+from sluice.scheduling.accounting import ServiceAccounting
 from sluice.scheduling.config import SchedulerConfig
+from sluice.scheduling.cost_model import StepShape
+from sluice.scheduling.fairness import VirtualCounters
+from sluice.scheduling.flow_queue import FlowQueue
 from sluice.scheduling.outcomes import ErrorCode, RequestRejected
-from sluice.scheduling.output import (
-    ModelRunnerOutput,
-    RequestOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from sluice.scheduling.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from sluice.scheduling.prefill_plan import PlanInputs, PrefillPlan, plan_prefill
 from sluice.scheduling.request import Request, RequestStatus
-from sluice.scheduling.request_queue import create_request_queue, fcfs_key, priority_key
+from sluice.scheduling.request_queue import fcfs_key, priority_key
 from sluice.scheduling.speculation import Speculation
+from sluice.scheduling.step_budget import LatencyBudget, StepDecision
+from sluice.scheduling.step_results import StepResults
 
 
-class Scheduler:
+class Scheduler(StepResults, ServiceAccounting):
     """Three phases per step: resume swapped, continue running, admit waiting (vLLM's order).
 
-    `running` and `swapped` stay sorted best-first by the policy's key, so the preemption victim (lowest
-    priority, latest arrival) is always the last element and never one already scheduled in this step.
+    Before them, the step's prompt tokens are planned (prefill_plan.py): every decoding request gets its token,
+    prompt work gets what the latency budget leaves (step_budget.py), flow by flow, least-served first
+    (fairness.py). The running phase then follows the plan in running order, and `running` and `swapped` stay
+    sorted best-first by the policy's key, so the preemption victim (lowest priority, latest arrival) is always the
+    last element and never one already scheduled in this step.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
@@ -40,7 +44,9 @@ class Scheduler:
         self.max_loras = max_loras  # distinct LoRA adapters one step may hold (the runner's slots)
         self.policy = config.scheduling_policy
         self.key = priority_key if self.policy == "priority" else fcfs_key
-        self.waiting = create_request_queue(self.policy)
+        self.counters = VirtualCounters(config.fair_prompt_weight, config.fair_output_weight)
+        self.waiting = FlowQueue(self.policy, self.counters)  # by flow: least-served first within a priority
+        self.latency = LatencyBudget(config, self.block_size)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -74,6 +80,7 @@ class Scheduler:
                                   ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         request.update_block_hashes(self.block_size)
         self.requests[request.request_id] = request
+        self.counters.open(request.client_id)
         self.waiting.push(request)
         if self.config.max_queue_wait > 0:
             deadline = request.arrival_time + self.config.max_queue_wait
@@ -120,6 +127,7 @@ class Scheduler:
     def _release(self, request: Request, uncache_from_block: int | None = None) -> None:
         self.kv.free(request, uncache_from_block)
         del self.requests[request.request_id]
+        self.counters.close(request.client_id)
         self._finished_ids.append(request.request_id)
 
     @property
@@ -141,15 +149,21 @@ class Scheduler:
         if self.policy == "priority":
             self._preempt_for_waiting_priority(out)
         self._resume_swapped(out)
-        budget, preempted = self._schedule_running(out, num_scheduled, drafts, budget)
-        if not preempted and self._may_admit_waiting():
-            budget = self._schedule_waiting(num_scheduled, budget)
+        plan = self._plan_prefill(budget)
+        budget, preempted = self._schedule_running(out, num_scheduled, drafts, budget, plan)
+        if not preempted and plan.admit:
+            budget = self._schedule_waiting(num_scheduled, budget, plan)
+        if plan.admit:
+            budget = self._schedule_unused(num_scheduled, budget, plan)
 
+        decision, flows = plan.decision, set()
+        decision.shape, decision.prefill_tokens = StepShape(), 0  # what was really scheduled, from here on
         for request in self.running:
             n = num_scheduled.get(request.request_id)
             if n is None:
                 continue
             start, draft = request.num_computed_tokens, drafts.get(request.request_id, [])
+            self._account(request, start, n, len(draft), decision, flows)
             out.scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -168,6 +182,11 @@ class Scheduler:
             )
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
+        decision.flows_served, decision.decode_rows = len(flows), decision.shape.decode_rows
+        if not decision.decode_rows:  # preemption took every decoding request: nobody waited on this step
+            decision.itl_target_s = 0.0
+        decision.predicted_s = self.latency.model.predict(decision.shape)
+        out.decision = decision
         assert len(out.scheduled) <= self.config.max_num_seqs
         out.check_copy_order()
         self._in_flight = {s.request_id: s for s in out.scheduled}
@@ -198,16 +217,57 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self.key)
 
+    def _plan_prefill(self, token_budget: int) -> PrefillPlan:
+        """Decode rows first; then the prompt tokens, by flow and within the latency budget (prefill_plan.py)."""
+        decision, partials, seats, decode_blocks = StepDecision(token_budget=token_budget), [], {}, 0
+        decoding = set()  # clients with a decoding request
+        for r in self.running:
+            if _decoding(r):
+                decision.shape.add_decode(r.num_computed_tokens)
+                decode_blocks += r.num_computed_tokens % self.block_size == 0  # its new token opens a block
+                decoding.add(r.client_id)
+            else:
+                partials.append(r)
+            seats[r.flow_id] = seats.get(r.flow_id, 0) + 1
+        decision.decode_rows = decision.shape.decode_rows
+        if not partials and not self.waiting:  # decodes only: no target to keep, nothing to plan
+            self.counters.refresh_backlog(set())
+            return PrefillPlan(decision=decision)
+        if decoding:  # the clients with prompt work too: the auto target is their share of the step
+            prompting = {r.client_id for r in partials} | {q.peek().client_id for _, q in self.waiting.flows()}
+            decision.itl_target_s = self.latency.target(decision.shape, len(decoding), len(decoding | prompting))
+        inputs = PlanInputs(
+            token_room=token_budget - decision.decode_rows, seats_free=self.config.max_num_seqs - len(self.running),
+            flow_seats=self.config.flow_seats, chunk_cap=self.config.long_prefill_token_threshold,
+            admit=bool(self.waiting) and self._may_admit_waiting(), free_blocks=self.kv.num_free_blocks - decode_blocks,
+            block_size=self.block_size, held_blocks=self.kv.num_held_blocks, prefix=self._prefix_blocks)
+        if inputs.token_room <= 0 or self.latency.probe_due(decision):
+            return PrefillPlan(decision=decision)
+        return plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency)
+
+    def _prefix_blocks(self, request: Request) -> tuple[int, int]:
+        """A waiting request's prefix-cache hit tokens, and how many of its hit blocks are free (they leave the
+        free queue when it is admitted)."""
+        computed = self._cached_prefix(request)
+        return len(computed) * self.block_size, sum(1 for b in computed if b.ref_cnt == 0)
+
     def _schedule_running(
-        self, out: SchedulerOutput, num_scheduled: dict[str, int], drafts: dict[str, list[int]], budget: int
+        self, out: SchedulerOutput, num_scheduled: dict[str, int], drafts: dict[str, list[int]], budget: int,
+        plan: PrefillPlan,
     ) -> tuple[int, bool]:
         preempted = False
+        pending = plan.decision.decode_rows + plan.running_tokens  # planned for running requests not yet visited
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_new_tokens(request, 0, budget)
-            assert n > 0, f"{request} has nothing to compute"
-            draft = self.spec.drafts(request, n, budget, len(self.running) - i - 1)
+            n = self._running_tokens(request, plan, budget)
+            if not n:  # a prefill whose flow got no prompt tokens this step
+                i += 1
+                continue
+            pending -= n
+            # Drafts, for a decoding request, take only what no later request was planned to get.
+            draft = self.spec.drafts(request, n, budget - pending, len(self.running) - i - 1) if _decoding(
+                request) else []
             if draft:  # they fit: drafts() keeps a block for each request after this one, and within budget
                 allocated = self.kv.allocate_slots(request, n + len(draft))
                 assert allocated is not None
@@ -225,6 +285,13 @@ class Scheduler:
                 i += 1
         return budget, preempted
 
+    @staticmethod
+    def _running_tokens(request: Request, plan: PrefillPlan, budget: int) -> int:
+        """A decoding request's one token, or the prompt tokens the plan granted a running prefill."""
+        if _decoding(request):
+            return 1
+        return min(plan.running.get(request.request_id, 0), budget)
+
     def _may_admit_waiting(self) -> bool:
         # Swapped requests resume before anything new is admitted (unless a waiting one strictly outranks them).
         return not self.swapped or (
@@ -240,26 +307,46 @@ class Scheduler:
             and self.waiting.peek().priority < request.priority
         )
 
-    def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+    def _schedule_waiting(self, num_scheduled: dict[str, int], budget: int, plan: PrefillPlan) -> int:
+        for request, granted in plan.admit:  # in the plan's order: least-served flows first
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if not self._lora_fits(request):
                 break  # its adapter needs a slot the running ones hold: it waits for one to finish
             computed = self._cached_prefix(request)
             num_hit = len(computed) * self.block_size
-            n = self._num_new_tokens(request, num_hit, budget)
+            # Blocks allocated earlier in this step may have become hits: the grant is a ceiling.
+            n = min(self._num_new_tokens(request, num_hit, budget), granted)
             if self.kv.allocate_slots(request, n, computed) is None:
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens += num_hit
+            request.num_charged_tokens = max(request.num_charged_tokens, request.num_computed_tokens)  # hits are free
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self.key)
             num_scheduled[request.request_id] = n
             budget -= n
+            plan.admitted += n
+        return budget
+
+    def _schedule_unused(self, num_scheduled: dict[str, int], budget: int, plan: PrefillPlan) -> int:
+        """Prompt tokens planned for admissions that did not happen (no KV room, an adapter slot, a preemption)
+        go to the running prefills left out, in running order: a waiting request that cannot get its blocks
+        must not stall the running ones that hold them."""
+        spare = sum(n for _, n in plan.admit) - plan.admitted
+        for request in self.running:
+            if spare <= 0 or budget <= 0:
+                break
+            if request.request_id in num_scheduled or _decoding(request):
+                continue
+            n = min(self._num_new_tokens(request, 0, budget), spare)
+            if self.kv.allocate_slots(request, n) is not None:  # no preemption here: it was not planned
+                num_scheduled[request.request_id] = n
+                budget, spare = budget - n, spare - n
         return budget
 
     def _lora_fits(self, request: Request) -> bool:
@@ -312,118 +399,6 @@ class Scheduler:
             self.waiting.push_front(victim)
             self._stats.num_preemptions_recompute += 1
 
-    # --- results -------------------------------------------------------------------------------
-
-    def update_from_output(
-        self, out: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
-        """Advance progress, append sampled tokens, finish requests that stopped, free their blocks."""
-        self.kv.commit_swaps()  # the step ran: its copies are done
-        self._in_flight, self._ended_in_flight = {}, []
-        outputs: list[RequestOutput] = []
-        any_finished = False
-        for sched in out.scheduled:
-            request = self.requests.get(sched.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # ended while the step ran (a WAITING one is a new request reusing the id)
-            request.num_computed_tokens += sched.num_tokens
-            if request.num_output_tokens == 0:
-                self._stats.num_prompt_tokens += sched.num_tokens
-            tokens = runner_output.spec_sampled.get(sched.request_id)
-            if tokens is not None:  # verified drafts: progress covers the accepted ones only
-                request.num_computed_tokens -= self.spec.num_rejected(sched, tokens, self._stats)
-            elif (token := runner_output.sampled.get(sched.request_id)) is not None:
-                tokens = [token]
-            else:
-                pooled = runner_output.pooled.get(sched.request_id) if runner_output.pooled else None
-                if pooled is not None:  # an embedding request's last prompt chunk: it is done
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    any_finished = True
-                    self._release(request)
-                    outputs.append(RequestOutput.of(request, [], [], pooled))
-                continue  # else a prefill chunk that did not reach the end of the prompt
-            tokens, status = self._append_until_stop(request, tokens)
-            logprobs = runner_output.logprobs.get(sched.request_id)
-            if status is not None:
-                request.status = status
-                any_finished = True
-                self._release(request)
-            elif sched.draft_token_ids:  # blocks holding only rejected drafts go back
-                self.kv.trim(request, request.num_tokens)
-            outputs.append(RequestOutput.of(request, tokens, [logprobs] if logprobs else []))
-        if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
-        return outputs
-
-    def _append_until_stop(self, request: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
-        """Append tokens up to and including the first that ends the request (as one-token steps would)."""
-        for i, token in enumerate(tokens):
-            request.append_output_token(token)
-            self._stats.num_generation_tokens += 1
-            status = self._check_stop(request, token)
-            if status is not None:
-                tokens = tokens[: i + 1]
-                break
-        request.update_block_hashes(self.block_size)
-        return tokens, status
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def fail_step(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """The step's copies or forward raised: fail what it computed, put back what it only moved.
-
-        - scheduled requests end with an error; the blocks this step was to fill lose their prefix hashes;
-        - requests resumed by a swap-in but not scheduled go back to `swapped`, onto the host slots that still
-          hold their KV (those slots are released only after a step's copies succeed);
-        - requests swapped out this step drop their unfinished host copy and wait to be recomputed.
-        """
-        outputs = []
-        swapped_in = set(out.swapped_in_ids)
-        # Every block a swap-in was to fill, whoever holds it now: its contents are unknown. The forward's own
-        # blocks are handled per request below, from each one's start position on.
-        self.kv.uncache_block_ids([dev for _, dev in out.swap_in])
-        for sched in out.scheduled:
-            request = self.requests.get(sched.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # ended while the step ran (a WAITING one is a new request reusing the id)
-            request.status = RequestStatus.FINISHED_ERROR
-            self.running.remove(request)
-            self._release(request, uncache_from_block=sched.start_pos // self.block_size)
-            outputs.append(RequestOutput.of(request, [], []))
-        for rid in out.swapped_in_ids:
-            request = self.requests.get(rid)
-            if request is None or rid not in self.kv.swapping_in:
-                continue  # failed above, or ended while the step ran
-            self.kv.undo_swap_in(request)
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-                request.status = RequestStatus.SWAPPED
-                bisect.insort(self.swapped, request, key=self.key)
-        for rid in out.swapped_out_ids:
-            request = self.requests.get(rid)
-            if request is None or rid in swapped_in or request.status != RequestStatus.SWAPPED:
-                continue  # ended, or already back on its older host copy
-            self.swapped.remove(request)
-            self.kv.drop_host_blocks(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-            self.waiting.push_front(request)
-        for sched in self._ended_in_flight:  # ended while the step ran: their blocks are free, not yet reused
-            self.kv.uncache_block_ids(sched.block_ids[sched.start_pos // self.block_size :])
-        self._in_flight, self._ended_in_flight = {}, []
-        self.kv.commit_swaps()  # what is left pending belongs to requests that ended: nothing reads it now
-        return outputs
-
     # --- observability -------------------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
@@ -443,6 +418,11 @@ class Scheduler:
             s.waiting_lora_adapters = _lora_names([*self.waiting, *self.swapped])
         self._prefix_counts_reported = (queries, hits)
         return s
+
+
+def _decoding(request: Request) -> bool:
+    """Whether a running request's next step is a decode (its one newest token), not prompt work."""
+    return bool(request.num_output_tokens) and request.num_tokens - request.num_computed_tokens == 1
 
 
 def _lora_names(requests) -> tuple[str, ...]:

@@ -16,6 +16,29 @@ from sluice.scheduling.config import SchedulerConfig
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
+class HFOverridesError(argparse.ArgumentTypeError, ValueError):
+    """--hf-overrides that is not a JSON object: argparse shows the message, the env and the engine see a ValueError."""
+
+
+def parse_hf_overrides(text: str) -> dict:
+    """--hf-overrides as a dict ({} for the empty default); HFOverridesError unless it is a JSON object."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise HFOverridesError(f"--hf-overrides is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise HFOverridesError(f"--hf-overrides must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def json_object(text: str) -> str:
+    """--hf-overrides' type: the text, once it parses as a JSON object."""
+    parse_hf_overrides(text)
+    return text
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Which model to load, where and in what precision."""
@@ -79,6 +102,18 @@ class ModelConfig:
         "them, then normalized): 'auto' (the model config's matryoshka_dimensions or is_matryoshka, else none), "
         "'any' (1 up to the hidden size), 'none', or sizes like '64,128,256'.",
     )
+    runner: str = knob(
+        "auto", "vLLM's --runner: 'pooling' serves /v1/rerank and /v1/score from a decoder reranker (the "
+        "classifier_from_token of --hf-overrides); 'generate' does not serve them (404); 'auto' is 'pooling' where "
+        "the config (after --hf-overrides) names a *ForSequenceClassification architecture or classifier tokens.",
+        choices=["auto", "generate", "pooling"],
+    )
+    hf_overrides: str = knob(
+        "", "A JSON object merged into the model's transformers config before loading (vLLM's --hf-overrides), "
+        "e.g. Qwen3-Reranker's '{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'. Sluice still runs its own causal-LM forward.",
+        type=json_object,
+    )
 
 
 @dataclass(slots=True)
@@ -122,6 +157,13 @@ class ServerConfig:
     otlp_traces_endpoint: str = knob(
         "", "OTLP/HTTP endpoint that receives one OpenTelemetry span per engine request, e.g. "
         "http://collector:4318/v1/traces (empty: tracing off). Needs `pip install 'sluice[otel]'`."
+    )
+    kv_events_config: str = knob(
+        "", "KV cache events for prefix-aware routers, vLLM's flag and JSON: e.g. '{\"enable_kv_cache_events\": "
+        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD_IP@MODEL\", "
+        "\"replay_endpoint\": \"tcp://*:5558\"}' (also buffer_steps, hwm, max_queue_size). BlockStored, "
+        "BlockRemoved and AllBlocksCleared in vLLM's msgpack format on a ZMQ PUB socket, as llm-d's precise "
+        "prefix-cache scorer reads them (empty: off). Needs `pip install 'sluice[kv-events]'`."
     )
     tool_call_parser: str = knob(
         "auto", "How free ('auto') tool calls are read from a model whose chat template renders tools: 'auto' "

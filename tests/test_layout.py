@@ -37,7 +37,7 @@ ROOMS = {
 DEVELOPMENT_ONLY = {"sluice.service.bench"}
 # Third-party packages the two lowest layers never import: they know nothing of HTTP or of the model.
 NOT_BELOW_SERVICE = {"aiohttp", "transformers", "orjson", "uvloop", "prometheus_client", "accelerate", "gguf",
-                     "safetensors", "tests"}
+                     "safetensors", "tests", "zmq", "msgpack", "msgspec"}  # KV events: kvcache makes, engine sends
 
 
 def modules() -> dict[str, Path]:

@@ -13,6 +13,7 @@ from sluice.metrics.prometheus import render_latest
 from sluice.metrics.tracing import server_timing
 from sluice.scheduling.outcomes import ErrorCode, RequestRejected
 from sluice.service.api import json_codec
+from sluice.service.api.anthropic import MessagesAPI
 from sluice.service.api.embeddings import embedding_response, prepare_embeddings
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.lora_routes import adapter_cards, load_lora_adapter, unload_lora_adapter
@@ -30,6 +31,7 @@ from sluice.service.api.openapi import openapi_spec
 from sluice.service.api.preprocess import prepare_generate
 from sluice.service.api.protocol import RequestCaps, RequestError
 from sluice.service.api.reasoning import split_output
+from sluice.service.api.rerank import prepare_rerank, prepare_score
 from sluice.service.api.responses import ResponseBuilder, head
 from sluice.service.api.responses_request import prepare_responses, renamed
 from sluice.service.api.tokenize import detokenize, tokenize
@@ -174,10 +176,36 @@ async def embeddings(request: web.Request) -> web.Response:
                         content_type="application/json")
 
 
+async def rerank(request: web.Request) -> web.Response:
+    """Rerank (Jina/Cohere shape): the documents scored against the query by a decoder reranker, best first."""
+    return await _scores(request, prepare_rerank, "documents")
+
+
+async def score(request: web.Request) -> web.Response:
+    """Score: text_1 against text_2 (1:1, 1:N or N:N) by a decoder reranker."""
+    return await _scores(request, prepare_score, "text_2")
+
+
+async def _scores(request: web.Request, prepare, param: str) -> web.Response:
+    """A rerank or score call: one prompt-only request per pair, admitted together (one flow), scores collected."""
+    state = request.app[STATE]
+    raw = await request.read()
+    aengine = _engine(state)
+    prep = await state.preprocessor.run(prepare, raw, aengine.model, RequestCaps.of(state.config.server))
+    stream = await _admit(request, aengine, prep.batch, prep.priority, param)
+    outputs = {}
+    async with stream:
+        async for out in stream:
+            if out.error:
+                raise _error_of(out)
+            outputs[out.request_id] = out
+    return web.Response(body=prep.response(outputs, aengine.model.served_model_name), content_type="application/json")
+
+
 async def _admit(request: web.Request, aengine: AsyncEngine, batch: list, priority: int, param: str):
     """Queue an API call's engine requests; the engine's refusals as the client's errors (`param`: the prompt's)."""
     try:
-        return await aengine.add_requests(batch, priority, _trace_headers(request, aengine))
+        return await aengine.add_requests(batch, priority, _trace_headers(request, aengine), _tenant(request))
     except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
         raise RequestError(str(e), e.param, code=e.code) from None
     except RequestRejected as e:  # the scheduler's word: a prompt that can never run, an id in use
@@ -239,6 +267,12 @@ async def _response_events(outputs, builder: ResponseBuilder):
 
 def _events(events: list[dict]) -> bytes:
     return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + json_codec.dumps(e) + b"\n\n" for e in events)
+
+
+def _tenant(request: web.Request) -> str | None:
+    """The tenant the operator's trusted header names (--tenant-header; None: off or absent), cut to 128 chars."""
+    header = request.app[STATE].config.scheduler.tenant_header
+    return (request.headers.get(header) or "")[:128] or None if header else None
 
 
 def _trace_headers(request: web.Request, aengine: AsyncEngine) -> dict[str, str] | None:
@@ -392,6 +426,8 @@ def create_app(config: SluiceConfig) -> web.Application:
         web.post("/v1/completions", completions),
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/embeddings", embeddings),
+        *(web.post(path, rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+        *(web.post(path, score) for path in ("/v1/score", "/score")),
         web.post("/v1/responses", responses),
         web.get("/v1/models", models),
         web.post("/v1/load_lora_adapter", load_lora_adapter),
@@ -404,4 +440,5 @@ def create_app(config: SluiceConfig) -> web.Application:
         web.get("/version", version),
         web.get("/openapi.json", openapi),
     ])
+    app.add_routes(MessagesAPI(_engine, _admit, _stream, _error_of).routes())  # Anthropic's /v1/messages
     return app

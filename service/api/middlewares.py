@@ -1,5 +1,6 @@
-"""What every HTTP request passes through before its handler: request ids, OpenAI-shaped errors, the API key;
-and the app state (`STATE`) the middlewares and the handlers of api_server.py share."""
+"""What every HTTP request passes through before its handler: request ids, errors in the shape of the path's
+protocol (OpenAI's; Anthropic's on /v1/messages), the API key; and the app state (`STATE`) the middlewares and
+the handlers of api_server.py share."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from sluice.metrics.prometheus import record_rejection
 from sluice.service.api import json_codec
+from sluice.service.api.anthropic_errors import error_body, speaks_anthropic
 from sluice.service.api.preprocess import Preprocessor
 from sluice.service.api.protocol import RequestError
 from sluice.service.config import SluiceConfig
@@ -60,25 +62,25 @@ async def _add_request_id_header(request: web.Request, response: web.StreamRespo
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Every error leaves as OpenAI's {"error": {...}}; internals stay in the log."""
+    """Every error leaves as OpenAI's {"error": {...}} (Anthropic's shape on its paths); internals stay in the log."""
     try:
         return await handler(request)
     except RequestError as e:
         _count_rejection(request, e)
         level = logging.DEBUG if request.path in OPEN_PATHS else logging.INFO  # probes 503 while loading
         logger.log(level, "%s %s -> %d: %s", request.method, request.path, e.status, e.message)
-        return error_response(e)
+        return error_response(e, request.path)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         err = _from_http_exception(request, e)
         _count_rejection(request, err)
-        return error_response(err)
+        return error_response(err, request.path)
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
         return error_response(RequestError(
             f"internal server error (request id {request[REQUEST_ID]})", status=500, type="server_error",
-            code="internal_error"))
+            code="internal_error"), request.path)
 
 
 def _count_rejection(request: web.Request, e: RequestError) -> None:
@@ -101,23 +103,30 @@ def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestE
     return RequestError(e.reason or "bad request", status=e.status)
 
 
-def error_response(e: RequestError) -> web.Response:
-    """OpenAI's error body with the error's status (and its headers: Retry-After, Allow, ...)."""
-    return web.Response(status=e.status, body=json_codec.dumps(e.to_dict()), content_type="application/json",
+def error_response(e: RequestError, path: str = "") -> web.Response:
+    """The error body with the error's status (and its headers: Retry-After, Allow, ...): OpenAI's, or Anthropic's
+    on its paths."""
+    body = error_body(e) if speaks_anthropic(path) else e.to_dict()
+    return web.Response(status=e.status, body=json_codec.dumps(body), content_type="application/json",
                         headers=e.headers)
 
 
 def auth_middleware(api_key: str):
-    """When an API key is set, everything but the probes needs `Authorization: Bearer <key>`."""
-    expected = f"Bearer {api_key}".encode()
+    """When an API key is set, everything but the probes (and `HEAD /`, which says only that a server answers)
+    needs `Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>`, each compared in constant time."""
+    expected = {"Authorization": f"Bearer {api_key}".encode(), "x-api-key": api_key.encode()}
+
+    def _given(request: web.Request, header: str) -> bool:
+        value = request.headers.get(header)
+        return value is not None and hmac.compare_digest(value.encode("utf-8", "replace"), expected[header])
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, expected):
-                raise RequestError("invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                                   status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if request.path not in OPEN_PATHS and not (request.method == "HEAD" and request.path == "/"):
+            if not (_given(request, "Authorization") or _given(request, "x-api-key")):
+                raise RequestError("invalid or missing API key (expected 'Authorization: Bearer <key>' or "
+                                   "'x-api-key: <key>')", status=401, code="invalid_api_key",
+                                   headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return middleware

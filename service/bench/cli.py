@@ -35,6 +35,7 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--timeout", type=float, default=3600.0, help="Per-request timeout in seconds.")
     serve.add_argument("--result-file", default="", help="Write the figures as JSON here.")
     serve.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
+    _add_mixed_flags(serve)
     serve.set_defaults(func=_serve_command)
 
     offline = commands.add_parser("offline", help="Run the engine without HTTP, next to transformers' baselines.",
@@ -118,6 +119,20 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "JSON to return with small edits, --input-len unused (default: %(default)s).")
 
 
+def _add_mixed_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed", "--mixed: streams decoding while long prompts arrive (the workload flags above "
+                             "are unused; --endpoint is the streams')")
+    g.add_argument("--mixed", action="store_true", help="Run the mixed workload: streams' ITL idle and loaded, the "
+                   "long prompts' TTFT and completion time, a one-line chat's TTFT.")
+    g.add_argument("--mixed-streams", type=int, default=2, help="Streams decoding throughout (default: %(default)s).")
+    g.add_argument("--mixed-long-prompts", type=int, default=32, help="Long prompts sent (default: %(default)s).")
+    g.add_argument("--mixed-long-len", type=int, default=1024, help="Tokens per long prompt (default: %(default)s).")
+    g.add_argument("--mixed-separate", action="store_true",
+                   help="Send the long prompts as separate requests (default: one call with a prompt list).")
+    g.add_argument("--mixed-alone", action="store_true", help="First time the long prompts alone (the slowdown).")
+    g.add_argument("--mixed-idle", type=float, default=3.0, help="Seconds the streams decode alone first.")
+
+
 def _workload(args):
     from sluice.service.bench.workloads import Workload
 
@@ -138,14 +153,37 @@ def _serve_command(args) -> int:
         cfg = ServeConfig(_workload(args), args.base_url, args.endpoint, args.model, args.tokenizer, args.api_key,
                           args.ignore_eos, extra, args.timeout, args.num_warmups, args.progress)
         cfg.workload.validate()
+        mixed = _mixed(args)
     except (ValueError, orjson.JSONDecodeError) as e:
         print(f"sluice bench serve: error: {e}", file=sys.stderr)
         return 2
+    if mixed is not None:
+        from sluice.service.bench.mixed import mixed_lines, run_mixed
+
+        outcome = asyncio.run(run_mixed(cfg, mixed))
+        print("\n".join(mixed_lines(outcome)))
+        if args.result_file:
+            write_json(args.result_file, {"kind": "mixed", "workload": mixed, "result": outcome,
+                                          "rate_ratio": outcome.rate_ratio, "slowdown": outcome.slowdown})
+        return 0 if not outcome.errors else 1
     result = asyncio.run(run_serve(cfg))
     print("\n".join(result_lines(result)))
     if args.result_file:
         write_json(args.result_file, serve_report(cfg, result))
     return 0 if result.completed else 1
+
+
+def _mixed(args):
+    """The mixed workload the flags describe, or None without --mixed."""
+    if not args.mixed:
+        return None
+    from sluice.service.bench.mixed import MixedWorkload
+
+    w = MixedWorkload(streams=args.mixed_streams, long_prompts=args.mixed_long_prompts,
+                      long_input_len=args.mixed_long_len, long_as_one_call=not args.mixed_separate,
+                      idle_s=args.mixed_idle, alone=args.mixed_alone, seed=args.seed)
+    w.validate()
+    return w
 
 
 def _offline_command(args) -> int:

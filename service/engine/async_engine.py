@@ -17,7 +17,7 @@ from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
 from sluice.service.engine.grammar import GrammarBusyError
 from sluice.service.engine.outputs import EngineOutput
-from sluice.service.engine.pooling import EmbeddingSpec
+from sluice.service.engine.pooling import ClassifierSpec, EmbeddingSpec
 
 logger = logging.getLogger("sluice.async_engine")
 READER_LAG_FACTOR = 8
@@ -49,7 +49,8 @@ class SyncEngine(Protocol):
     num_swapped: int
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None) -> int: ...
+                    arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None,
+                    flow: str | None = None, tenant: str | None = None) -> int: ...
     def abort_request(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[EngineOutput]: ...
@@ -67,12 +68,15 @@ class ModelInfo:
     tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, convert_ids_to_tokens
     loras: Any = None  # the LoRA adapter registry (lora/manager.py: LoRARegistry, thread-safe); None: LoRA off
     embedding: EmbeddingSpec | None = None  # how /v1/embeddings pools (None: a stand-in that serves none)
+    runner_type: str = "generate"  # --runner resolved: 'pooling' serves /v1/rerank and /v1/score
+    classifier: ClassifierSpec | None = None  # a decoder reranker's classifier tokens (None: not a reranker)
 
     @classmethod
     def of(cls, engine: SyncEngine) -> ModelInfo:
         """Read from an LLMEngine (or a stand-in with the same attributes)."""
         return cls(engine.served_model_name, engine.max_model_len, engine.vocab_size, engine.tokenizer,
-                   engine.loras, engine.embedding)
+                   engine.loras, engine.embedding, getattr(engine, "runner_type", "generate"),
+                   getattr(engine, "classifier", None))
 
 
 @dataclass(slots=True, eq=False)  # identity semantics: groups live in sets
@@ -217,11 +221,12 @@ class AsyncEngine:
 
     async def add_requests(
         self, requests: list[tuple[str, str | list[int], SamplingParams]], priority: int = 0,
-        trace_headers: Mapping[str, str] | None = None,
+        trace_headers: Mapping[str, str] | None = None, tenant: str | None = None,
     ) -> RequestStream:
         """Admit several requests atomically (all or none) with one stream of their outputs.
 
         `trace_headers` (with a tracer): each engine request's span is a child of the context they carry.
+        They are one flow for fair shares, charged to `tenant` (None: to the flow itself).
         """
         if self.dead is not None or self._task is None:
             raise EngineDeadError("the engine is not running")
@@ -251,7 +256,7 @@ class AsyncEngine:
         self._idle.clear()
         try:
             await loop.run_in_executor(self._executor, self._add_in_worker, requests, priority,
-                                       trace_headers if self.tracer is not None else None)
+                                       trace_headers if self.tracer is not None else None, tenant)
         except GrammarBusyError as e:  # a grammar evicted since its compile above, compiled again and queued out
             self._release(group)
             raise QueueFullError(str(e)) from None
@@ -261,11 +266,13 @@ class AsyncEngine:
         self._wakeup.set()
         return RequestStream(self, group, len(ids))
 
-    def _add_in_worker(self, requests, priority: int, trace_headers: Mapping[str, str] | None) -> None:
-        added = []
+    def _add_in_worker(self, requests, priority: int, trace_headers: Mapping[str, str] | None,
+                       tenant: str | None = None) -> None:
+        added, flow = [], requests[0][0]  # the call's first request id names its flow
         try:
             for rid, prompt, params in requests:
-                self.engine.add_request(rid, prompt, params, priority, trace_headers=trace_headers)
+                self.engine.add_request(rid, prompt, params, priority, trace_headers=trace_headers, flow=flow,
+                                        tenant=tenant)
                 added.append(rid)
         except BaseException:
             for rid in added:

@@ -16,18 +16,19 @@ from sluice.metrics.prometheus import SluiceMetrics
 from sluice.metrics.tracing import Timelines
 from sluice.metrics.vllm_names import CacheConfigInfo
 from sluice.scheduling.outcomes import ErrorCode, FinishReason
-from sluice.scheduling.output import SchedulerStats, TokenLogprobs
+from sluice.scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
-from sluice.service.config import SluiceConfig
+from sluice.service.config import SluiceConfig, parse_hf_overrides
 from sluice.service.engine.constrained import ConstrainedDecoding
 from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarState
+from sluice.service.engine.kv_events import KVEventPublisher, KVEventsConfig
 from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
 from sluice.service.engine.outputs import EngineOutput
-from sluice.service.engine.pooling import resolve_embedding
+from sluice.service.engine.pooling import resolve_embedding, resolve_runner
 
 logger = logging.getLogger("sluice.engine")
 
@@ -54,6 +55,7 @@ class LLMEngine(ConstrainedDecoding):
 
         from sluice.service.engine.kv_sizing import format_bytes, model_context_length
         from sluice.service.engine.model_loader import (
+            apply_hf_overrides,
             auto_dtype,
             eos_token_ids,
             load_model,
@@ -64,6 +66,7 @@ class LLMEngine(ConstrainedDecoding):
 
         config = config or SluiceConfig()
         config.validate()
+        kv_events = KVEventsConfig.parse(config.server.kv_events_config)  # a bad one is refused before the load
         self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
         quantization = config.model.quantization
         if quantization != "none":
@@ -82,6 +85,7 @@ class LLMEngine(ConstrainedDecoding):
         # From here on the config holds what the engine really runs with (the auto budget resolved).
         sched = config.scheduler.resolved(self.device.type, threads)
         self.config = config = dataclasses.replace(config, scheduler=sched)
+        given_model = model is not None
         if model is None:  # Sluice's own model where the architecture allows, in the weight formats asked for
             model, tokenizer = load_model(config.model.model, self.device, self.dtype,
                                           cache_dir=config.model.cache_dir or None, settings=config.model)
@@ -91,6 +95,8 @@ class LLMEngine(ConstrainedDecoding):
             raise ValueError("--quantization gguf needs the engine to load the model itself (from a .gguf file)")
         else:
             model = prepare_weights(model, config.model, self.device, self.dtype)
+        if given_model and config.model.hf_overrides:  # (load_model applies them before it builds the model)
+            apply_hf_overrides(model.config, parse_hf_overrides(config.model.hf_overrides))
         self.model, self.tokenizer = model, tokenizer
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.loras, lora_slots = None, None  # the adapter registry, where LoRA is on (lora/manager.py)
@@ -101,6 +107,8 @@ class LLMEngine(ConstrainedDecoding):
         self.vocab_size = int(model.config.vocab_size)
         m = config.model  # how /v1/embeddings pools this model (any model serves it: its final hidden state)
         self.embedding = resolve_embedding(m.pooling, m.embedding_normalize, m.embedding_dimensions, model.config)
+        # --runner and a decoder reranker's classifier tokens (/v1/rerank, /v1/score), from the overridden config
+        self.runner_type, self.classifier = resolve_runner(m.runner, model.config, tokenizer, self.vocab_size)
 
         self.runner = ModelRunner(
             model, config.cache, self.device, self.dtype, sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -134,8 +142,11 @@ class LLMEngine(ConstrainedDecoding):
         if model_len > capacity:
             logger.info("context capped at the KV cache's %d tokens (the model allows %d)", capacity, model_len)
         self.max_model_len = min(model_len, capacity)
+        self.kv_events = None if kv_events is None else KVEventPublisher(  # drops are counted once metrics exist
+            kv_events, on_drop=lambda n: self.metrics.observe_kv_events_dropped(n))
         self.kv_manager = KVCacheManager(
-            self.num_kv_blocks, block_size, config.cache.enable_prefix_caching, self.runner.num_host_blocks
+            self.num_kv_blocks, block_size, config.cache.enable_prefix_caching, self.runner.num_host_blocks,
+            self.kv_events.sink if self.kv_events is not None else None,
         )
         self.scheduler = Scheduler(sched, self.kv_manager, self.max_model_len,
                                    config.lora.max_loras if self.loras is not None else 0)
@@ -178,10 +189,14 @@ class LLMEngine(ConstrainedDecoding):
         priority: int = 0,
         arrival_time: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        flow: str | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Queue a request; returns its prompt length. ValueError for prompts that can never run.
 
         `trace_headers` (W3C traceparent/tracestate, may be empty) marks it traced: its span events are recorded.
+        `flow` names the API call it belongs to (its fan-out shares fair shares), `tenant` the client it is
+        charged to (None: its flow).
         """
         params.validate()
         if params.lora_request is not None and self.loras is None:
@@ -198,7 +213,7 @@ class LLMEngine(ConstrainedDecoding):
             params = dataclasses.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *self._extra_eos_ids]
             )
-        request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time)
+        request = Request(request_id, token_ids, params, self.eos_token_id, priority, arrival_time, flow, tenant)
         if params.structured_output is not None:
             self.compile_grammar(params.structured_output)  # before anything is queued: it may refuse it
         # First: it owns the duplicate-id and context-length checks (RequestRejected, a ValueError).
@@ -281,11 +296,12 @@ class LLMEngine(ConstrainedDecoding):
                 "(--max-queue-wait); the server is at capacity",
             ))
         sched_out = self.scheduler.schedule()
-        scheduled_at = time.monotonic()
+        scheduled_at, failed = time.monotonic(), False
         if not sched_out.is_empty or sched_out.finished_ids:
             try:
                 runner_out = self.runner.execute(sched_out)
             except Exception as exc:  # one bad step fails its own requests, not the engine
+                failed = True
                 logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))
                 for request in self.scheduler.fail_step(sched_out):
                     outputs.append(self._ended_output(
@@ -302,10 +318,13 @@ class LLMEngine(ConstrainedDecoding):
                             outputs.append(error)
                             continue
                     outputs.append(self._detokenize_or_fail(ro))
+        if self.kv_events is not None:  # the step's KV cache events: one batch onto the publisher's queue
+            self.kv_events.end_step()
         stats = self.last_stats = self.scheduler.make_stats()
         stats.num_batched_tokens = sched_out.num_batched_tokens
         stats.num_scheduled_requests = len(sched_out.scheduled)
         stats.step_duration_s = time.perf_counter() - start
+        self._observe_step_time(sched_out, stats, failed)
         for stat_logger in self.stat_loggers:
             stat_logger(stats)
         now = time.monotonic()
@@ -314,6 +333,18 @@ class LLMEngine(ConstrainedDecoding):
             self.metrics.observe_output(out.request_id, len(out.token_ids), out.finished, out.finish_reason, now)
             self.timelines.on_output(out, now)
         return outputs
+
+    def _observe_step_time(self, sched_out: SchedulerOutput, stats: SchedulerStats, failed: bool) -> None:
+        """Feed the step's wall time to the scheduler's cost model (the latency budget), and mark whether it kept
+        its time-between-tokens target; the step trace (log level debug) shows what the scheduler decided."""
+        decision = sched_out.decision
+        kept = None if failed else self.scheduler.observe_step(sched_out, stats.step_duration_s)
+        stats.itl_target_s = decision.itl_target_s
+        if kept is not None:
+            stats.itl_steps_kept, stats.itl_steps_missed = int(kept), int(not kept)
+        if sched_out.scheduled and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step: %d rows, %d tokens in %.1f ms; %s", len(sched_out.scheduled),
+                         sched_out.num_batched_tokens, stats.step_duration_s * 1e3, decision.trace())
 
     def _forget(self, request_id: str) -> None:
         """Drop the per-request state of a request that ended."""

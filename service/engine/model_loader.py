@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from sluice.machine import cache_root
-from sluice.service.config import ModelConfig
+from sluice.service.config import ModelConfig, parse_hf_overrides
 from sluice.service.engine.cpu import native_bf16_flags
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -103,10 +103,15 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
         config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
+        overrides = parse_hf_overrides(settings.hf_overrides)
+        if overrides:  # --hf-overrides: before anything reads the config (the transformers path gets it too)
+            apply_hf_overrides(config, overrides)
         if settings.quantization == "gguf":
             return _load_gguf_blocks(model, config, settings, device, dtype, cache_dir), tokenizer
         if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
             return load_owned(Path(source), config, settings, device, dtype), tokenizer
+        if overrides:
+            kwargs["config"] = config
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except OSError as error:
         raise RuntimeError(
@@ -114,6 +119,23 @@ def load_model(
             f"or has no such repo ({error}). Pass a local path, or '{DEFAULT_MODEL_NAME}'."
         ) from error
     return prepare_weights(hf_model, settings, device, dtype), tokenizer
+
+
+def apply_hf_overrides(config, overrides: dict) -> None:
+    """Merge --hf-overrides into a transformers config in place (vLLM's semantics): a dict value for a nested config
+    (text_config, ...) is merged into it, anything else replaces the attribute. The architectures an override names
+    choose nothing here: a Llama-family model_type still runs Sluice's own causal-LM forward (a reranker's
+    `classifier_from_token` is read from the config by the engine, service/engine/pooling.py)."""
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value)
+        elif isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, {**current, **value})
+        else:
+            setattr(config, key, value)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -253,7 +253,7 @@ class ModelRunner:
                          scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """_forward for a step with embedding requests: the logits of the sampled rows and the pooled vectors."""
         hidden, norm, head = packed_hidden(self.model, input_ids, positions)
-        return head(norm(hidden[sample_rows])), self.pooler.pool(hidden, norm, scheduled)
+        return head(norm(hidden[sample_rows])), self.pooler.pool(hidden, norm, scheduled, head)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
         """One forward over the packed batch (as a single sequence of batch 1); logits [len(sample_rows), V]."""

@@ -11,6 +11,7 @@ import time
 import aiohttp
 import pytest
 
+from sluice.service.api.anthropic_errors import speaks_anthropic
 from sluice.service.api.api_server import create_app
 from sluice.service.api.middlewares import OPEN_PATHS
 from sluice.service.config import SluiceConfig
@@ -48,11 +49,16 @@ BODIES = {"/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 2},
           "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
           "/tokenize": {"model": MODEL, "prompt": "Hi"}, "/detokenize": {"model": MODEL, "tokens": [5, 6]},
           "/v1/embeddings": {"model": MODEL, "input": "Hi"},
-          "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2}}
+          "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
+          **{path: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+             for path in ("/v1/messages", "/v1/messages/count_tokens")}}
 # Past the key, a server without --allow-runtime-lora answers the adapter routes with 404 runtime_lora_disabled
 # (their handlers ran: an unknown path answers code not_found).
 PAST_THE_KEY = {"/v1/load_lora_adapter": (404, "runtime_lora_disabled"),
-               "/v1/unload_lora_adapter": (404, "runtime_lora_disabled")}
+               "/v1/unload_lora_adapter": (404, "runtime_lora_disabled"),
+               # rerank and score on a generate-runner server (tests/api/test_rerank_api.py serves them)
+               **{path: (404, "pooling_runner_disabled")
+                  for path in ("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score")}}
 
 
 async def test_every_route_but_the_probes_needs_the_key(server):
@@ -61,7 +67,7 @@ async def test_every_route_but_the_probes_needs_the_key(server):
                                     "/v1/chat/completions", *OPEN_PATHS}
     bad_keys = [None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"bearer {KEY}"},
                 {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"},
-                {"Authorization": "Bearer " + "é" * 20}]
+                {"Authorization": "Bearer " + "é" * 20}, {"x-api-key": KEY[:-1]}, {"x-api-key": f"Bearer {KEY}"}]
     for method, path in seen:
         body = BODIES.get(path)
         if path in OPEN_PATHS:
@@ -69,7 +75,10 @@ async def test_every_route_but_the_probes_needs_the_key(server):
             continue
         for headers in bad_keys:
             status, raw = await call(server.url, method, path, headers, body)
-            check_error(status, json.loads(raw), 401)
+            if speaks_anthropic(path):  # Anthropic's error shape (tests/api/test_anthropic_api.py)
+                assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error", raw
+            else:
+                check_error(status, json.loads(raw), 401)
         status, raw = await call(server.url, method, path, AUTH, body)
         if path in PAST_THE_KEY:
             assert (status, json.loads(raw)["error"]["code"]) == PAST_THE_KEY[path], (path, raw[:300])

@@ -227,7 +227,12 @@ def test_equal_priority_does_not_preempt():
     sched.update_from_output(out, runner.execute(out))
     sched.add_request(make_request("second", prompt(12, 2), max_tokens=2, priority=1, arrival=1.0))
     out = sched.schedule()
-    assert not out.preempted_ids and [s.request_id for s in out.scheduled] == ["first"]
+    # `second` may start its prompt in the block left free (a decoding step takes prompt work a block at a time
+    # while the cost model has not measured any), but `first` is never the one preempted for it.
+    assert not out.preempted_ids and out.scheduled[0].request_id == "first"
+    preempted = []
+    run_to_completion(sched, runner, on_step=lambda s, o: preempted.extend(o.preempted_ids))
+    assert "first" not in preempted
 
 
 def test_stop_conditions():

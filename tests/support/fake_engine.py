@@ -28,7 +28,8 @@ class FakeEngine:
         self.threads: set[int] = set()
         self.step_delay, self.fail_at_step, self.steps = step_delay, fail_at_step, 0
 
-    def add_request(self, rid, prompt, params, priority=0, arrival_time=None, trace_headers=None):
+    def add_request(self, rid, prompt, params, priority=0, arrival_time=None, trace_headers=None, flow=None,
+                    tenant=None):
         self.threads.add(threading.get_ident())
         if self.add_error is not None:
             raise self.add_error

@@ -1,0 +1,136 @@
+"""The latency budget of a step (Sarathi-Serve's stall-free batching): how much prompt work a step may carry.
+
+While requests are decoding, every one of them waits for the whole step before its next token, so a step takes
+prompt tokens only up to what keeps it within a time-between-tokens target, measured by the online cost model.
+The target is `--max-itl-ms`, or by default twice what a decode-only step of the current batch costs: a running
+stream then keeps at least half its idle token rate while a long prompt is prefilled beside it, and the prompt
+goes on at about half its solo rate. When more clients wait for prompt work than decode, the auto target grows to
+their share of the step (see `target`): a burst of requests from many clients keeps its throughput. With nothing decoding there is no one to stall: prompt work takes the whole
+token budget, as before.
+
+The planner aims a little under the target (AIM), and the measured steps feed back: a time credit (each step the
+target limited adds the aim less its measured time, the past fading) moves what the planner aims at, so that steps
+average the aim even where the model errs.
+
+Prompts always progress, however tight the target or wrong the model: a step carries at least one KV block's worth
+of prompt work while the streams are within their target on average (the credit is not negative). When even one block does not fit in the target (a small batch on a slow machine), the
+minimum goes in every other step or so, as the credit allows, and never fewer than once in STARVE_STEPS steps. The model is not trusted beyond twice the
+most prompt tokens it has seen in one step: a cold one learns by doubling, never by one long stall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.scheduling.config import SchedulerConfig
+from sluice.scheduling.cost_model import StepCostModel, StepShape
+
+AUTO_ITL_FACTOR = 2.0  # target = this x a decode-only step: a stream keeps at least 1 / factor of its idle rate
+STARVE_STEPS = 4  # steps in a row without prompt tokens after which the minimum goes in whatever it costs
+CREDIT_LEAK, CREDIT_GAIN = 0.9, 0.3  # the credit's memory per step, and how much of it moves the planning target
+AIM = 0.95  # the planner aims this far under the target: a step a little slower than predicted still keeps it
+PROBE_EVERY = 16  # with the auto target, one step in this many during a long prefill decodes alone (see probe_due)
+
+
+@dataclass(slots=True)
+class StepDecision:
+    """How one step's prompt work was chosen: the step trace and the metrics read it."""
+
+    token_budget: int = 0  # max_num_batched_tokens
+    decode_rows: int = 0  # requests decoding in this step
+    itl_target_s: float = 0.0  # the time this step should stay within (0: nothing decoding, no target)
+    prefill_budget: int = 0  # prompt tokens the target allowed (at least the minimum progress)
+    prefill_tokens: int = 0  # prompt tokens granted
+    flows_served: int = 0  # flows that got prompt tokens
+    time_bound: bool = False  # the time target limited the prompt tokens (more were waiting)
+    predicted_s: float = 0.0  # the cost model's estimate for the step as planned
+    shape: StepShape = field(default_factory=StepShape)  # what it computed, for the cost model
+
+    def trace(self) -> dict[str, float | int]:
+        """Span-event and log attributes (plain numbers)."""
+        return {"itl_target_ms": round(self.itl_target_s * 1e3, 2), "prefill_budget": self.prefill_budget,
+                "prefill_tokens": self.prefill_tokens, "decode_rows": self.decode_rows,
+                "flows_served": self.flows_served, "predicted_ms": round(self.predicted_s * 1e3, 2)}
+
+
+class LatencyBudget:
+    """Turns the decoding batch into a time target and tells the planner whether one more grant still fits."""
+
+    def __init__(self, config: SchedulerConfig, block_size: int) -> None:
+        self.enabled = config.max_itl_ms >= 0
+        self.fixed_target_s = config.max_itl_ms / 1e3 if config.max_itl_ms > 0 else 0.0
+        self.min_prefill = max(1, block_size)  # one block a step: prompts never starve
+        self.model = StepCostModel()
+        self.largest_prefill = 0  # most prompt tokens of a measured step: the model is trusted to twice that
+        self.credit = 0.0  # seconds the decoding steps stayed under their targets, recently (leaky sum)
+        self.starved = 0  # steps in a row that had prompt work pending and granted none
+        self.mixed_run = 0  # steps with decoding rows since the last decode-only one
+
+    def target(self, decode_shape: StepShape, decoding_clients: int = 1, clients: int = 1) -> float:
+        """Seconds a step with this decoding batch should stay within (0 where nothing decodes or it is off).
+
+        The auto target shares the step among the clients that want it: `decoding_clients` of the `clients` with
+        work (decoding or prompt) get their tokens from a decode-only step's time, the others' prompt work the rest,
+        and never less than half: one large request costs the streams at most half their rate, while a burst of
+        many requests from many clients is prefilled at nearly full speed (its own throughput, and its TTFT)."""
+        if not self.enabled or not decode_shape.decode_rows:
+            return 0.0
+        if self.fixed_target_s:
+            return self.fixed_target_s
+        share = max(AUTO_ITL_FACTOR, clients / max(decoding_clients, 1))
+        return share * self.model.predict_decode(decode_shape)
+
+    def probe_due(self, decision: StepDecision) -> bool:
+        """Whether this step should decode alone, prompt work pending or not: the auto target is made of what a
+        decode-only step costs, and a long prefill would otherwise leave that measurement stale (the machine may
+        have slowed down or sped up since) for as long as it lasts. One step in PROBE_EVERY, ~6% of the prompt
+        work's steps."""
+        if self.fixed_target_s or not decision.itl_target_s:
+            return False
+        self.mixed_run += 1
+        if self.mixed_run < PROBE_EVERY:
+            return False
+        self.mixed_run = 0
+        return True
+
+    def floor(self, decision: StepDecision) -> int:
+        """Prompt tokens this step carries whatever the target says."""
+        if not decision.decode_rows or self.credit >= 0 or self.starved >= STARVE_STEPS:
+            return self.min_prefill
+        return 0
+
+    def granted(self, tokens: int) -> None:
+        """The planner granted `tokens` prompt tokens with prompt work pending."""
+        self.starved = 0 if tokens else self.starved + 1
+
+    def trusted(self, decision: StepDecision, shape: StepShape) -> int:
+        """Prompt tokens one more grant may take before the model would extrapolate past twice the most it has seen
+        in one measured step (it grows by doubling as steps are seen, never by one long stall)."""
+        if not self.enabled or not decision.decode_rows:
+            return 1 << 30
+        return max(0, 2 * self.largest_prefill - shape.prefill_tokens)
+
+    def fits(self, decision: StepDecision, shape: StepShape) -> bool:
+        """Whether a step of `shape` stays within the decision's target (beyond the minimum progress)."""
+        if not self.enabled or not decision.decode_rows:
+            return True
+        return self.model.predict(shape) <= self.planning_target(decision.itl_target_s)
+
+    def planning_target(self, target: float) -> float:
+        """The target the planner aims at: corrected by the credit, so that measured steps average the target
+        even where the model's predictions run high or low (a leaky integral controller, within half the target)."""
+        return min(max(AIM * target + CREDIT_GAIN * self.credit, 0.5 * target), 1.5 * target)
+
+    def observe(self, decision: StepDecision, seconds: float) -> bool | None:
+        """Feed a measured step to the cost model; whether it kept its target (None: it had none)."""
+        self.model.observe(decision.shape, seconds)
+        if decision.decode_rows and not decision.shape.prefill_tokens:
+            self.mixed_run = 0
+        self.largest_prefill = max(self.largest_prefill, decision.shape.prefill_tokens)
+        if not decision.itl_target_s:
+            return None
+        target = decision.itl_target_s
+        # Only steps the time target sized count: a step with no prompt work waiting, or less than the target
+        # would allow, is under target by nature.
+        self.credit = CREDIT_LEAK * self.credit + (AIM * target - seconds if decision.time_bound else 0.0)
+        return seconds <= target

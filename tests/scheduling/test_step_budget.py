@@ -1,0 +1,126 @@
+"""The latency budget: with streams decoding, a long prompt is chunked to keep each step within the target the
+measured cost model gives; with nothing decoding it takes the whole step budget; prompts always progress."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.scheduling.cost_model import StepShape
+from sluice.scheduling.step_budget import AUTO_ITL_FACTOR, STARVE_STEPS
+from tests.support.fair_sim import Sim, request, step_cost
+from tests.support.sched_helpers import make_scheduler
+
+BUDGET = 256
+
+
+def sim(**kw) -> Sim:
+    sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=BUDGET, **kw)
+    return Sim(sched, runner)
+
+
+def decoding_stream(s: Sim, rid: str = "stream") -> None:
+    """A stream that has produced a few tokens (so the model saw its prefill and decode-only steps)."""
+    s.sched.add_request(request(rid, 8, 400))
+    s.run(6)
+    assert len(s.tokens[rid]) >= 5
+
+
+def decode_only_cost(out) -> float:
+    """What the step would have cost without its prompt work."""
+    shape = StepShape()
+    for row in out.scheduled:
+        if row.num_output_tokens and row.start_pos == row.num_prompt_tokens + row.num_output_tokens - 1:
+            shape.add_decode(row.start_pos, row.num_tokens)
+    return step_cost(shape)
+
+
+def test_with_a_stream_decoding_a_long_prompt_is_chunked_to_the_target():
+    s = sim()
+    decoding_stream(s)
+    s.sched.add_request(request("long", 3000, 1, seed=1))
+    s.run(400, until=lambda: "long" in s.tokens)
+    assert "long" in s.tokens, "the long prompt never finished"
+    mixed = [out for out in s.steps[6:] if s.scheduled(out, "long") and s.scheduled(out, "stream")]
+    assert len(mixed) > 20
+    chunks = [s.scheduled(out, "long") for out in mixed]
+    assert max(chunks) < BUDGET - 1 and min(chunks[:-1]) >= 4  # chunked, and never below one block
+    for out in mixed[3:]:  # a few steps to learn what prompt tokens cost
+        target = AUTO_ITL_FACTOR * decode_only_cost(out)
+        assert out.decision.itl_target_s == pytest.approx(target, rel=0.05)
+        assert step_cost(out.decision.shape) <= target * 1.05, out.decision
+    # The stream got its token in every one of those steps, each within twice its idle step time.
+    assert all(s.scheduled(out, "stream") == 1 for out in s.steps[6:] if s.scheduled(out, "long"))
+    assert sum(s.kept) >= 0.9 * len(s.kept)
+    # Later chunks sit deeper in the prompt (attention reads more): they get smaller, within the same time.
+    assert chunks[-2] < chunks[5]
+
+
+def test_with_nothing_decoding_a_prompt_takes_the_whole_budget():
+    s = sim()
+    s.sched.add_request(request("long", 3000, 1))
+    s.run(20, until=lambda: "long" in s.tokens)
+    chunks = [s.scheduled(out, "long") for out in s.steps]
+    assert chunks[:-1] == [BUDGET] * (len(chunks) - 1) and sum(chunks) == 3000
+    assert all(out.decision.itl_target_s == 0 for out in s.steps)
+
+
+def test_prompts_progress_however_tight_the_target():
+    """A target below what a decode-only step costs: the prompt still gets a block at least every few steps."""
+    s = sim(max_itl_ms=0.001)
+    decoding_stream(s)
+    s.sched.add_request(request("long", 100, 1, seed=1))
+    s.run(200, until=lambda: "long" in s.tokens)
+    chunks = [s.scheduled(out, "long") for out in s.steps[6:]]
+    assert set(chunks) == {0, 4} and sum(chunks) == 100  # a block at a time, until the prompt is done
+    done = [i for i, n in enumerate(chunks) if n]
+    assert max(b - a for a, b in zip([-1, *done], done, strict=False)) <= STARVE_STEPS + 1
+    assert not any(s.kept)
+
+
+def test_when_one_block_costs_more_than_the_target_allows_the_streams_keep_it_on_average():
+    """Prompt tokens so dear that one block alone breaks the target: smaller chunks, a block only when the credit
+    allows, and the steps stay within the target on average (the time credit)."""
+    dear = (4e-3, 5e-4, 2e-3, 8e-4, 2e-4, 5e-3)  # a block of 4 prompt tokens: 8.5 ms beside a 4.8 ms decode step
+    sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=BUDGET)
+    s = Sim(sched, runner, cost=lambda shape: step_cost(shape, dear))
+    decoding_stream(s)
+    s.sched.add_request(request("long", 400, 1, seed=1))
+    s.run(400, until=lambda: "long" in s.tokens)
+    steps = [out for out in s.steps[16:] if out.decision.itl_target_s]
+    chunks = [s.scheduled(out, "long") for out in steps]
+    assert max(chunks) == 4 and min(chunks) < 4
+    mean_step = sum(step_cost(out.decision.shape, dear) for out in steps) / len(steps)
+    mean_target = sum(out.decision.itl_target_s for out in steps) / len(steps)
+    assert mean_step <= mean_target * 1.1
+
+
+def test_off_restores_the_whole_leftover_budget():
+    s = sim(max_itl_ms=-1)
+    decoding_stream(s)
+    s.sched.add_request(request("long", 1000, 1, seed=1))
+    out = s.step()
+    assert s.scheduled(out, "long") == BUDGET - 1 and s.scheduled(out, "stream") == 1
+    assert out.decision.itl_target_s == 0
+
+
+def test_a_fixed_target_bounds_the_step():
+    s = sim(max_itl_ms=20)
+    decoding_stream(s)
+    s.sched.add_request(request("long", 3000, 1, seed=1))
+    s.run(60)
+    mixed = [out for out in s.steps[10:] if s.scheduled(out, "long")]
+    assert mixed and all(out.decision.itl_target_s == 0.02 for out in mixed)
+    assert all(step_cost(out.decision.shape) <= 0.02 * 1.05 for out in mixed)
+    assert max(s.scheduled(out, "long") for out in mixed) > 4  # the budget is real, not only the minimum
+
+
+def test_before_any_prompt_step_was_measured_only_the_minimum_goes_beside_decodes():
+    """A cold model knows nothing of what prompt tokens cost: it takes one block, measures, then sizes."""
+    s = sim()
+    s.sched.add_request(request("a", 1, 50))  # a one-token prompt, then decoding
+    s.step()
+    s.sched.latency.model.__init__()  # forget the prefill step it just measured
+    s.step()  # decode only
+    s.sched.add_request(request("long", 2000, 1, seed=1))
+    first, second = s.step(), s.step()
+    assert s.scheduled(first, "long") == 4 and s.scheduled(second, "long") > 4
