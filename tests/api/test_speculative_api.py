@@ -77,3 +77,27 @@ def test_greedy_text_over_http_equals_the_engine_without_speculation(spec_server
     assert counter(metrics, "sluice_spec_decode_num_accepted_tokens_per_pos_total") == accepted
     assert counter(metrics, "vllm:spec_decode_num_accepted_tokens_total") == accepted
     assert counter(metrics, "vllm:spec_decode_num_draft_tokens_total") == drafted
+
+
+def test_a_seeds_text_is_the_same_with_logprobs_which_turn_drafts_off(spec_server):
+    """Issue 53's probe: the same seeded sampled request with and without `logprobs` (no drafts with them) gives
+    the same text, since each position draws from (seed, position) whether drafts were proposed or not."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0.4, "top_p": 0.95}
+
+    async def run():
+        texts = []
+        for seed in (7, 8, 9):
+            before = counter((await get(spec_server.url, "/metrics"))[1].decode(),
+                             "sluice_spec_decode_num_drafts_total")
+            status, plain, _ = await post(spec_server.url, "/v1/completions", {**body, "seed": seed})
+            after = counter((await get(spec_server.url, "/metrics"))[1].decode(),
+                            "sluice_spec_decode_num_drafts_total")
+            status2, with_lp, _ = await post(spec_server.url, "/v1/completions", {**body, "seed": seed, "logprobs": 1})
+            assert status == status2 == 200, (plain, with_lp)
+            texts.append((plain["choices"][0]["text"], with_lp["choices"][0]["text"], after > before))
+        return texts
+
+    texts = asyncio.run(run())
+    assert all(a == b for a, b, _ in texts), texts
+    assert any(drafted for _, _, drafted in texts)  # drafts were proposed without logprobs
+    assert len({a for a, _, _ in texts}) > 1  # and the seeds matter
