@@ -166,12 +166,7 @@ async def embeddings(request: web.Request) -> web.Response:
     aengine = _engine(state)
     prep = await state.preprocessor.run(prepare_embeddings, raw, aengine.model, RequestCaps.of(state.config.server))
     stream = await _admit(request, aengine, prep.batch, prep.priority, "input")
-    outputs = {}
-    async with stream:
-        async for out in stream:
-            if out.error:
-                raise _error_of(out)
-            outputs[out.request_id] = out
+    outputs = await _pooled_outputs(stream)
     return web.Response(body=embedding_response(prep, outputs, aengine.model.served_model_name),
                         content_type="application/json")
 
@@ -193,13 +188,19 @@ async def _scores(request: web.Request, prepare, param: str) -> web.Response:
     aengine = _engine(state)
     prep = await state.preprocessor.run(prepare, raw, aengine.model, RequestCaps.of(state.config.server))
     stream = await _admit(request, aengine, prep.batch, prep.priority, param)
+    outputs = await _pooled_outputs(stream)
+    return web.Response(body=prep.response(outputs, aengine.model.served_model_name), content_type="application/json")
+
+
+async def _pooled_outputs(stream) -> dict:
+    """A prompt-only call's outputs by engine request id; the first error ends it as an HTTP error."""
     outputs = {}
     async with stream:
         async for out in stream:
             if out.error:
                 raise _error_of(out)
             outputs[out.request_id] = out
-    return web.Response(body=prep.response(outputs, aengine.model.served_model_name), content_type="application/json")
+    return outputs
 
 
 async def _admit(request: web.Request, aengine: AsyncEngine, batch: list, priority: int, param: str):
