@@ -89,14 +89,19 @@ class PreparedScores:
         return json_codec.dumps({"id": self.prefix, "model": model, "results": results, "usage": usage})
 
 
-def prepare_rerank(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT_CAPS) -> PreparedScores:
-    """Everything between a /v1/rerank body's bytes and `AsyncEngine.add_requests`."""
-    spec = _classifier(model, "/v1/rerank")
+def _validated(raw: bytes, model: ModelInfo, request_model, route: str):
+    """(classifier spec, validated body, LoRA adapter or None) of a rerank or score call."""
+    spec = _classifier(model, route)
     try:
-        req = RerankRequest.model_validate(load_body(raw))
+        req = request_model.model_validate(load_body(raw))
     except ValidationError as e:
         raise invalid(e) from None
-    lora = check_model(req.model, model)
+    return spec, req, check_model(req.model, model)
+
+
+def prepare_rerank(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT_CAPS) -> PreparedScores:
+    """Everything between a /v1/rerank body's bytes and `AsyncEngine.add_requests`."""
+    spec, req, lora = _validated(raw, model, RerankRequest, "/v1/rerank")
     _check_count(len(req.documents), "documents", caps)
     prefix = "rerank-" + uuid.uuid4().hex
     pairs = [(req.query, "query", doc, f"documents[{i}]") for i, doc in enumerate(req.documents)]
@@ -108,12 +113,7 @@ def prepare_rerank(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT_CAP
 def prepare_score(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT_CAPS) -> PreparedScores:
     """Everything between a /v1/score body's bytes and `AsyncEngine.add_requests`: text_1 against text_2, 1:1,
     1:N or N:N."""
-    spec = _classifier(model, "/v1/score")
-    try:
-        req = ScoreRequest.model_validate(load_body(raw))
-    except ValidationError as e:
-        raise invalid(e) from None
-    lora = check_model(req.model, model)
+    spec, req, lora = _validated(raw, model, ScoreRequest, "/v1/score")
     # vLLM's text_1 / text_2, or newer vLLM's queries / documents
     first, name_1 = (req.queries, "queries") if req.text_1 is None and req.queries is not None else (req.text_1, "text_1")
     second, name_2 = (req.documents, "documents") if req.text_2 is None and req.documents is not None \
