@@ -4,20 +4,24 @@ A client is a tenant (the operator-trusted header `--tenant-header` names it) or
 one API call admits (a prompt list, `n` samples, embedding inputs). Its counter is the service it has received,
 `prompt_weight` per prompt token computed plus `output_weight` per token generated. The scheduler grants each
 step's prompt tokens to the least-served backlogged client first (within a priority level, see prefill_plan.py),
-and a client that becomes backlogged is lifted to the least counter among the backlogged ones (or to the last such
-least, when none is), so that idling earns no credit to spend later.
+and a client that becomes backlogged is lifted to the least counter among the backlogged ones (when none is, to
+the least counter of the clients decoding, never below the last least backlogged one), so that idling earns no
+credit to spend later. The counters also say whose step time the latency budget guards (prefill_plan.py): a
+decoding client is not stalled by the prompt work of a client served at least as much; a client served less (a
+burst of requests queued before the streams began) catches up to it at full speed.
 
 The bound these rules give (tested in tests/scheduling/test_fairness.py): for two clients f and g backlogged at the
 same time at one priority level, with no preemption in between,
 
     C_g - C_f  <=  prompt_weight * (L + Q)  +  output_weight * M
 
-where L is the longest prompt work one request can have left (max_model_len), Q the largest grant of one step
-(max_num_batched_tokens), and M the tokens g can generate between two grants without a new one: at most what its
-running requests can still write to the KV cache (device plus host blocks, in tokens). A grant goes to the flow
-whose counter plus its current request's remaining prompt work (weighted) is least, so the counter of the client
-served never passes another backlogged client's by more than w_p * (L + Q); between grants only its own
-running requests' outputs add to it. Tokens recomputed after a preemption are not charged again.
+where L is the longest prompt work one request can have left (at most max_model_len), Q the largest grant of one
+step (at most max_num_batched_tokens), and M the tokens g's requests already running at its last grant go on to
+generate (at most max_num_seqs times the largest max_tokens). A grant goes to the flow whose counter plus its
+current request's remaining prompt work (weighted) is least, so the counter of the client served never passes
+another backlogged client's by more than w_p * (L + Q); between grants only its running requests' outputs add to
+it; a client joining is lifted to at least the least backlogged counter, and one coming back had kept within the
+bound of the least then, which never decreases. Tokens recomputed after a preemption are not charged again.
 """
 
 from __future__ import annotations
@@ -69,12 +73,15 @@ class VirtualCounters:
         while len(self._idle) > MAX_IDLE_CLIENTS:
             self._values.pop(self._idle.popitem(last=False)[0], None)
 
-    def refresh_backlog(self, clients: set[str]) -> None:
-        """Set the clients with prompt work pending now; those that were not before are lifted."""
+    def refresh_backlog(self, clients: set[str], decoding: set[str] | frozenset[str] = frozenset()) -> None:
+        """Set the clients with prompt work pending now; those that were not before are lifted: to the least
+        counter among those that were, or when none was, to the least among the clients decoding (a newcomer
+        starts level with the streams it joins, not below them), never below the floor."""
         new = clients - self._backlogged
         if new:
             continuing = [self._values[c] for c in clients & self._backlogged]
-            base = min(continuing) if continuing else self.floor
+            streams = [self.value(c) for c in decoding - new]
+            base = min(continuing) if continuing else max(self.floor, min(streams, default=self.floor))
             for c in new:
                 self._values[c] = max(self._values.get(c, base), base)
         self._backlogged = clients
@@ -86,3 +93,8 @@ class VirtualCounters:
         if prompt_tokens or output_tokens:
             self._values[client] = (self._values.get(client, self.floor) + self.prompt_weight * prompt_tokens
                                     + self.output_weight * output_tokens)
+
+    def charge_output(self, client: str, tokens: int) -> None:
+        """charge() for generated tokens alone (every decode step calls it for every row)."""
+        values = self._values
+        values[client] = values.get(client, self.floor) + self.output_weight * tokens

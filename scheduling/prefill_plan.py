@@ -2,17 +2,24 @@
 
 Decoding requests always get their token. The prompt tokens left (the step budget less the decodes, and while
 anything decodes, no more than the latency budget allows) go grant by grant to the flow that `flow_key` puts
-first: priority, then requests preempted by recompute, then the least `counter + prompt_weight * remaining`. A
-flow's grant goes to its first request that still has prompt work: one already running (a chunked prefill), else
+first: priority, then requests preempted by recompute, then the least `counter + prompt_weight * remaining`.
+
+A flow's grant goes to its first request that still has prompt work: one already running (a chunked prefill), else
 its next waiting request, which needs a seat. Charging a grant to the client's counter (on a copy: the real
 counters are charged for what was really scheduled) moves the flow back in the order; within a flow, requests
 are prefilled one after the other, so the `n` samples of one prompt reuse its blocks instead of computing it n
 times side by side.
+
+The latency budget guards the decoding clients against the prompt work of clients served at least as much as they
+were (fairness.py's counters): a large request arriving beside running streams is held to the time target, while
+a burst queued before its first requests began to stream (served less than those) is prefilled at full speed, as
+without a target, its throughput intact.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -72,12 +79,16 @@ class PlanInputs:
 
 
 def plan_prefill(inputs: PlanInputs, decision: StepDecision, partials: list[Request], running_seats: dict[str, int],
-                 waiting: FlowQueue, counters: VirtualCounters, budget: LatencyBudget) -> PrefillPlan:
-    """Grant the step's prompt tokens; `decision` carries the decode rows' shape and the time target."""
+                 waiting: FlowQueue, counters: VirtualCounters, budget: LatencyBudget,
+                 decoding: set[str] | frozenset[str] = frozenset()) -> PrefillPlan:
+    """Grant the step's prompt tokens; `decision` carries the decode rows' shape and the time target, `decoding`
+    the clients whose requests decode in this step."""
     plan = PrefillPlan(decision=decision)
     flows = _flows(partials, running_seats, waiting, inputs.admit)
-    counters.refresh_backlog({f.client for f in flows})
+    counters.refresh_backlog({f.client for f in flows}, decoding)
     charged = {f.client: counters.value(f.client) for f in flows}
+    # The least-served decoding client: prompt work of a client served at least as much must not stall it.
+    guarded = min((counters.value(c) for c in decoding), default=None) if decision.itl_target_s else None
     priority_policy = waiting.policy == "priority"
     heap = [(flow_key(f.current, counters, priority_policy), i, f) for i, f in enumerate(flows) if _advance(f, inputs)]
     heapq.heapify(heap)
@@ -89,9 +100,8 @@ def plan_prefill(inputs: PlanInputs, decision: StepDecision, partials: list[Requ
             continue  # its next request needs a seat: none left for it this step
         request, most = f.current, min(f.left, room, inputs.chunk_cap or room)
         start = request.num_tokens - f.left  # after the computed tokens and any prefix hits
-        floor_left = max(0, floor - granted)  # the minimum progress is never refused
-        trusted = min(most, max(budget.trusted(decision, shape), floor_left))  # no extrapolation past what it saw
-        wanted = _fit(budget, decision, shape, start, trusted, floor_left)
+        behind = math.inf if guarded is None else math.ceil((guarded - charged[f.client]) / counters.prompt_weight)
+        trusted, wanted = _wanted(budget, decision, shape, start, most, max(0, floor - granted, behind))
         if not wanted:  # not one token fits the time target
             time_bound = True
             break
@@ -114,20 +124,34 @@ def plan_prefill(inputs: PlanInputs, decision: StepDecision, partials: list[Requ
             heapq.heappush(heap, (flow_key(f.current, counters, priority_policy, charged[f.client]), seq, f))
             seq += 1
     if not granted and inputs.out_of_blocks and partials and room > 0:
-        # No prompt tokens fit the free blocks: the first running prefill (in running order: priority, arrival)
-        # gets the minimum, and the running phase preempts from the tail for it, as for a decode. Without this,
-        # requests that each hold part of the memory could wait on one another for ever.
-        first = partials[0]
-        n = min(first.num_tokens - first.num_computed_tokens, room, inputs.chunk_cap or room, max(floor, 1))
-        plan.running[first.request_id] = n
-        granted = n
-        shape.add_chunk(first.num_computed_tokens, n)
-        served.add(first.flow_id)
+        granted = _unstick(plan, partials[0], shape, room, inputs.chunk_cap, floor)
+        served.add(partials[0].flow_id)
     budget.granted(granted)
     decision.prefill_tokens, decision.flows_served = granted, len(served)
     decision.prefill_budget = granted if time_bound else granted + room
     decision.time_bound = time_bound
     return plan
+
+
+def _wanted(budget: LatencyBudget, decision: StepDecision, shape: StepShape, start: int, most: int,
+            floor: int) -> tuple[int, int]:
+    """(tokens the model is trusted with, tokens the time target allows) for a grant of at most `most`; `floor`
+    tokens go in regardless: the minimum progress, and the catch-up of a client served less than every decoding
+    one (up to level with them: a burst queued before the streams began goes at full speed)."""
+    if floor >= most:
+        return most, most
+    trusted = min(most, max(budget.trusted(decision, shape), floor))  # no extrapolation past what it has seen
+    return trusted, _fit(budget, decision, shape, start, trusted, floor)
+
+
+def _unstick(plan: PrefillPlan, first: Request, shape: StepShape, room: int, chunk_cap: int, floor: int) -> int:
+    """No prompt tokens fit the free blocks: the first running prefill (in running order: priority, arrival) gets
+    the minimum, and the running phase preempts from the tail for it, as for a decode. Without this, requests that
+    each hold part of the memory could wait on one another for ever. Returns the tokens granted."""
+    n = min(first.num_tokens - first.num_computed_tokens, room, chunk_cap or room, max(floor, 1))
+    plan.running[first.request_id] = n
+    shape.add_chunk(first.num_computed_tokens, n)
+    return n
 
 
 def _take_blocks(f: _Flow, start: int, n: int, inputs: PlanInputs) -> int:

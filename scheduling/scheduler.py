@@ -163,7 +163,10 @@ class Scheduler(StepResults, ServiceAccounting):
             if n is None:
                 continue
             start, draft = request.num_computed_tokens, drafts.get(request.request_id, [])
-            self._account(request, start, n, len(draft), decision, flows)
+            if request.num_output_tokens and start == request.num_tokens - 1:
+                decision.shape.add_decode(start, n)  # its inputs were charged when they were generated
+            else:
+                self._account_chunk(request, start, n, decision, flows)
             out.scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -219,8 +222,12 @@ class Scheduler(StepResults, ServiceAccounting):
 
     def _plan_prefill(self, token_budget: int) -> PrefillPlan:
         """Decode rows first; then the prompt tokens, by flow and within the latency budget (prefill_plan.py)."""
-        decision, partials, seats, decode_blocks = StepDecision(token_budget=token_budget), [], {}, 0
-        decoding = set()  # clients with a decoding request
+        decision = StepDecision(token_budget=token_budget)
+        if not self.waiting and all(_decoding(r) for r in self.running):  # decodes only: nothing to plan
+            decision.decode_rows = len(self.running)
+            self.counters.refresh_backlog(set())
+            return PrefillPlan(decision=decision)
+        partials, seats, decode_blocks, decoding = [], {}, 0, set()  # decoding: clients with a decoding request
         for r in self.running:
             if _decoding(r):
                 decision.shape.add_decode(r.num_computed_tokens)
@@ -230,12 +237,7 @@ class Scheduler(StepResults, ServiceAccounting):
                 partials.append(r)
             seats[r.flow_id] = seats.get(r.flow_id, 0) + 1
         decision.decode_rows = decision.shape.decode_rows
-        if not partials and not self.waiting:  # decodes only: no target to keep, nothing to plan
-            self.counters.refresh_backlog(set())
-            return PrefillPlan(decision=decision)
-        if decoding:  # the clients with prompt work too: the auto target is their share of the step
-            prompting = {r.client_id for r in partials} | {q.peek().client_id for _, q in self.waiting.flows()}
-            decision.itl_target_s = self.latency.target(decision.shape, len(decoding), len(decoding | prompting))
+        decision.itl_target_s = self.latency.target(decision.shape)
         inputs = PlanInputs(
             token_room=token_budget - decision.decode_rows, seats_free=self.config.max_num_seqs - len(self.running),
             flow_seats=self.config.flow_seats, chunk_cap=self.config.long_prefill_token_threshold,
@@ -243,7 +245,7 @@ class Scheduler(StepResults, ServiceAccounting):
             block_size=self.block_size, held_blocks=self.kv.num_held_blocks, prefix=self._prefix_blocks)
         if inputs.token_room <= 0 or self.latency.probe_due(decision):
             return PrefillPlan(decision=decision)
-        return plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency)
+        return plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency, decoding)
 
     def _prefix_blocks(self, request: Request) -> tuple[int, int]:
         """A waiting request's prefix-cache hit tokens, and how many of its hit blocks are free (they leave the
@@ -260,14 +262,14 @@ class Scheduler(StepResults, ServiceAccounting):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._running_tokens(request, plan, budget)
+            decoding = _decoding(request)  # its one token; else the prompt tokens the plan granted it
+            n = 1 if decoding else min(plan.running.get(request.request_id, 0), budget)
             if not n:  # a prefill whose flow got no prompt tokens this step
                 i += 1
                 continue
             pending -= n
             # Drafts, for a decoding request, take only what no later request was planned to get.
-            draft = self.spec.drafts(request, n, budget - pending, len(self.running) - i - 1) if _decoding(
-                request) else []
+            draft = self.spec.drafts(request, n, budget - pending, len(self.running) - i - 1) if decoding else []
             if draft:  # they fit: drafts() keeps a block for each request after this one, and within budget
                 allocated = self.kv.allocate_slots(request, n + len(draft))
                 assert allocated is not None
@@ -284,13 +286,6 @@ class Scheduler(StepResults, ServiceAccounting):
                 budget -= n
                 i += 1
         return budget, preempted
-
-    @staticmethod
-    def _running_tokens(request: Request, plan: PrefillPlan, budget: int) -> int:
-        """A decoding request's one token, or the prompt tokens the plan granted a running prefill."""
-        if _decoding(request):
-            return 1
-        return min(plan.running.get(request.request_id, 0), budget)
 
     def _may_admit_waiting(self) -> bool:
         # Swapped requests resume before anything new is admitted (unless a waiting one strictly outranks them).

@@ -4,18 +4,20 @@ While requests are decoding, every one of them waits for the whole step before i
 prompt tokens only up to what keeps it within a time-between-tokens target, measured by the online cost model.
 The target is `--max-itl-ms`, or by default twice what a decode-only step of the current batch costs: a running
 stream then keeps at least half its idle token rate while a long prompt is prefilled beside it, and the prompt
-goes on at about half its solo rate. When more clients wait for prompt work than decode, the auto target grows to
-their share of the step (see `target`): a burst of requests from many clients keeps its throughput. With nothing decoding there is no one to stall: prompt work takes the whole
-token budget, as before.
+goes on at about half its solo rate. Whose prompt work the target holds back is fairness's call (prefill_plan.py):
+that of clients served at least as much as the streams; a burst queued before the streams began is not held.
+With nothing decoding there is no one to stall: prompt work takes the whole token budget, as before.
 
 The planner aims a little under the target (AIM), and the measured steps feed back: a time credit (each step the
 target limited adds the aim less its measured time, the past fading) moves what the planner aims at, so that steps
-average the aim even where the model errs.
+average the aim even where the model errs. With the auto target, one step in PROBE_EVERY decodes alone during a
+long prefill, so that the target's base stays measured (the machine may speed up or slow down meanwhile).
 
 Prompts always progress, however tight the target or wrong the model: a step carries at least one KV block's worth
-of prompt work while the streams are within their target on average (the credit is not negative). When even one block does not fit in the target (a small batch on a slow machine), the
-minimum goes in every other step or so, as the credit allows, and never fewer than once in STARVE_STEPS steps. The model is not trusted beyond twice the
-most prompt tokens it has seen in one step: a cold one learns by doubling, never by one long stall.
+of prompt work while the streams are within their target on average (the credit is not negative). When even one
+block does not fit in the target (a small batch on a slow machine), smaller chunks go in, the minimum as the
+credit allows, and never fewer than once in STARVE_STEPS steps. The model is not trusted beyond twice the most
+prompt tokens it has seen in one step: a cold one learns by doubling, never by one long stall.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from sluice.scheduling.cost_model import StepCostModel, StepShape
 AUTO_ITL_FACTOR = 2.0  # target = this x a decode-only step: a stream keeps at least 1 / factor of its idle rate
 STARVE_STEPS = 4  # steps in a row without prompt tokens after which the minimum goes in whatever it costs
 CREDIT_LEAK, CREDIT_GAIN = 0.9, 0.3  # the credit's memory per step, and how much of it moves the planning target
-AIM = 0.95  # the planner aims this far under the target: a step a little slower than predicted still keeps it
+AIM = 0.9  # the planner aims this far under the target: a step a little slower than predicted still keeps it
 PROBE_EVERY = 16  # with the auto target, one step in this many during a long prefill decodes alone (see probe_due)
 
 
@@ -66,19 +68,13 @@ class LatencyBudget:
         self.starved = 0  # steps in a row that had prompt work pending and granted none
         self.mixed_run = 0  # steps with decoding rows since the last decode-only one
 
-    def target(self, decode_shape: StepShape, decoding_clients: int = 1, clients: int = 1) -> float:
-        """Seconds a step with this decoding batch should stay within (0 where nothing decodes or it is off).
-
-        The auto target shares the step among the clients that want it: `decoding_clients` of the `clients` with
-        work (decoding or prompt) get their tokens from a decode-only step's time, the others' prompt work the rest,
-        and never less than half: one large request costs the streams at most half their rate, while a burst of
-        many requests from many clients is prefilled at nearly full speed (its own throughput, and its TTFT)."""
+    def target(self, decode_shape: StepShape) -> float:
+        """Seconds a step with this decoding batch should stay within (0 where nothing decodes or it is off)."""
         if not self.enabled or not decode_shape.decode_rows:
             return 0.0
         if self.fixed_target_s:
             return self.fixed_target_s
-        share = max(AUTO_ITL_FACTOR, clients / max(decoding_clients, 1))
-        return share * self.model.predict_decode(decode_shape)
+        return AUTO_ITL_FACTOR * self.model.predict_decode(decode_shape)
 
     def probe_due(self, decision: StepDecision) -> bool:
         """Whether this step should decode alone, prompt work pending or not: the auto target is made of what a

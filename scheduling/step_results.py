@@ -63,7 +63,7 @@ class StepResults:
                 tokens = tokens[: i + 1]
                 break
         request.update_block_hashes(self.block_size)
-        self._charge(request, 0, len(tokens))
+        self._charge_output(request, len(tokens))
         return tokens, status
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -34,7 +34,8 @@ class MixedWorkload:
 
     streams: int = 2
     stream_input_len: int = 32
-    stream_output_len: int = 2048  # ample to outlast the long prompts (the streams are cancelled then)
+    stream_output_len: int = 4096  # to outlast the long prompts (cancelled after them; one that ends sooner counts
+    # up to its end, and its idle rate from before them only)
     long_prompts: int = 32
     long_input_len: int = 1024
     long_output_len: int = 1
@@ -119,17 +120,21 @@ async def _send_long(session, cfg: ServeConfig, model: str, w: MixedWorkload, pr
     return time.perf_counter() - start, [t - start for t in firsts], errors
 
 
-def _window(records: list[RequestRecord], t0: float, t1: float) -> tuple[list[float], float]:
-    """The streams' inter-token gaps inside [t0, t1], and their mean rate there in tokens/s per stream (a stream
-    that ended inside the window counts up to its end)."""
+def _window(records: list[RequestRecord], t0: float, t1: float) -> tuple[list[float], list[float]]:
+    """The streams' inter-token gaps inside [t0, t1], and each stream's rate there in tokens/s (a stream that ended
+    inside the window counts up to its end; one that had ended before it, not at all)."""
     gaps, rates = [], []
     for r in records:
         times = [t for t in r.token_times if t0 <= t <= t1]
         gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
-        end = min(t1, r.end) if r.end > t0 else t1
-        if end > t0:
+        end = min(t1, r.token_times[-1] if r.end and r.token_times else t1)
+        if end > t0 and times:
             rates.append(len(times) / (end - t0))
-    return gaps, sum(rates) / len(rates) if rates else 0.0
+    return gaps, rates
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 async def run_mixed(cfg: ServeConfig, w: MixedWorkload) -> MixedResult:
@@ -176,10 +181,12 @@ async def run_mixed(cfg: ServeConfig, w: MixedWorkload) -> MixedResult:
         await asyncio.gather(*streams, return_exceptions=True)
     stream_errors = sorted({r.error for r in records if r.error and not r.ok and len(r.token_times) < 2})
     result.errors += errors + stream_errors + ([probe.error] if probe.error else [])
-    before_gaps, before_rate = _window(records, idle_from, sent)
-    after_gaps, after_rate = _window(records, done, after)
-    idle_gaps, result.stream_idle_rate = before_gaps + after_gaps, (before_rate + after_rate) / 2
-    loaded_gaps, result.stream_loaded_rate = _window(records, sent, done)
+    before_gaps, before = _window(records, idle_from, sent)
+    after_gaps, after_rates = _window(records, done, after)
+    idle_gaps = before_gaps + after_gaps
+    result.stream_idle_rate = _mean([_mean(before), _mean(after_rates)] if after_rates else [_mean(before)])
+    loaded_gaps, loaded = _window(records, sent, done)
+    result.stream_loaded_rate = _mean(loaded)
     result.stream_idle_itl_ms, result.stream_loaded_itl_ms = distribution(idle_gaps), distribution(loaded_gaps)
     result.long_ttft_ms = distribution(firsts)
     result.probe_ttft_ms = probe.ttft * 1e3 if probe.ttft is not None else None

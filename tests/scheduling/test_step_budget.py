@@ -71,7 +71,8 @@ def test_prompts_progress_however_tight_the_target():
     s.sched.add_request(request("long", 100, 1, seed=1))
     s.run(200, until=lambda: "long" in s.tokens)
     chunks = [s.scheduled(out, "long") for out in s.steps[6:]]
-    assert set(chunks) == {0, 4} and sum(chunks) == 100  # a block at a time, until the prompt is done
+    # A block at a time (or the few tokens that keep its client level with the stream's service), till done.
+    assert max(chunks) == 4 and 0 in chunks and sum(chunks) == 100
     done = [i for i, n in enumerate(chunks) if n]
     assert max(b - a for a, b in zip([-1, *done], done, strict=False)) <= STARVE_STEPS + 1
     assert not any(s.kept)
