@@ -8,6 +8,7 @@ A step's time is modelled as a sum of non-negative terms, each with a physical r
             + c · decode_rows            one row per decoding request
             + e · context / 1e3          keys and values each row's attention reads (start + tokens per row)
             + f · attention_pairs / 1e6  query-key pairs of prompt chunks (a long prompt's later chunks cost more)
+            + g · constrained_rows       decoding rows under a grammar (their token masks, and the grammar's step)
 
 It is fitted by exponentially weighted least squares, with the constraint that no coefficient is negative (a term
 that seems to save time is noise), and with outliers clipped (a step a neighbour stalled counts at most 1.5 times
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NUM_FEATURES = 6
+NUM_FEATURES = 7
 FORGET = 0.9  # weight of the past per new observation of the same kind: about the last 10 steps count
 RIDGE = 1e-6  # relative to each feature's own scale, so an unobserved term stays at zero
 EPS = 1e-12
@@ -40,10 +41,12 @@ class StepShape:
     decode_rows: int = 0
     context_tokens: int = 0  # sum over rows of the context its attention reads: start + tokens
     attention_pairs: int = 0  # sum over prompt chunks of q * (start + (q + 1) / 2)
+    constrained_rows: int = 0  # decoding rows under a grammar
 
-    def add_decode(self, start: int, tokens: int = 1) -> None:
-        """One decoding request's row (tokens > 1: it verifies drafts)."""
+    def add_decode(self, start: int, tokens: int = 1, constrained: bool = False) -> None:
+        """One decoding request's row (tokens > 1: it verifies drafts; constrained: under a grammar)."""
         self.decode_rows += 1
+        self.constrained_rows += constrained
         self.prefill_tokens += tokens - 1
         self.context_tokens += start + tokens
 
@@ -56,11 +59,12 @@ class StepShape:
     def features(self) -> list[float]:
         """The regressors, in the coefficients' order."""
         return [1.0, 1.0 if self.prefill_tokens else 0.0, float(self.prefill_tokens), float(self.decode_rows),
-                self.context_tokens / 1e3, self.attention_pairs / 1e6]
+                self.context_tokens / 1e3, self.attention_pairs / 1e6, float(self.constrained_rows)]
 
     def copy(self) -> StepShape:
         """An independent copy (the planner grows one per grant it tries)."""
-        return StepShape(self.prefill_tokens, self.decode_rows, self.context_tokens, self.attention_pairs)
+        return StepShape(self.prefill_tokens, self.decode_rows, self.context_tokens, self.attention_pairs,
+                         self.constrained_rows)
 
 
 def chunk_pairs(start: int, tokens: int) -> int:
@@ -94,7 +98,7 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self._decode, self._mixed = _Moments(), _Moments()
-        self._coef = [0.0] * NUM_FEATURES  # a, a_p, b, c, e, f (seconds per unit of each feature)
+        self._coef = [0.0] * NUM_FEATURES  # a, a_p, b, c, e, f, g (seconds per unit of each feature)
         # Fitted on decode-only steps alone: what the time-between-tokens target is made from. Mixed steps must not
         # move it (a long prefill would raise its own target through the terms both kinds share).
         self._decode_coef = [0.0] * NUM_FEATURES

@@ -1,6 +1,6 @@
 """Who gets a step's prompt tokens: flows least-served first, within the latency budget and the seats.
 
-Decoding requests always get their token. The prompt tokens left (the step budget less the decodes, and while
+Decoding requests get their token (decode_rows.py may hold back a crowd's extra rows). The prompt tokens left (the step budget less the decodes, and while
 anything decodes, no more than the latency budget allows) go grant by grant to the flow that `flow_key` puts
 first: priority, then requests preempted by recompute, then the least `counter + prompt_weight * remaining`.
 
@@ -40,6 +40,7 @@ class PrefillPlan:
     admit: list[tuple[Request, int]] = field(default_factory=list)
     decision: StepDecision = field(default_factory=StepDecision)
     admitted: int = 0  # prompt tokens the admissions really took (the scheduler counts them)
+    held: set[str] = field(default_factory=set)  # decoding requests that sit this step out (decode_rows.py)
 
     @property
     def running_tokens(self) -> int:
@@ -129,7 +130,7 @@ def plan_prefill(inputs: PlanInputs, decision: StepDecision, partials: list[Requ
     budget.granted(granted)
     decision.prefill_tokens, decision.flows_served = granted, len(served)
     decision.prefill_budget = granted if time_bound else granted + room
-    decision.time_bound = time_bound
+    decision.time_bound |= time_bound  # held decode rows may have set it
     return plan
 
 

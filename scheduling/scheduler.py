@@ -10,6 +10,7 @@ from sluice.kvcache.manager import KVCacheManager, cdiv
 from sluice.scheduling.accounting import ServiceAccounting
 from sluice.scheduling.config import SchedulerConfig
 from sluice.scheduling.cost_model import StepShape
+from sluice.scheduling.decode_rows import constrained, crowded, plan_decode_rows
 from sluice.scheduling.fairness import VirtualCounters
 from sluice.scheduling.flow_queue import FlowQueue
 from sluice.scheduling.outcomes import ErrorCode, RequestRejected
@@ -164,7 +165,8 @@ class Scheduler(StepResults, ServiceAccounting):
                 continue
             start, draft = request.num_computed_tokens, drafts.get(request.request_id, [])
             if request.num_output_tokens and start == request.num_tokens - 1:
-                decision.shape.add_decode(start, n)  # its inputs were charged when they were generated
+                # its inputs were charged when they were generated
+                decision.shape.add_decode(start, n, constrained=constrained(request))
             else:
                 self._account_chunk(request, start, n, decision, flows)
             out.scheduled.append(
@@ -221,31 +223,38 @@ class Scheduler(StepResults, ServiceAccounting):
             bisect.insort(self.running, request, key=self.key)
 
     def _plan_prefill(self, token_budget: int) -> PrefillPlan:
-        """Decode rows first; then the prompt tokens, by flow and within the latency budget (prefill_plan.py)."""
+        """Decode rows first (decode_rows.py); then the prompt tokens, by flow and within the latency budget
+        (prefill_plan.py)."""
         decision = StepDecision(token_budget=token_budget)
-        if not self.waiting and all(_decoding(r) for r in self.running):  # decodes only: nothing to plan
-            decision.decode_rows = len(self.running)
+        decoding = [r for r in self.running if _decoding(r)]
+        only_decodes = not self.waiting and len(decoding) == len(self.running)
+        if only_decodes and not crowded(decoding):  # every row goes in, no prompt work: nothing to plan
+            decision.decode_rows = len(decoding)
             self.counters.refresh_backlog(set())
             return PrefillPlan(decision=decision)
-        partials, seats, decode_blocks, decoding = [], {}, 0, set()  # decoding: clients with a decoding request
+        held = plan_decode_rows(decoding, self.counters, self.latency, decision, self.policy == "priority")
+        if only_decodes:
+            self.counters.refresh_backlog(set())
+            return PrefillPlan(decision=decision, held=held)
+        partials, seats, decode_blocks = [], {}, 0
+        clients = set()  # those with a row decoding this step
         for r in self.running:
-            if _decoding(r):
-                decision.shape.add_decode(r.num_computed_tokens)
-                decode_blocks += r.num_computed_tokens % self.block_size == 0  # its new token opens a block
-                decoding.add(r.client_id)
-            else:
+            if not _decoding(r):
                 partials.append(r)
+            elif r.request_id not in held:
+                decode_blocks += r.num_computed_tokens % self.block_size == 0  # its new token opens a block
+                clients.add(r.client_id)
             seats[r.flow_id] = seats.get(r.flow_id, 0) + 1
-        decision.decode_rows = decision.shape.decode_rows
-        decision.itl_target_s = self.latency.target(decision.shape)
         inputs = PlanInputs(
             token_room=token_budget - decision.decode_rows, seats_free=self.config.max_num_seqs - len(self.running),
             flow_seats=self.config.flow_seats, chunk_cap=self.config.long_prefill_token_threshold,
             admit=bool(self.waiting) and self._may_admit_waiting(), free_blocks=self.kv.num_free_blocks - decode_blocks,
             block_size=self.block_size, held_blocks=self.kv.num_held_blocks, prefix=self._prefix_blocks)
         if inputs.token_room <= 0 or self.latency.probe_due(decision):
-            return PrefillPlan(decision=decision)
-        return plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency, decoding)
+            return PrefillPlan(decision=decision, held=held)
+        plan = plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency, clients)
+        plan.held = held
+        return plan
 
     def _prefix_blocks(self, request: Request) -> tuple[int, int]:
         """A waiting request's prefix-cache hit tokens, and how many of its hit blocks are free (they leave the
@@ -263,8 +272,11 @@ class Scheduler(StepResults, ServiceAccounting):
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             decoding = _decoding(request)  # its one token; else the prompt tokens the plan granted it
-            n = 1 if decoding else min(plan.running.get(request.request_id, 0), budget)
-            if not n:  # a prefill whose flow got no prompt tokens this step
+            if decoding:
+                n = int(request.request_id not in plan.held)
+            else:
+                n = min(plan.running.get(request.request_id, 0), budget)
+            if not n:  # a prefill whose flow got no prompt tokens this step, or a decoding row held back
                 i += 1
                 continue
             pending -= n

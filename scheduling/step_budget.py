@@ -31,7 +31,7 @@ AUTO_ITL_FACTOR = 2.0  # target = this x a decode-only step: a stream keeps at l
 STARVE_STEPS = 4  # steps in a row without prompt tokens after which the minimum goes in whatever it costs
 CREDIT_LEAK, CREDIT_GAIN = 0.9, 0.3  # the credit's memory per step, and how much of it moves the planning target
 AIM = 0.9  # the planner aims this far under the target: a step a little slower than predicted still keeps it
-PROBE_EVERY = 16  # with the auto target, one step in this many during a long prefill decodes alone (see probe_due)
+PROBE_EVERY = 32  # with the auto target, one step in this many during a long prefill decodes alone (see probe_due)
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class LatencyBudget:
     def probe_due(self, decision: StepDecision) -> bool:
         """Whether this step should decode alone, prompt work pending or not: the auto target is made of what a
         decode-only step costs, and a long prefill would otherwise leave that measurement stale (the machine may
-        have slowed down or sped up since) for as long as it lasts. One step in PROBE_EVERY, ~6% of the prompt
+        have slowed down or sped up since) for as long as it lasts. One step in PROBE_EVERY, ~3% of the prompt
         work's steps."""
         if self.fixed_target_s or not decision.itl_target_s:
             return False

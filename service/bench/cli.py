@@ -120,6 +120,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_mixed_flags(p: argparse.ArgumentParser) -> None:
+    from sluice.service.bench.mixed import LARGE_KINDS
+
     g = p.add_argument_group("mixed", "--mixed: streams decoding while long prompts arrive (the workload flags above "
                              "are unused; --endpoint is the streams')")
     g.add_argument("--mixed", action="store_true", help="Run the mixed workload: streams' ITL idle and loaded, the "
@@ -127,8 +129,11 @@ def _add_mixed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-streams", type=int, default=2, help="Streams decoding throughout (default: %(default)s).")
     g.add_argument("--mixed-long-prompts", type=int, default=32, help="Long prompts sent (default: %(default)s).")
     g.add_argument("--mixed-long-len", type=int, default=1024, help="Tokens per long prompt (default: %(default)s).")
-    g.add_argument("--mixed-separate", action="store_true",
-                   help="Send the long prompts as separate requests (default: one call with a prompt list).")
+    g.add_argument("--mixed-large", default="prompts", choices=LARGE_KINDS,
+                   help="The large request: one completions call with a prompt list, the prompts as separate "
+                        "requests (any OpenAI-compatible server), one embeddings call with them as inputs, or a prompt "
+                        "list under a small grammar (default: %(default)s).")
+    g.add_argument("--mixed-long-output", type=int, default=1, help="Tokens generated per long prompt.")
     g.add_argument("--mixed-alone", action="store_true", help="First time the long prompts alone (the slowdown).")
     g.add_argument("--mixed-idle", type=float, default=3.0, help="Seconds the streams decode alone first.")
 
@@ -180,7 +185,7 @@ def _mixed(args):
     from sluice.service.bench.mixed import MixedWorkload
 
     w = MixedWorkload(streams=args.mixed_streams, long_prompts=args.mixed_long_prompts,
-                      long_input_len=args.mixed_long_len, long_as_one_call=not args.mixed_separate,
+                      long_input_len=args.mixed_long_len, long_output_len=args.mixed_long_output, large=args.mixed_large,
                       idle_s=args.mixed_idle, alone=args.mixed_alone, seed=args.seed)
     w.validate()
     return w

@@ -1,8 +1,9 @@
 """`sluice bench serve --mixed`: streams decoding while long prompts arrive (issue 54's stall-free check).
 
-A few streams start first and decode alone for `idle_s`; then a batch of long prompts is
-sent (one /v1/completions call with a prompt list, Sluice's fan-out case, or as separate requests, which any
-OpenAI-compatible server takes), and `probe_delay_s` later a one-line chat. Reported: the streams' inter-token
+A few streams start first and decode alone for `idle_s`; then one large piece of work is sent (`large`): a
+/v1/completions call with a list of long prompts (Sluice's fan-out case), the same prompts as separate requests
+(which any OpenAI-compatible server takes), one /v1/embeddings call with them as inputs, or a prompt list whose
+rows are held to a small grammar; `probe_delay_s` later, a one-line chat. Reported: the streams' inter-token
 latency p50/p99 and token rate, idle and while the long prompts are in flight; the long prompts' time to first
 token and the batch's completion time (and, with `alone`, the same batch timed alone first); the chat's time to
 first token. The idle rate is the mean of the streams' rate alone before the long prompts and again for `idle_s`
@@ -26,6 +27,9 @@ from sluice.service.bench.stats import Distribution, RequestRecord, distribution
 from sluice.service.bench.workloads import Workload, text_prompts
 
 PROBE = "Say hello in one short sentence."
+# The large request's shapes: a prompt list, separate requests, embedding inputs, a prompt list under a grammar.
+LARGE_KINDS = ("prompts", "separate", "embeddings", "grammar")
+SMALL_GRAMMAR = {"regex": "[a-z]{1,8}( [a-z]{1,8}){0,31}"}  # words: a grammar every row's mask must follow
 
 
 @dataclass(slots=True)
@@ -39,7 +43,7 @@ class MixedWorkload:
     long_prompts: int = 32
     long_input_len: int = 1024
     long_output_len: int = 1
-    long_as_one_call: bool = True  # one /v1/completions call with a prompt list (False: separate requests)
+    large: str = "prompts"  # one of LARGE_KINDS
     idle_s: float = 3.0  # streams alone before the long prompts and after them: their idle rate
     probe_delay_s: float = 2.0  # the one-line chat, this long after the long prompts were sent
     alone: bool = False  # first time the long prompts alone, for the slowdown
@@ -52,6 +56,8 @@ class MixedWorkload:
             raise ValueError("the mixed workload's counts and lengths must be >= 1")
         if self.idle_s <= 0 or self.probe_delay_s < 0:
             raise ValueError("idle_s must be > 0 and probe_delay_s >= 0")
+        if self.large not in LARGE_KINDS:
+            raise ValueError(f"large must be one of {', '.join(LARGE_KINDS)}")
 
 
 @dataclass(slots=True)
@@ -102,22 +108,41 @@ async def _long_call(session: aiohttp.ClientSession, url: str, body: dict, count
     return list(firsts.values()), f"{missing} of {count} prompts got no token" if missing else ""
 
 
+async def _embeddings_call(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[list[float], str]:
+    """One /v1/embeddings call: its answer's time stands for every input's first token; and an error, if any."""
+    try:
+        async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                return [], f"HTTP {resp.status}: {text[:200]}"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return [], f"{type(e).__name__}: {e}"
+    now, got = time.perf_counter(), len(orjson.loads(text).get("data") or ())
+    missing = len(body["input"]) - got
+    return [now] * got, f"{missing} of {len(body['input'])} inputs got no vector" if missing else ""
+
+
 async def _send_long(session, cfg: ServeConfig, model: str, w: MixedWorkload, prompts: list[str]):
-    """Send the long prompts; returns (seconds to complete, first-token times, errors)."""
-    url = cfg.base_url.rstrip("/") + "/v1/completions"
+    """Send the large request; returns (seconds to complete, first-token times, errors)."""
+    base = cfg.base_url.rstrip("/")
     start = time.perf_counter()
     plain = dataclasses.replace(cfg, endpoint="/v1/completions")
-    if w.long_as_one_call:
-        body = request_body(plain, model, "", w.long_output_len) | {"prompt": prompts}
-        firsts, error = await _long_call(session, url, body, len(prompts))
-        errors = [error] if error else []
-    else:
+    if w.large == "separate":
         records = [RequestRecord(0, w.long_output_len) for _ in prompts]
+        url = base + "/v1/completions"
         await asyncio.gather(*(stream_one(session, url, request_body(plain, model, p, w.long_output_len), r, False)
                                for p, r in zip(prompts, records, strict=True)))
         firsts = [r.token_times[0] for r in records if r.token_times]
         errors = sorted({r.error for r in records if not r.ok})
-    return time.perf_counter() - start, [t - start for t in firsts], errors
+        return time.perf_counter() - start, [t - start for t in firsts], errors
+    if w.large == "embeddings":
+        firsts, error = await _embeddings_call(session, base + "/v1/embeddings", {"model": model, "input": prompts})
+    else:
+        body = request_body(plain, model, "", w.long_output_len) | {"prompt": prompts}
+        if w.large == "grammar":
+            body |= {"structured_outputs": SMALL_GRAMMAR, "ignore_eos": False}
+        firsts, error = await _long_call(session, base + "/v1/completions", body, len(prompts))
+    return time.perf_counter() - start, [t - start for t in firsts], [error] if error else []
 
 
 def _window(records: list[RequestRecord], t0: float, t1: float) -> tuple[list[float], list[float]]:

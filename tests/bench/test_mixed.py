@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from sluice.service.bench import add_bench_subcommands
-from sluice.service.bench.mixed import MixedWorkload, mixed_lines, run_mixed
+from sluice.service.bench.mixed import SMALL_GRAMMAR, MixedWorkload, mixed_lines, run_mixed
 from sluice.service.bench.serve import ServeConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,8 +60,19 @@ def fake_app(seen: list[dict]) -> web.Application:
         seen.append(body)
         return await sse(request, stream(body["max_tokens"], chat=True))
 
+    async def embeddings(request):
+        body = await request.json()
+        seen.append(body)
+        state["long"] += 1
+        try:
+            await asyncio.sleep(LONG_S)
+        finally:
+            state["long"] -= 1
+        return web.json_response({"data": [{"index": i, "embedding": [0.0]} for i in range(len(body["input"]))]})
+
     app = web.Application()
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     return app
@@ -103,17 +114,33 @@ def test_mixed_reports_stream_pace_long_prompts_and_the_probe():
 def test_mixed_can_send_the_long_prompts_as_separate_requests():
     seen: list[dict] = []
     r = run(MixedWorkload(streams=1, long_prompts=3, long_input_len=10, idle_s=0.3, probe_delay_s=0.0,
-                          long_as_one_call=False), seen)
+                          large="separate"), seen)
     assert not r.errors and r.long_ttft_ms.count == 3
     assert sum(1 for b in seen if b.get("max_tokens") == 1 and isinstance(b.get("prompt"), str)) == 3
+
+
+def test_mixed_can_send_embedding_inputs_or_a_prompt_list_under_a_grammar():
+    seen: list[dict] = []
+    r = run(MixedWorkload(streams=1, long_prompts=5, long_input_len=10, idle_s=0.3, probe_delay_s=0.0,
+                          large="embeddings"), seen)
+    assert not r.errors and r.long_ttft_ms.count == 5 and 0.3 < r.rate_ratio < 0.8
+    assert [len(b["input"]) for b in seen if "input" in b] == [5]
+    seen.clear()
+    r = run(MixedWorkload(streams=1, long_prompts=4, long_input_len=10, long_output_len=6, idle_s=0.3,
+                          probe_delay_s=0.0, large="grammar"), seen)
+    assert not r.errors
+    held = [b for b in seen if isinstance(b.get("prompt"), list)]
+    assert len(held) == 1 and held[0]["structured_outputs"] == SMALL_GRAMMAR and held[0]["max_tokens"] == 6
+    with pytest.raises(ValueError, match="large must be one of"):
+        MixedWorkload(large="tools").validate()
 
 
 def test_cli_builds_the_mixed_workload():
     parser = argparse.ArgumentParser()
     add_bench_subcommands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "serve", "--mixed", "--mixed-long-prompts", "8", "--mixed-separate"])
+    args = parser.parse_args(["bench", "serve", "--mixed", "--mixed-long-prompts", "8", "--mixed-large", "separate"])
     from sluice.service.bench.cli import _mixed
 
     w = _mixed(args)
-    assert (w.long_prompts, w.long_as_one_call, w.streams) == (8, False, 2)
+    assert (w.long_prompts, w.large, w.streams) == (8, "separate", 2)
     assert _mixed(parser.parse_args(["bench", "serve"])) is None

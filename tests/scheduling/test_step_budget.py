@@ -81,7 +81,7 @@ def test_prompts_progress_however_tight_the_target():
 def test_when_one_block_costs_more_than_the_target_allows_the_streams_keep_it_on_average():
     """Prompt tokens so dear that one block alone breaks the target: smaller chunks, a block only when the credit
     allows, and the steps stay within the target on average (the time credit)."""
-    dear = (4e-3, 5e-4, 2e-3, 8e-4, 2e-4, 5e-3)  # a block of 4 prompt tokens: 8.5 ms beside a 4.8 ms decode step
+    dear = (4e-3, 5e-4, 2e-3, 8e-4, 2e-4, 5e-3, 1e-3)  # a block of 4 prompt tokens: 8.5 ms beside a 4.8 ms decode step
     sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=BUDGET)
     s = Sim(sched, runner, cost=lambda shape: step_cost(shape, dear))
     decoding_stream(s)

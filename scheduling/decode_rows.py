@@ -1,0 +1,68 @@
+"""Which decoding requests get their token in a step: each client's first row, then its other rows as time allows.
+
+A client decoding many rows at once (a prompt list, `n` samples, 64 rows of a grammar) beside a client with one
+stream would otherwise make every step as long as its whole batch: the stream's time between tokens grows with
+rows that are not its own. While two or more clients decode and one of them has several rows, the step's time
+target is made of one plain row per decoding client (each client's own row is its share of the step; the auto
+target lets the step take twice that; what a grammar adds to a row is its own client's cost), and the further rows go in least-served client first (VTC's counters, plus the
+output weight per row already taken this step; priorities first under the priority policy) while the cost model
+says the step stays within the target. A row that sits a step out keeps its KV cache and goes first among its
+client's rows next time (rows behind in output go first), so a client's rows advance together.
+
+Every client's first row always goes in, so every client progresses. With one client decoding, or one row per
+client (a burst of single streams), nothing is held: nobody else's step is at stake, and throughput is untouched.
+"""
+
+from __future__ import annotations
+
+from sluice.scheduling.cost_model import StepShape
+from sluice.scheduling.fairness import VirtualCounters
+from sluice.scheduling.request import Request
+from sluice.scheduling.step_budget import LatencyBudget, StepDecision
+
+
+def constrained(request: Request) -> bool:
+    """Whether the request decodes under a grammar (its rows cost more: the cost model's own term)."""
+    return request.sampling_params.structured_output is not None
+
+
+def crowded(decoding: list[Request]) -> bool:
+    """Whether some client decodes several rows beside another client (only then may rows be held back)."""
+    clients = {r.client_id for r in decoding}
+    return 1 < len(clients) < len(decoding)
+
+
+def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget: LatencyBudget,
+                     decision: StepDecision, priority_policy: bool) -> set[str]:
+    """Add the rows that decode this step to `decision.shape`, set its time target; return the ids held back."""
+    shape = decision.shape
+    if not crowded(decoding):
+        for r in decoding:
+            shape.add_decode(r.num_computed_tokens, constrained=constrained(r))
+        decision.decode_rows, decision.itl_target_s = shape.decode_rows, budget.target(shape)
+        return set()
+    by_client: dict[str, list[Request]] = {}
+    for r in decoding:
+        by_client.setdefault(r.client_id, []).append(r)
+    extras: list[tuple[int, float, int, Request]] = []
+    base = StepShape()  # one plain row per client (a grammar's cost is its own client's, not a share of the step)
+    for client, rows in by_client.items():
+        rows.sort(key=lambda r: (r.num_output_tokens, r.arrival_seq))  # the rows behind go first
+        base.add_decode(rows[0].num_computed_tokens)
+        shape.add_decode(rows[0].num_computed_tokens, constrained=constrained(rows[0]))
+        served = counters.value(client)
+        extras += [(r.priority if priority_policy else 0, served + i * counters.output_weight, r.arrival_seq, r)
+                   for i, r in enumerate(rows[1:], 1)]
+    decision.decode_rows, decision.itl_target_s = shape.decode_rows, budget.target(base)
+    extras.sort(key=lambda e: e[:3])
+    held: set[str] = set()
+    for k, (*_, r) in enumerate(extras):
+        grown = shape.copy()
+        grown.add_decode(r.num_computed_tokens, constrained=constrained(r))
+        if not budget.fits(decision, grown):
+            held = {e[3].request_id for e in extras[k:]}
+            decision.time_bound = True
+            break
+        shape = grown
+    decision.shape, decision.decode_rows = shape, shape.decode_rows
+    return held
