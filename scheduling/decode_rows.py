@@ -1,16 +1,18 @@
 """Which decoding requests get their token in a step: each client's first row, then its other rows as time allows.
 
 A client decoding many rows at once (a prompt list, `n` samples, 64 rows of a grammar) beside a client with one
-stream would otherwise make every step as long as its whole batch: the stream's time between tokens grows with
-rows that are not its own. While two or more clients decode and one of them has several rows, the step's time
-target is made of one plain row per decoding client (each client's own row is its share of the step; the auto
-target lets the step take twice that; what a grammar adds to a row is its own client's cost), and the further rows go in least-served client first (VTC's counters, plus the
-output weight per row already taken this step; priorities first under the priority policy) while the cost model
-says the step stays within the target. A row that sits a step out keeps its KV cache and goes first among its
-client's rows next time (rows behind in output go first), so a client's rows advance together.
+stream would otherwise make every step as long as its whole batch: the stream's time between tokens grows with rows
+that are not its own. While two or more clients decode and one of them has several rows, the step's time target is
+made of one plain row per decoding client (each client's own row is its share of the step; the auto target lets the
+step take twice that; what a grammar adds to a row is its own client's cost), and the further rows go in least-
+served client first (VTC's counters, plus the output weight per row already taken this step; priorities first under
+the priority policy) while the cost model says the step stays within the target (and the model is not trusted past
+twice the most rows it has measured in one step: a cold one learns by doubling, not by one step of the whole crowd).
+A row that sits a step out keeps its KV cache and goes first among its client's rows next time (rows behind in
+output go first), so a client's rows advance together.
 
-Every client's first row always goes in, so every client progresses. With one client decoding, or one row per
-client (a burst of single streams), nothing is held: nobody else's step is at stake, and throughput is untouched.
+Every client's first row always goes in, so every client progresses. With one client decoding, or one row per client
+(a burst of single streams), nothing is held: nobody else's step is at stake, and throughput is untouched.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget:
     for k, (*_, r) in enumerate(extras):
         grown = shape.copy()
         grown.add_decode(r.num_computed_tokens, constrained=constrained(r))
-        if not budget.fits(decision, grown):
+        if grown.decode_rows > budget.trusted_rows() or not budget.fits(decision, grown):
             held = {e[3].request_id for e in extras[k:]}
             decision.time_bound = True
             break

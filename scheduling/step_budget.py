@@ -64,6 +64,7 @@ class LatencyBudget:
         self.min_prefill = max(1, block_size)  # one block a step: prompts never starve
         self.model = StepCostModel()
         self.largest_prefill = 0  # most prompt tokens of a measured step: the model is trusted to twice that
+        self.largest_rows = 0  # most decoding rows of a measured step: likewise
         self.credit = 0.0  # seconds the decoding steps stayed under their targets, recently (leaky sum)
         self.starved = 0  # steps in a row that had prompt work pending and granted none
         self.mixed_run = 0  # steps with decoding rows since the last decode-only one
@@ -106,6 +107,10 @@ class LatencyBudget:
             return 1 << 30
         return max(0, 2 * self.largest_prefill - shape.prefill_tokens)
 
+    def trusted_rows(self) -> int:
+        """Decoding rows a step may hold before the model would extrapolate past twice the most it has measured."""
+        return 2 * self.largest_rows
+
     def fits(self, decision: StepDecision, shape: StepShape) -> bool:
         """Whether a step of `shape` stays within the decision's target (beyond the minimum progress)."""
         if not self.enabled or not decision.decode_rows:
@@ -123,6 +128,7 @@ class LatencyBudget:
         if decision.decode_rows and not decision.shape.prefill_tokens:
             self.mixed_run = 0
         self.largest_prefill = max(self.largest_prefill, decision.shape.prefill_tokens)
+        self.largest_rows = max(self.largest_rows, decision.shape.decode_rows)
         if not decision.itl_target_s:
             return None
         target = decision.itl_target_s
