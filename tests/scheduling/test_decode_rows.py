@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from sluice.scheduling.decode_rows import crowded
 from sluice.scheduling.step_budget import AUTO_ITL_FACTOR
-from tests.scheduling.test_step_budget import decoding_stream, sim
-from tests.support.fair_sim import Sim, request, step_cost
+from tests.support.fair_sim import Sim, decoding_stream, request, sim, step_cost
 
 CROWD, CROWD_TOKENS = 40, 30
 

@@ -7,22 +7,8 @@ import pytest
 
 from sluice.scheduling.cost_model import StepShape
 from sluice.scheduling.step_budget import AUTO_ITL_FACTOR, STARVE_STEPS
-from tests.support.fair_sim import Sim, request, step_cost
+from tests.support.fair_sim import BUDGET, Sim, decoding_stream, request, sim, step_cost
 from tests.support.sched_helpers import make_scheduler
-
-BUDGET = 256
-
-
-def sim(**kw) -> Sim:
-    sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=BUDGET, **kw)
-    return Sim(sched, runner)
-
-
-def decoding_stream(s: Sim, rid: str = "stream") -> None:
-    """A stream that has produced a few tokens (so the model saw its prefill and decode-only steps)."""
-    s.sched.add_request(request(rid, 8, 400))
-    s.run(6)
-    assert len(s.tokens[rid]) >= 5
 
 
 def decode_only_cost(out) -> float:

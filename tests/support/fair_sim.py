@@ -10,6 +10,7 @@ from sluice.scheduling.request import Request
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
 from tests.support.fake_runner import FakeRunner
+from tests.support.sched_helpers import make_scheduler
 
 # a, a_p, b, c, e, f, g of scheduling/cost_model.py: 4 ms a step, 0.5 ms more with prompt tokens, 0.1 ms a prompt
 # token, 0.8 ms a decoding row, 0.2 ms per thousand context tokens, 5 ms per million attention pairs, 1 ms more a
@@ -64,3 +65,19 @@ class Sim:
     def scheduled(self, out: SchedulerOutput, rid: str) -> int:
         """Tokens `rid` computed in step `out` (0 if none)."""
         return next((s.num_tokens for s in out.scheduled if s.request_id == rid), 0)
+
+
+BUDGET = 256  # max_num_batched_tokens of sim()
+
+
+def sim(**kw) -> Sim:
+    """A simulation over a scheduler of 2,048 blocks of 4 tokens and a step budget of BUDGET tokens."""
+    sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=BUDGET, **kw)
+    return Sim(sched, runner)
+
+
+def decoding_stream(s: Sim, rid: str = "stream") -> None:
+    """A stream that has produced a few tokens (so the model saw its prefill and decode-only steps)."""
+    s.sched.add_request(request(rid, 8, 400))
+    s.run(6)
+    assert len(s.tokens[rid]) >= 5
