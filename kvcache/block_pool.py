@@ -20,6 +20,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # Blocks ever handed out. Freed blocks join the back of the queue, so never-used ones leave it first, in id
+        # order: the used ones are ids below this, and only their KV pages are resident (zeros_on_first_touch).
+        self.num_touched = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,6 +48,8 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
+        if blocks:
+            self.num_touched = max(self.num_touched, max(b.block_id for b in blocks) + 1)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

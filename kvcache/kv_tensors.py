@@ -69,6 +69,19 @@ class KVTensors:
         """Host bytes held by the swap pool."""
         return self.host_kv.numel() * self.host_kv.element_size()
 
+    def resident_bytes(self, used_blocks: int) -> int:
+        """Device bytes resident once `used_blocks` blocks were written: theirs on CPU (zeros_on_first_touch), all
+        of them where torch.zeros wrote every byte up front (a GPU)."""
+        if self.device.type != "cpu":
+            return self.num_bytes
+        return min(used_blocks, self.num_blocks) * (self.num_bytes // max(1, self.num_blocks))
+
+    def host_resident_bytes(self, used_blocks: int) -> int:
+        """Swap pool bytes resident once `used_blocks` host blocks were written (pinned memory: all of it)."""
+        if self.host_kv.is_pinned():
+            return self.host_num_bytes
+        return min(used_blocks, self.num_host_blocks) * (self.host_num_bytes // max(1, self.num_host_blocks))
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole device blocks to host blocks, for every layer: pairs are (device_block, host_block)."""
         if not pairs:

@@ -16,6 +16,7 @@ class SwapSpace:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._is_free = [True] * num_blocks
+        self.num_touched = 0  # slots ever handed out: as in BlockPool, the slots below it (freed ones go last)
 
     @property
     def num_free_blocks(self) -> int:
@@ -29,6 +30,8 @@ class SwapSpace:
         slots = [self._free.popleft() for _ in range(num_blocks)]
         for slot in slots:
             self._is_free[slot] = False
+        if slots:
+            self.num_touched = max(self.num_touched, max(slots) + 1)
         return slots
 
     def free(self, block_ids: list[int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ ITL_OUTCOMES = ("kept", "missed")  # a step with decoding requests, against its 
 FINISH_REASONS = tuple(r.value for r in FinishReason)  # "stop", "length", "abort", "error"
 # Bounded on purpose: a label value per client-supplied string would explode the series count.
 REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "not_found", "too_large", "draining", "unavailable")
+# What the process holds resident, by what for (sluice_memory_resident_bytes), and what the KV cache set aside.
+MEMORY_KINDS = ("weights", "kv_cache", "kv_swap", "other")
+RESERVED_KINDS = ("kv_cache", "kv_swap")
 _REJECT_BY_STATUS = {400: "invalid", 401: "unauthorized", 403: "unauthorized", 404: "not_found", 405: "invalid",
                      413: "too_large", 422: "invalid", 429: "queue_full"}
 
@@ -117,6 +121,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("itl_target", Gauge, "sluice_itl_target_seconds", "Time-between-tokens target of the last engine step (0: nothing decoding, or no prompt work waiting).", "itl_target_s"),
     _spec("tenant_tokens", Counter, "sluice_tenant_served_tokens", "Prompt tokens computed plus tokens generated, by tenant (--tenant-header): a series for each of the heaviest tenants (16 at most), the rest under 'other'.", label="tenant"),
     _spec("step_duration", Histogram, "sluice_engine_step_duration_seconds", "Wall time of one engine step (schedule, forward, update).", "step_duration_s", buckets=_STEP_BUCKETS),
+    # Memory, read when scraped (watch_memory): the KV cache's pages become resident as its blocks are first used.
+    _spec("memory_resident", Gauge, "sluice_memory_resident_bytes", "Memory held, by what for: weights (parameters and buffers, prepacked copies included), kv_cache (the KV blocks ever used; blocks never used hold no pages), kv_swap (host swap blocks ever used), other (the rest of the process's resident set: runtime, activations, allocator caches). On a GPU, weights and kv_cache are GPU memory and other leaves them out.", label="kind", values=MEMORY_KINDS),
+    _spec("memory_reserved", Gauge, "sluice_memory_reserved_bytes", "Memory set aside, resident only as it is used: kv_cache (every configured KV block), kv_swap (the host swap pool).", label="kind", values=RESERVED_KINDS),
 )
 
 
@@ -231,6 +238,29 @@ class SluiceMetrics:
             self._lora_labels = labels
         family.labels(self.model_name, *labels).set(time.time())
 
+    def watch_memory(self, weight_bytes: int, kv, kv_manager) -> None:
+        """Read the memory gauges when scraped: `weight_bytes`, the KV tensors' (kvcache KVTensors) bytes for the
+        blocks `kv_manager` (a KVCacheManager) ever handed out, and the process's resident set for the rest."""
+        # Weak references: the registry outlives engines (tests build many), and must not keep their caches alive.
+        kv_ref, pools = weakref.ref(kv), weakref.ref(kv_manager)
+
+        def kv_bytes(host: bool) -> int:
+            tensors, manager = kv_ref(), pools()
+            if tensors is None or manager is None:
+                return 0
+            if host:
+                return tensors.host_resident_bytes(manager.swap_space.num_touched)
+            return tensors.resident_bytes(manager.pool.num_touched)
+
+        resident = {"weights": lambda: weight_bytes, "kv_cache": lambda: kv_bytes(False),
+                    "kv_swap": lambda: kv_bytes(True)}
+        in_host_memory = ["kv_swap", *(("weights", "kv_cache") if kv.device.type == "cpu" else ())]
+        resident["other"] = lambda: max(0, process_resident_bytes() - sum(resident[k]() for k in in_host_memory))
+        for kind, read in resident.items():
+            self._c["memory_resident"][kind].set_function(read)
+        self._c["memory_reserved"]["kv_cache"].set(kv.num_bytes)
+        self._c["memory_reserved"]["kv_swap"].set(kv.host_num_bytes)
+
     def observe_kv_events_dropped(self, n: int) -> None:
         """Count KV cache events the publisher dropped (--kv-events-config)."""
         self._c["kv_events_dropped"].inc(n)
@@ -295,6 +325,15 @@ class _Timing:
 
     request: Request
     last_token_time: float | None = None
+
+
+def process_resident_bytes() -> int:
+    """This process's resident set now (/proc/self/statm), 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def reject_reason(status: int, code: str | None = None) -> str | None:

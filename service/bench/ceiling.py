@@ -165,6 +165,25 @@ class RawForward:
             torch.cuda.synchronize(self.device)
 
 
+def matmul_gflop_s(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5) -> float:
+    """The machine's matmul rate for `dtype` in GFLOP/s: the best of `reps` n x n x n torch.mm on `threads` threads
+    (on CPU; the rate a compute-bound prefill approaches, the reference `bench peers` sets E's prefill against)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        torch.mm(a, b)  # the first call picks and caches the kernel
+        best = math.inf
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n**3 / best / 1e9
+
+
 def prefill_groups(run: OfflineRun) -> list[list[int]]:
     """Indices of the prompts whose prefill began in the same engine step, in step order."""
     index = {rid: i for i, rid in enumerate(run.request_ids)}

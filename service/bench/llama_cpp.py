@@ -22,7 +22,7 @@ SDIST = "llama-cpp-python"
 ISA = [("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
        ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
        ("avx512_bf16", "GGML_AVX512_BF16")]
-CONVERTED = ("F32", "BF16")  # written by convert_hf_to_gguf.py; every other type by llama-quantize from F32
+CONVERTED = ("F32", "F16", "BF16")  # written by convert_hf_to_gguf.py; every other type by llama-quantize from F32
 
 
 def cpu_flags() -> set[str]:
@@ -79,7 +79,7 @@ def build_llama_quantize(cache: Path, log=print) -> Path:
 
 
 def convert(cache: Path, model_dir: Path, outtype: str, target: Path, log=print) -> Path:
-    """`model_dir` (safetensors) as a GGUF of `outtype` ("f32", "bf16") by llama.cpp's own converter, once."""
+    """`model_dir` (safetensors) as a GGUF of `outtype` ("f32", "f16", "bf16") by llama.cpp's own converter, once."""
     if target.is_file():
         return target
     tree = llama_tree(cache)

@@ -2,7 +2,9 @@
 
 Per model size (135m: SmolLM2-135M-Instruct; 360m, 1.7b: random models of SmolLM2's shapes, peer_models.py) and
 weight format pair (peer_plan.py), each server runs alone, measured on workloads A, B, C (and D, repetitive, with
-n-gram speculation off and on) scaled to the size. The results file is rewritten after every server, so a run
+n-gram speculation off and on) scaled to the size, and on E (one long prompt at a time) on a server of its own;
+the server's resident memory is read after every workload. E's prefill rate is set against the machine's matmul
+rate, measured once per run before any server starts. The results file is rewritten after every server, so a run
 cut short keeps what it measured, and `resume` skips the lines it already holds with the same plan. With `rounds`
 above one every line runs that many times, the order reversed each round (S, L, ..., L, S): a machine whose speed
 drifts over minutes then weighs on every line alike, and each figure is the median of the line's rounds.
@@ -27,33 +29,40 @@ from sluice.service.bench.llama_cpp import ISA, build_llama_server, cpu_flags
 from sluice.service.bench.peer_models import disk_mib, prepare
 from sluice.service.bench.peer_plan import (
     GGUF_SERVED,
-    PAIRS,
     SPEC_LLAMA,
     SPEC_SLUICE,
     Launch,
     Line,
+    default_pairs,
     estimate_lines,
+    float_pairs,
     plan,
+    prefill_flops,
+    warmup,
 )
 from sluice.service.bench.peer_plan import workloads as scaled_workloads
-from sluice.service.bench.peers_report import ratios, table
+from sluice.service.bench.peers_report import PEAK_DTYPES, ratios, table
 from sluice.service.bench.serve import ServeConfig, run_serve
 from sluice.service.bench.server_process import ServerProcess
 from sluice.service.bench.shapes import random_checkpoint
+from sluice.service.engine.cpu import native_bf16_flags
 
 NO_SPEC_FLAG = "this sluice serve has no --speculative-method (n-gram speculation not built yet)"
 
 
-def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), pairs=PAIRS,
+def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), pairs=None,
               d_sizes: tuple[str, ...] = ("135m",), baseline: str = "", shapes: tuple[str, ...] = (),
               resume: bool = False, rounds: int = 1, log=print) -> dict:
     """Build what is missing, run every line of the plan in turn, rewrite JSON and Markdown after each one.
+
+    `pairs`: the weight format pairs (None: default_pairs, the float pair by this CPU).
 
     `baseline`: a git ref whose Sluice runs right before this one on every Sluice line ("Sluice@<sha8> ...").
     `shapes`: other layer layouts ("qwen2-135m", see shapes.py) served by Sluice alone on A and B.
     `rounds`: times every line runs, in alternating order; each figure is the median of its rounds.
     """
     check_rounds(rounds, resume)
+    pairs = default_pairs() if pairs is None else pairs
     cache = cache_root() / "peers"
     server = build_llama_server(cache, log)
     pythons = {"Sluice": sys.executable}
@@ -63,8 +72,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
 
         sha = resolve(baseline)
         pythons[f"Sluice@{sha[:8]}"] = str(baseline_python(sha, cache, log))
-    lines = plan(sizes, pairs, d_sizes, bf16=bool({"avx512_bf16", "amx_bf16"} & cpu_flags()), baseline=sha,
-                 shapes=shapes)
+    bf16_flags = native_bf16_flags()
+    lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16_flags), baseline=sha, shapes=shapes)
     served = (GGUF_SERVED[ours] for ours, _ in pairs if ours in GGUF_SERVED)  # the files Sluice's gguf lines read
     kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *served]))
     log("preparing models: " + ", ".join(sizes))
@@ -72,7 +81,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     threads = str(len(os.sched_getaffinity(0)))
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "threads": threads,
                         "sizes": list(sizes), "baseline": sha, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                        "rounds": rounds,
+                        "rounds": rounds, "float_pair": float_pairs(bf16_flags)[1],
+                        "formats": ["/".join(p) for p in pairs],
                         "models": {s: ("SmolLM2-135M-Instruct" if s == "135m" else f"random weights, SmolLM2-{s.upper()}"
                                        "'s shape") for s in sizes},
                         "disk_mib": disk_mib(models.values())}, "servers": {}}
@@ -83,6 +93,9 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         results["meta"]["models"] = {**old.get("meta", {}).get("models", {}), **results["meta"]["models"]}
     for text in estimate_lines([line for line, _ in round_order(lines, rounds)]):
         log(text)
+    log(f"float pair: {results['meta']['float_pair']}")
+    dtypes = sorted({PEAK_DTYPES.get(line.fmt, "float32") for line in lines if "E" in _workloads_of(line)})
+    results["meta"]["peak_gflop_s"] = {d: machine_peak(d, int(threads), log) for d in dtypes}
     spec_ok = _has_spec_flag(sys.executable)
     measured: dict[str, list[dict]] = {}
     for line, turn in round_order(lines, rounds):
@@ -115,7 +128,8 @@ def round_order(lines: list[Line], rounds: int) -> list[tuple[Line, int]]:
     return [(line, turn) for turn in range(rounds) for line in (lines if turn % 2 == 0 else lines[::-1])]
 
 
-MEDIAN_FIELDS = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms", "duration_s")
+MEDIAN_FIELDS = ("output_tok_s", "tpot_p50_ms", "ttft_p50_ms", "duration_s", "rss_mib", "prefill_tok_s",
+                 "prefill_gflop_s")
 
 
 def median_of_rounds(runs: list[dict]) -> dict:
@@ -128,10 +142,12 @@ def median_of_rounds(runs: list[dict]) -> dict:
     for key, value in runs[-1].items():
         if key.startswith("rss_mib"):
             out[key] = statistics.median(r[key] for r in runs if r.get(key) is not None)
-        elif key in ("A", "B", "C", "D") and isinstance(value, dict):
+        elif key in ("A", "B", "C", "D", "E") and isinstance(value, dict):
             present = [r[key] for r in runs if isinstance(r.get(key), dict)]
             for field in MEDIAN_FIELDS:
-                out[key][field] = statistics.median(w[field] for w in present)
+                values = [w[field] for w in present if w.get(field) is not None]
+                if values:
+                    out[key][field] = statistics.median(values)
             for field in ("completed", "failed"):
                 out[key][field] = sum(w.get(field, 0) for w in present)
     out["rounds"] = runs
@@ -177,6 +193,21 @@ def _has_spec_flag(python: str) -> bool:
     return "--speculative-method" in _serve_help(python)
 
 
+def _workloads_of(line: Line) -> set[str]:
+    return {w for launch in line.launches for w in launch.workloads}
+
+
+def machine_peak(dtype: str, threads: int, log=print) -> float:
+    """GFLOP/s of a large torch matmul in `dtype` ("float32", "bfloat16") on `threads` threads: the machine's rate."""
+    import torch
+
+    from sluice.service.bench.ceiling import matmul_gflop_s
+
+    rate = matmul_gflop_s(getattr(torch, dtype), threads)
+    log(f"matmul peak, {dtype} on {threads} threads: {rate:.0f} GFLOP/s")
+    return rate
+
+
 def _plan_of(line: Line) -> dict:
     """What a line measured: its launches and each workload's settings (resume compares it)."""
     ws = scaled_workloads(line.size)
@@ -192,7 +223,10 @@ def _measure(line: Line, cmds: list[list[str]], log) -> dict:
         try:
             with ServerProcess(cmd, "/ready" if line.sluice else "/health") as server:
                 for name in launch.workloads:
-                    out[name] = _workload(server.base, ws[name], log)
+                    out[name] = _workload(server.base, ws[name], log, warmup(ws[name]) if name == "E" else None)
+                    out[name]["rss_mib"] = server.rss_mib()  # what the workload left resident
+                    if name == "E":
+                        out[name].update(prefill_rate(line.size, out[name]))
                 out["rss_mib" if i == 0 else f"rss_mib_{''.join(launch.workloads)}"] = server.rss_mib()
         except RuntimeError as e:  # a server that would not start: the line says so, the run goes on
             log(f"failed: {e}")
@@ -202,17 +236,32 @@ def _measure(line: Line, cmds: list[list[str]], log) -> dict:
     return out
 
 
-def _workload(base: str, w, log) -> dict:
+def prefill_rate(size: str, e: dict) -> dict:
+    """E's prefill: prompt tokens over TTFT p50, in tokens/s and in GFLOP/s (peer_plan.prefill_flops)."""
+    tokens, ttft_s = e.get("prompt_tokens") or 0, (e.get("ttft_p50_ms") or 0) / 1000
+    if not (tokens and ttft_s > 0):
+        return {}
+    return {"prefill_tok_s": tokens / ttft_s, "prefill_gflop_s": prefill_flops(size, round(tokens)) / ttft_s / 1e9}
+
+
+def _workload(base: str, w, log, warm=None) -> dict:
+    """`w` against the server at `base` after one warm-up request: `w`'s first prompt, or the `warm` workload."""
     chat = w.dataset == "repetitive"  # D asks for an edit: through the chat template, as a user would
-    cfg = ServeConfig(workload=dataclasses.replace(w), base_url=base, tokenizer="default", progress=False,
-                      num_warmups=1, endpoint="/v1/chat/completions" if chat else "/v1/completions")
-    r = asyncio.run(run_serve(cfg))
+
+    def config(workload, warmups: int) -> ServeConfig:
+        return ServeConfig(workload=dataclasses.replace(workload), base_url=base, tokenizer="default",
+                           progress=False, num_warmups=warmups,
+                           endpoint="/v1/chat/completions" if chat else "/v1/completions")
+
+    if warm is not None and (warmed := asyncio.run(run_serve(config(warm, 0)))).failed:
+        raise RuntimeError(f"warm-up request failed: {'; '.join(warmed.errors)}")
+    r = asyncio.run(run_serve(config(w, 0 if warm is not None else 1)))
     spec = r.spec.get("tokens_per_forward")
     log(f"{w.name}: {r.output_throughput:.1f} tok/s, TPOT p50 {r.tpot_ms.p50:.1f} ms, TTFT p50 {r.ttft_ms.p50:.0f} ms"
         + (f", {spec:.2f} tokens per forward" if spec else "") + f", failed {r.failed}")
     return {"output_tok_s": r.output_throughput, "tpot_p50_ms": r.tpot_ms.p50, "ttft_p50_ms": r.ttft_ms.p50,
             "completed": r.completed, "failed": r.failed, "errors": r.errors, "duration_s": r.duration_s,
-            "spec": r.spec}
+            "prompt_tokens": r.input_tokens / r.completed if r.completed else None, "spec": r.spec}
 
 
 def _write(output: Path, results: dict) -> None:

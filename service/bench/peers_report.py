@@ -1,11 +1,15 @@
 """`bench peers` results as ratios and Markdown: weight format for weight format per size, A against llama.cpp's
-best, and workload D with speculation on and off."""
+best, workload D with speculation on and off, and E's prefill against the machine's matmul rate."""
 
 from __future__ import annotations
 
 from sluice.service.bench.peer_plan import PAIRS
 
-FIELDS = {"A": ("A", "output_tok_s"), "B": ("B", "tpot_p50_ms"), "C": ("C", "ttft_p50_ms")}
+FIELDS = {"A": ("A", "output_tok_s"), "B": ("B", "tpot_p50_ms"), "C": ("C", "ttft_p50_ms"), "E": ("E", "ttft_p50_ms")}
+# The matmul rate E's prefill is set against, per weight format: bf16 formats compute in bf16; fp32, F16 (widened
+# to fp32 on a CPU without fp16 arithmetic) and the quantized formats (Sluice multiplies in fp32) against fp32's.
+PEAK_DTYPES = {"bf16": "bfloat16", "BF16": "bfloat16"}
+WORKLOADS = "ABCDE"
 
 
 def _get(line: dict | None, workload: str, field: str) -> float | None:
@@ -18,8 +22,9 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(servers: dict, sizes: list[str]) -> dict:
-    """Sluice over llama.cpp per size: each weight-format pair (A tok/s, B TPOT, C TTFT, RSS), every Sluice
-    line's A over llama.cpp's best A, each line over its baseline, and D's speculation figures."""
+    """Sluice over llama.cpp per size: each weight-format pair (A tok/s, B TPOT, C and E TTFT, RSS after A-D and
+    after E), every Sluice line's A over llama.cpp's best A, each line over its baseline, and D's speculation
+    figures."""
     out: dict = {}
     for size in sizes:
         for ours, theirs in PAIRS:
@@ -27,6 +32,7 @@ def ratios(servers: dict, sizes: list[str]) -> dict:
             if a and b:
                 r = {w: _div(_get(a, *FIELDS[w]), _get(b, *FIELDS[w])) for w in FIELDS}
                 r["rss"] = _div(a.get("rss_mib"), b.get("rss_mib"))
+                r["rss_E"] = _div(_get(a, "E", "rss_mib"), _get(b, "E", "rss_mib"))
                 out[f"{size} {ours} / {theirs}"] = r
         peers_a = {n: _get(s, "A", "output_tok_s") for n, s in servers.items()
                    if n.startswith(f"{size} llama.cpp ") and _get(s, "A", "output_tok_s")}
@@ -76,14 +82,20 @@ def table(results: dict) -> str:
     out = ["# Sluice beside llama.cpp (same machine, one server at a time, same KV capacity)", "",
            f"CPU features used by the llama.cpp build: {', '.join(meta.get('cpu_flags', []))}. "
            f"{meta.get('threads', '?')} threads. Started {meta.get('started', '?')}.",
-           "Ratios are Sluice / llama.cpp: above 1 is better for A (tok/s), below 1 for B (TPOT), C (TTFT) and RSS."]
+           "Ratios are Sluice / llama.cpp: above 1 is better for A (tok/s), below 1 for B (TPOT), C and E (TTFT) "
+           "and RSS. RSS: the server's resident memory after its last workload of A-D; E's after E, on a server of "
+           "its own (one slot of 4,096 tokens)."]
+    if meta.get("float_pair"):
+        out.append(f"Float pair: {meta['float_pair']}" + (f"; formats run: {', '.join(meta['formats'])}."
+                                                          if meta.get("formats") else "."))
     if meta.get("rounds", 1) > 1:
         out.append(f"Each figure is the median of {meta['rounds']} rounds: every server line ran once a round, the "
                    "order reversed each round.")
     for size in meta.get("sizes", []):
         out += ["", f"## {size} ({meta.get('models', {}).get(size, '')})", "",
                 "| weights (Sluice / llama.cpp) | A tok/s | A ratio | B TPOT p50 ms | B ratio | C TTFT p50 ms | "
-                "C ratio | RSS MiB | RSS ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                "C ratio | E TTFT p50 ms | E ratio | RSS MiB | RSS ratio | RSS after E MiB | ratio |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for ours, theirs in PAIRS:
             a, b = servers.get(f"{size} Sluice {ours}"), servers.get(f"{size} llama.cpp {theirs}")
             if not (a or b):
@@ -94,27 +106,56 @@ def table(results: dict) -> str:
                 return f"{_c(_get(a, *FIELDS[w]), fmt)} / {_c(_get(b, *FIELDS[w]), fmt)}"
 
             rss = f"{_c((a or {}).get('rss_mib'), '.0f')} / {_c((b or {}).get('rss_mib'), '.0f')}"
+            rss_e = f"{_c(_get(a, 'E', 'rss_mib'), '.0f')} / {_c(_get(b, 'E', 'rss_mib'), '.0f')}"
             out.append(f"| {ours} / {theirs} | {pair('A', '.1f')} | {_c(pr.get('A'), '.2f')} | {pair('B', '.1f')} | "
-                       f"{_c(pr.get('B'), '.2f')} | {pair('C', '.0f')} | {_c(pr.get('C'), '.2f')} | {rss} | "
-                       f"{_c(pr.get('rss'), '.2f')} |")
+                       f"{_c(pr.get('B'), '.2f')} | {pair('C', '.0f')} | {_c(pr.get('C'), '.2f')} | "
+                       f"{pair('E', '.0f')} | {_c(pr.get('E'), '.2f')} | {rss} | {_c(pr.get('rss'), '.2f')} | "
+                       f"{rss_e} | {_c(pr.get('rss_E'), '.2f')} |")
         best = [(n.split(" ")[2], v) for n, v in r.items() if n.startswith(f"{size} Sluice ") and n.endswith("best llama.cpp")]
         if best:
             out += ["", f"A against llama.cpp's best ({best[0][1]['best']}): "
                     + ", ".join(f"{fmt} {v['A']:.2f}×" for fmt, v in best) + "."]
         out += _d_section(servers, r.get(f"{size} D"), size)
+        out += _e_section(servers, meta, size)
     out += ["", "## Every line", "", "| server | A tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | D TPOT p50 ms | "
-            "D tokens/forward | RSS MiB | failed |", "|---|---|---|---|---|---|---|---|---|"]
+            "D tokens/forward | E TTFT p50 ms | RSS MiB | RSS MiB after each workload | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in servers.items():
         if "skipped" in s:
-            out.append(f"| {name} | skipped: {s['skipped']} |" + " |" * 7)
+            out.append(f"| {name} | skipped: {s['skipped']} |" + " |" * 9)
             continue
-        failed = "/".join(str(s[w].get("failed", 0)) for w in "ABCD" if w in s)
+        failed = "/".join(str(s[w].get("failed", 0)) for w in WORKLOADS if w in s)
         tpf = ((s.get("D") or {}).get("spec") or {}).get("tokens_per_forward")
+        after = ", ".join(f"{w} {_get(s, w, 'rss_mib'):.0f}" for w in WORKLOADS if _get(s, w, "rss_mib")) or "-"
         out.append(f"| {name} | {_c(_get(s, 'A', 'output_tok_s'), '.1f')} | {_c(_get(s, 'B', 'tpot_p50_ms'), '.1f')} | "
                    f"{_c(_get(s, 'C', 'output_tok_s'), '.1f')} | {_c(_get(s, 'C', 'ttft_p50_ms'), '.0f')} | "
-                   f"{_c(_get(s, 'D', 'tpot_p50_ms'), '.1f')} | {_c(tpf, '.2f')} | {_c(s.get('rss_mib'), '.0f')} | "
-                   f"{failed} |")
+                   f"{_c(_get(s, 'D', 'tpot_p50_ms'), '.1f')} | {_c(tpf, '.2f')} | "
+                   f"{_c(_get(s, 'E', 'ttft_p50_ms'), '.0f')} | {_c(s.get('rss_mib'), '.0f')} | {after} | {failed} |")
     return "\n".join(out) + "\n"
+
+
+def _e_section(servers: dict, meta: dict, size: str) -> list[str]:
+    """E's prefill per line: prompt tokens / TTFT p50, and its FLOP rate as a share of the format's matmul peak."""
+    lines = [(n, s) for n, s in servers.items() if n.startswith(f"{size} ") and _get(s, "E", "ttft_p50_ms")]
+    if not lines:
+        return []
+    peaks = meta.get("peak_gflop_s") or {}
+    measured = ", ".join(f"{dtype} {rate:.0f} GFLOP/s" for dtype, rate in sorted(peaks.items())) or "not measured"
+    out = ["", f"Workload E (one prompt of about 2,000 tokens at a time, 16 output tokens): prefill rate = prompt "
+           f"tokens / TTFT p50, FLOPs = 2 x weights x tokens + causal attention, against the machine's matmul rate "
+           f"(torch.mm 2048^3 on {meta.get('threads', '?')} threads: {measured}; bf16 formats against bf16's, "
+           "the rest against fp32's):", "",
+           "| server | E TTFT p50 ms | prompt tokens | prefill tok/s | GFLOP/s | share of peak |",
+           "|---|---|---|---|---|---|"]
+    for name, s in lines:
+        e = s["E"]
+        fmt = name.removeprefix(f"{size} ").split(" ")[1]
+        peak = peaks.get(PEAK_DTYPES.get(fmt, "float32"))
+        share = _div(e.get("prefill_gflop_s"), peak)
+        out.append(f"| {name.removeprefix(size + ' ')} | {_c(_get(s, 'E', 'ttft_p50_ms'), '.0f')} | "
+                   f"{_c(e.get('prompt_tokens'), '.0f')} | {_c(e.get('prefill_tok_s'), '.0f')} | "
+                   f"{_c(e.get('prefill_gflop_s'), '.1f')} | {'-' if share is None else format(share, '.0%')} |")
+    return out
 
 
 def _d_section(servers: dict, d: dict | None, size: str) -> list[str]:

@@ -53,7 +53,7 @@ class LLMEngine(ConstrainedDecoding):
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
         import torch
 
-        from sluice.service.engine.kv_sizing import format_bytes, model_context_length
+        from sluice.service.engine.kv_sizing import format_bytes, model_context_length, model_weight_bytes
         from sluice.service.engine.model_loader import (
             apply_hf_overrides,
             auto_dtype,
@@ -168,6 +168,7 @@ class LLMEngine(ConstrainedDecoding):
         self.metrics = SluiceMetrics(self.served_model_name, vllm_names=vllm_names if config.server.vllm_metric_names else None)
         self.stat_loggers.append(self.metrics.observe_step)
         self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
+        self.metrics.watch_memory(model_weight_bytes(model), self.runner.kv, self.kv_manager)  # read when scraped
 
     # --- requests ------------------------------------------------------------------------------
 

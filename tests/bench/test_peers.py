@@ -1,5 +1,6 @@
-"""`bench peers` and workload D: the plan per size and weight format, its duration, the commands, the random
-models, the speculation figures and the report. Nothing here builds llama.cpp or a large model."""
+"""`bench peers`, workloads D and E: the plan per size and weight format (the float pair by the CPU), its
+duration, the commands, the random models, the speculation and prefill figures and the report. Nothing here builds
+llama.cpp or a large model."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from sluice.service.bench import peer_plan
 from sluice.service.bench.peer_plan import (
     AB_SLOTS,
     C_SLOTS,
+    E_SLOT_CTX,
     PAIRS,
     SCALES,
     Launch,
     Line,
+    default_pairs,
     estimate_lines,
     estimate_s,
     parse_formats,
@@ -50,8 +53,10 @@ def test_peers_build_uses_only_the_cpu_features_it_reports():
 
 def test_sizes_and_formats_parse_by_either_name():
     assert parse_sizes("") == ALL and parse_sizes("1.7b, 135M") == ("135m", "1.7b")
-    assert parse_formats("") == PAIRS
+    assert parse_formats("", ["avx512_bf16"]) == default_pairs(["avx512_bf16"])
     assert parse_formats("F32,int4") == (("fp32", "F32"), ("int4", "Q4_1"))
+    assert parse_formats("fp32") == (("fp32", "F32"),)  # Sluice's name: its first pair, as before F16 came
+    assert parse_formats("fp32,f16") == parse_formats("F32,F16") == (("fp32", "F32"), ("fp32", "F16"))
     assert parse_formats("gguf") == parse_formats("q4_k_m") == (("Q4_K", "Q4_K_M"),)
     assert parse_formats("q4_0") == (("Q4_0", "Q4_0"),)  # one name, both sides
     with pytest.raises(ValueError, match="unknown sizes"):
@@ -69,18 +74,24 @@ def test_plan_pairs_every_format_at_the_same_kv_capacity_and_fits_every_request(
         for ours, theirs in PAIRS:
             sluice = next(x for x in lines if x.name == f"{size} Sluice {ours}")
             peer = next(x for x in lines if x.name == f"{size} llama.cpp {theirs}")
-            ab, c = peer.launches
+            ab, c, e = peer.launches
             assert (ab.slots, c.slots) == (AB_SLOTS, C_SLOTS) and set(ab.workloads) == {"A", "B"}
-            # one Sluice server holds as many KV tokens as the larger of llama.cpp's two layouts
-            assert [x.kv_tokens for x in sluice.launches] == [max(ab.kv_tokens, c.kv_tokens)]
+            # one Sluice server holds as many KV tokens as the larger of llama.cpp's two layouts; E has a server
+            # of its own on both sides, one slot of 4,096 tokens
+            assert [x.kv_tokens for x in sluice.launches] == [max(ab.kv_tokens, c.kv_tokens), E_SLOT_CTX]
             assert set(sluice.launches[0].workloads) == set(ab.workloads) | set(c.workloads)
+            assert sluice.launches[1] == e == Launch(1, 4096, ("E",))
             for launch in peer.launches:  # every request fits its slot, with room for tokenization drift
                 for name in launch.workloads:
                     prompt = 620 if name == "D" else ws[name].input_len
                     assert prompt + ws[name].output_len + 8 <= launch.slot_ctx, (size, name)
+        w = ws["E"]  # one long prompt at a time, within Sluice's --max-model-len 2048
+        assert w.max_concurrency == 1 and w.output_len == 16 and 1900 <= w.input_len <= 2048 - 16 - 16
+        assert w.num_prompts >= 1 and w.seed not in {x.seed for n, x in ws.items() if n != "E"}
+    assert len([x for x in lines if x.name == "135m Sluice fp32"]) == 1  # paired with F32 and F16, run once
     assert [x.name for x in lines if x.spec] == ["135m Sluice bf16 ngram", "135m llama.cpp BF16 ngram k4",
                                                  "135m llama.cpp BF16 ngram"]
-    assert all("D" in x.launches[-1].workloads for x in lines if x.size == "135m")
+    assert all(any("D" in launch.workloads for launch in x.launches) for x in lines if x.size == "135m")
     assert not any("D" in launch.workloads for x in lines if x.size != "135m" for launch in x.launches)
 
 
@@ -99,8 +110,10 @@ def test_plan_without_bf16_with_a_baseline_and_other_layouts():
 def test_run_estimate_fits_the_time_budget_and_bounds_every_server_run():
     lines = plan(ALL)
     total = sum(estimate_s(x) for x in lines)
-    assert 20 * 60 <= total <= 42 * 60
-    assert max(workload_s(x, w) for x in lines for launch in x.launches for w in launch.workloads) <= 90
+    assert 40 * 60 <= total <= 66 * 60  # every pair, both float pairs
+    for flags in ([], ["amx_bf16"]):  # a run with the CPU's own float pair stays under the hour
+        assert 30 * 60 <= sum(estimate_s(x) for x in plan(ALL, default_pairs(flags), bf16=bool(flags))) <= 60 * 60
+    assert max(workload_s(x, w) for x in lines for launch in x.launches for w in launch.workloads) <= 95
     assert estimate_lines(lines)[0].startswith(f"{len(lines)} server lines; expected duration about ")
     # B keeps enough single-stream decode steps for a stable p50 at every size, C keeps 16 in flight
     for size in ALL:
@@ -138,6 +151,13 @@ def test_commands_carry_format_kv_capacity_and_speculation(tmp_path):
     cmd = command(line, line.launches[0], {("135m", "BF16"): tmp_path / "b.gguf"}, tmp_path / "srv", {}, "2")
     assert cmd[cmd.index("--parallel") + 1] == "16" and cmd[cmd.index("-c") + 1] == "16384"
     assert "--no-kv-unified" in cmd and cmd[cmd.index("--spec-ngram-simple-size-m") + 1] == "4"
+    e_plan = plan(("135m",), (("fp32", "F16"),))
+    peer, ours = (next(x for x in e_plan if x.engine == e) for e in ("llama.cpp", "Sluice"))
+    cmd = command(peer, peer.launches[-1], {("135m", "F16"): tmp_path / "h.gguf"}, tmp_path / "srv", {}, "2")
+    assert cmd[cmd.index("-m") + 1] == str(tmp_path / "h.gguf")  # E: llama.cpp's one slot of 4,096
+    assert cmd[cmd.index("--parallel") + 1] == "1" and cmd[cmd.index("-c") + 1] == "4096"
+    cmd = command(ours, ours.launches[-1], {("135m", "hf"): hf}, tmp_path / "srv", {"Sluice": sys.executable}, "2")
+    assert cmd[cmd.index("--num-kv-blocks") + 1] == "256" and cmd[cmd.index("--max-model-len") + 1] == "2048"
 
 
 @pytest.mark.slow  # SmolLM2's tokenizer (and config)
@@ -231,15 +251,19 @@ def test_serve_client_reads_draft_figures_of_a_repetitive_run():
 
 
 def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
-    def line(a=None, b=None, c=None, rss=1000.0, d=None, tpf=None):
+    def line(a=None, b=None, c=None, rss=1000.0, d=None, tpf=None, e=None, rss_e=None):
         s = {"rss_mib": rss}
         for w, field, v in (("A", "output_tok_s", a), ("B", "tpot_p50_ms", b), ("C", "ttft_p50_ms", c),
-                            ("D", "tpot_p50_ms", d)):
+                            ("D", "tpot_p50_ms", d), ("E", "ttft_p50_ms", e)):
             if v is not None:
                 s[w] = {field: v, "failed": 0, "spec": {"tokens_per_forward": tpf} if w == "D" else {}}
+        if e is not None:
+            s["E"].update(rss_mib=rss_e, prompt_tokens=2000.0, prefill_tok_s=2000 / e * 1000,
+                          prefill_gflop_s=500 / e * 1000)
         return s
 
-    servers = {"360m Sluice fp32": line(200, 30, 1000, 1500), "360m llama.cpp F32": line(100, 20, 4000),
+    servers = {"360m Sluice fp32": line(200, 30, 1000, 1500, e=4000, rss_e=900),
+               "360m llama.cpp F32": line(100, 20, 4000, e=5000, rss_e=600),
                "360m Sluice bf16": line(300, 10, 500, 1200), "360m llama.cpp BF16": line(150, 10, 4000, 1000),
                "360m llama.cpp Q4_1": line(60, 15, 9000, 800),
                "135m Sluice bf16": line(400, 12, 900, d=12.0, tpf=1.0), "135m llama.cpp BF16": line(300, 12, 4000, d=11.0),
@@ -247,7 +271,7 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
                "135m llama.cpp BF16 ngram": line(b=12, d=8.0),
                "135m Sluice@0123abcd bf16": line(200, 24, 900, 1100)}
     r = ratios(servers, ["135m", "360m"])
-    assert r["360m fp32 / F32"] == {"A": 2.0, "B": 1.5, "C": 0.25, "rss": 1.5}
+    assert r["360m fp32 / F32"] == {"A": 2.0, "B": 1.5, "C": 0.25, "E": 0.8, "rss": 1.5, "rss_E": 1.5}
     assert r["360m bf16 / BF16"]["A"] == 2.0 and "360m int4 / Q4_1" not in r
     assert r["360m Sluice fp32 A / best llama.cpp"] == {"A": 200 / 150, "best": "llama.cpp BF16"}
     assert r["135m Sluice bf16 / Sluice@0123abcd bf16"]["A"] == 2.0
@@ -255,9 +279,17 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     assert d["D_tpot_off_over_on"] == 12 / 5 and d["D_tokens_per_forward"] == 2.5
     assert d["D_tpot_on_over_llama_best_on"] == 5 / 6 and d["B_tpot_on_over_off"] == pytest.approx(1.05)
     servers["1.7b Sluice bf16 ngram"] = {"skipped": "no flag"}
-    text = table({"meta": {"cpu_flags": ["avx2"], "sizes": ["135m", "360m", "1.7b"]}, "servers": servers,
-                  "ratios": ratios(servers, ["135m", "360m", "1.7b"])})
-    assert "| fp32 / F32 | 200.0 / 100.0 | 2.00 | 30.0 / 20.0 | 1.50 | 1000 / 4000 | 0.25 | 1500 / 1000 | 1.50 |" in text
+    meta = {"cpu_flags": ["avx2"], "sizes": ["135m", "360m", "1.7b"], "threads": "2",
+            "peak_gflop_s": {"float32": 250.0, "bfloat16": 125.0}}
+    text = table({"meta": meta, "servers": servers, "ratios": ratios(servers, ["135m", "360m", "1.7b"])})
+    assert ("| fp32 / F32 | 200.0 / 100.0 | 2.00 | 30.0 / 20.0 | 1.50 | 1000 / 4000 | 0.25 | 4000 / 5000 | 0.80 | "
+            "1500 / 1000 | 1.50 | 900 / 600 | 1.50 |") in text
+    assert "| bf16 / BF16 | 300.0 / 150.0 | 2.00 | 10.0 / 10.0 | 1.00 | 500 / 4000 | 0.12 | - / - | - |" in text
+    # E's prefill: 2,000 tokens in 4 s is 500 tok/s; 125 GFLOP/s of fp32's 250 is half the machine's rate
+    assert "(torch.mm 2048^3 on 2 threads: bfloat16 125 GFLOP/s, float32 250 GFLOP/s;" in text
+    assert "| Sluice fp32 | 4000 | 2000 | 500 | 125.0 | 50% |" in text
+    assert "| llama.cpp F32 | 5000 | 2000 | 400 | 100.0 | 40% |" in text
+    assert "| 360m Sluice fp32 | 200.0 | 30.0 | - | 1000 | - | - | 4000 | 1500 | E 900 | 0/0/0/0 |" in text
     assert "A against llama.cpp's best (llama.cpp BF16): fp32 1.33×, bf16 2.00×." in text
     assert "| Sluice bf16 ngram | 5.0 | 2.50 | - | 12.6 |" in text and "D TPOT 2.40× lower" in text
     assert "| 1.7b Sluice bf16 ngram | skipped: no flag |" in text
@@ -274,14 +306,20 @@ def test_rounds_alternate_the_order_and_report_each_lines_median():
         *((n, 0) for n in names), *((n, 1) for n in reversed(names)), *((n, 2) for n in names)]
     assert round_order(lines, 1) == [(line, 0) for line in lines]
 
-    def run(a, tpot, rss, failed=0):
+    def run(a, tpot, rss, failed=0, ttft_e=4000.0):
         return {"plan": {"p": 1}, "rss_mib": rss, "A": {"output_tok_s": a, "tpot_p50_ms": 1.0, "ttft_p50_ms": 9.0,
                                                         "duration_s": 3.0, "completed": 64, "failed": failed},
                 "B": {"output_tok_s": 10.0, "tpot_p50_ms": tpot, "ttft_p50_ms": 5.0, "duration_s": 2.0,
-                      "completed": 4, "failed": 0, "spec": {}}}
+                      "completed": 4, "failed": 0, "spec": {}},
+                "E": {"output_tok_s": 4.0, "tpot_p50_ms": 9.0, "ttft_p50_ms": ttft_e, "duration_s": 12.0,
+                      "completed": 3, "failed": 0, "rss_mib": rss / 2, "prefill_tok_s": 2e6 / ttft_e}}
 
-    runs = [run(300.0, 11.0, 1000.0), run(250.0, 13.0, 1020.0, failed=1), run(280.0, 12.5, 990.0)]
+    runs = [run(300.0, 11.0, 1000.0), run(250.0, 13.0, 1020.0, failed=1, ttft_e=5000.0),
+            run(280.0, 12.5, 990.0, ttft_e=3000.0)]
     merged = median_of_rounds(runs)
+    assert merged["E"]["ttft_p50_ms"] == 4000.0 and merged["E"]["rss_mib"] == 500.0  # RSS after E, too
+    assert merged["E"]["prefill_tok_s"] == 500.0 and merged["E"]["completed"] == 9
+    assert "rss_mib" not in merged["A"]  # figures a round did not measure stay absent
     assert merged["A"]["output_tok_s"] == 280.0 and merged["B"]["tpot_p50_ms"] == 12.5 and merged["rss_mib"] == 1000.0
     assert merged["A"]["failed"] == 1 and merged["A"]["completed"] == 192 and merged["rounds"] == runs
     assert median_of_rounds(runs[:1]) is runs[0]  # one round: as measured
