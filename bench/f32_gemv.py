@@ -1,6 +1,6 @@
 """The fp32 decode GEMV's memory bandwidth per linear shape of SmolLM2-135M, -360M and -1.7B, beside what a torch
 sum reads (the machine's streaming rate) and torch's own linear, in one process.
-`python bench/f32_gemv.py --output bench/f32-gemv.json`."""
+`python bench/f32_gemv.py --output bench/results/f32-gemv.json`."""
 
 from __future__ import annotations
 

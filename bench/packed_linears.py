@@ -1,7 +1,7 @@
 """The linears of a 1.7B Llama (SmolLM2-1.7B's shapes, 24 layers; with --head its 49,152-row output head too) on
 random GGUF blocks of each type, timed in process: as the file stores them (csrc/gguf_linear.cpp's GEMV up to 32
-rows, dequantized tiles + GEMM past them) against regrouped for csrc/int4_linear.cpp (PACKINGS).
-`python bench/packed_linears.py --types Q4_K,Q5_0,Q8_0 --output bench/packed-linears.json`."""
+rows, dequantized tiles + GEMM past them) against regrouped for csrc/int4_linear.cpp (quant_types.py's Packing).
+`python bench/packed_linears.py --types Q4_K,Q5_0,Q8_0 --output bench/results/packed-linears.json`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import time
 import torch
 
 from sluice import native
-from sluice.service.engine.layers.gguf_blocks import BLOCK_TYPES, GgufBlocks
+from sluice.service.engine.layers.gguf_blocks import GgufBlocks
 from sluice.service.engine.layers.gguf_linear import GgufLinear
+from sluice.service.engine.layers.quant_types import BY_NAME
 
 HIDDEN, INNER, LAYERS, VOCAB = 2048, 8192, 24, 49152
 SHAPES = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN), "down": (HIDDEN, INNER)}
@@ -23,8 +24,8 @@ SCALES = {"Q4_0": (0,), "Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0
 
 def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """uint8 [n, row_bytes]: random codes (and 6-bit scales), small finite float16 scales."""
-    _, qk, nbytes = BLOCK_TYPES[qtype]
-    blocks = torch.randint(0, 256, (n * k // qk, nbytes), dtype=torch.uint8, generator=gen)
+    t = BY_NAME[qtype]
+    blocks = torch.randint(0, 256, (n * k // t.block_size, t.block_bytes), dtype=torch.uint8, generator=gen)
     for at in SCALES[qtype]:
         scale = (torch.rand(len(blocks), generator=gen) * 1e-4).half()
         blocks[:, at:at + 2] = scale.view(torch.uint8).view(-1, 2)

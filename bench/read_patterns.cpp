@@ -1,6 +1,6 @@
 // Read bandwidth of a bf16 GEMV's weight stream (3.4 GB, a 1.7B model's bf16 weights) under several access
 // patterns, against a plain sum: whether a different walk would read faster than Sluice's bf16_linear.cpp (one
-// contiguous range of rows per thread). docs/performance.md quotes it. Needs AVX512_BF16:
+// contiguous range of rows per thread). docs/history.md quotes it. Needs AVX512_BF16:
 //   g++ -O3 -mavx512f -mavx512bw -mavx512bf16 -fopenmp bench/read_patterns.cpp -o /tmp/read_patterns
 //   OMP_NUM_THREADS=2 /tmp/read_patterns 4
 #include <immintrin.h>
