@@ -123,7 +123,7 @@ def test_greedy_parity_under_chunking_prefix_hits_and_preemption(arch, mode):
         decode_path = "windowed"
     # the default fp32 linears: oneDNN-packed, decode-sized calls in the C++ GEMV on that layout where it builds
     if decode_kernel_wins(torch.float32):
-        assert all(m.gemv_layout for m in engine.model.modules() if isinstance(m, PackedLinear))
+        assert all(m.method.gemv_layout for m in engine.model.modules() if isinstance(m, PackedLinear))
         assert not any(isinstance(m, PlainLinear) for m in engine.model.modules())  # the head is not tied here
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
@@ -151,7 +151,7 @@ def test_greedy_parity_without_prepacking_on_the_torch_decode_path():
     engine = LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
     assert_owned(engine)
     assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
-    assert all(m.decode_kernel == decode_kernel_wins(torch.float32) for m in engine.model.modules()
+    assert all(m.method.decode_kernel == decode_kernel_wins(torch.float32) for m in engine.model.modules()
                if isinstance(m, PlainLinear))
     seen = instrument(engine)
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from sluice import native
-from sluice.service.engine.layers.gguf_linear import GgufLinear, QuantizeMethod
+from sluice.service.engine.layers.gguf_linear import GgufMethod, QuantizeFormat
+from sluice.service.engine.layers.linear import Linear
 
 TEXT = (
     "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "
@@ -58,15 +59,15 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
 def quantized_copy(model: nn.Module, method: str) -> nn.Module:
     """A copy of a transformers model whose linears are the engine's `method` ones (int8, int4), each running its
     few-row kernel whatever the row count."""
-    twin, make = copy.deepcopy(model), QuantizeMethod(method, native.load()).make
+    twin, make = copy.deepcopy(model), QuantizeFormat(method, native.load()).make
     for name, linear in [(n, m) for n, m in twin.named_modules() if type(m) is nn.Linear]:
         parent, _, attr = name.rpartition(".")
         bias = None if linear.bias is None else linear.bias.detach()
         setattr(twin.get_submodule(parent) if parent else twin, attr,
                 make(linear.weight.detach(), bias, [name], [linear.out_features]))
     for module in twin.modules():
-        if isinstance(module, GgufLinear):
-            module.kernel_max_rows = 1 << 30
+        if isinstance(module, Linear) and isinstance(module.method, GgufMethod):
+            module.method.max_rows = 1 << 30
     return twin
 
 

@@ -1,12 +1,11 @@
 """The few-row GEMV that reads oneDNN's prepacked weights in place (csrc/packed_linear.cpp).
 
-oneDNN packs a linear's weight once for its own GEMM; its GEMV on that layout streamed SmolLM2's fp32 weights at
-~20 GB/s on 2 Zen 4 cores, and bf16 ones at ~14. The layout it picks is blocks of 64 output columns, each
-K rows of 64 floats (bf16: K/2 rows of 64 input pairs; on CPUs with AMX, 32 columns): a block is one contiguous
-stream whose columns a GEMV can keep in registers over all of K. Reading that layout, decode-sized calls stream
-the weights at ~31 GB/s (fp32) and ~42 GB/s (bf16) while larger calls keep oneDNN's GEMM on the same bytes: one copy serves both. The layout is
-oneDNN's choice (it may differ by CPU and version), so it is checked weight by weight against the plain values
-before the GEMV may read it; a weight whose layout does not match stays on oneDNN alone.
+oneDNN packs a linear's weight once for its own GEMM, in blocks of output columns (64 or 32, by CPU), each K rows
+of the block's columns (bf16: K/2 rows of input pairs): one contiguous stream per block whose columns a GEMV keeps
+in registers over all of K. Decode-sized calls read that layout here, larger ones run oneDNN's GEMM on the same
+bytes: one copy serves both. The layout is oneDNN's choice (it may differ by CPU and version), so `gemv_layout`
+checks it weight by weight against the plain values before the GEMV may read it; a weight whose layout does not
+match stays on oneDNN alone.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def pools_allowed(device: torch.device) -> bool:
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, [B, V] -> [B]: max's indices, the first maximum as argmax picks (ties, NaN). On CPU the
     native kernel's (threads and vector compares, where torch's max reduction compares an element at a time on one
-    thread), else torch's max, which is several times faster than its argmax (docs/performance.md)."""
+    thread), else torch's max, which is several times faster than its argmax (docs/history.md)."""
     kernel = native.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if kernel is not None and logits.dim() == 2 and logits.shape[1] > 0:
         return kernel.greedy_argmax(logits)

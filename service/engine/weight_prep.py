@@ -1,5 +1,5 @@
-"""Chooses the path a model runs and the format of its weights: Sluice's own Llama-family forward with a linear
-method per weight format, or, for any other architecture, transformers' model on the paged attention hook."""
+"""Chooses the path a model runs and the format of its weights: Sluice's own Llama-family forward with its linears
+in the weight format asked for, or, for any other architecture, transformers' model on the paged attention hook."""
 
 from __future__ import annotations
 
@@ -13,26 +13,26 @@ from sluice import native
 from sluice.service.config import ModelConfig
 from sluice.service.engine.attention_backend import register as register_attention
 from sluice.service.engine.cpu import release_freed_memory
-from sluice.service.engine.layers.gguf_linear import QuantizeMethod
-from sluice.service.engine.layers.linear import LinearMethod, PackedMethod, PlainMethod
-from sluice.service.engine.layers.packed_linear import can_prepack
+from sluice.service.engine.layers.gguf_linear import QuantizeFormat
+from sluice.service.engine.layers.linear import PlainFormat, WeightFormat
+from sluice.service.engine.layers.packed_linear import PackedFormat, can_prepack
 from sluice.service.engine.models import weights
 from sluice.service.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("sluice.engine")
 
 
-def linear_method(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LinearMethod:
-    """The linear method `--quantization` and `--prepack-weights` ask for on this device and precision."""
+def weight_format(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> WeightFormat:
+    """The weight format `--quantization` and `--prepack-weights` ask for on this device and precision."""
     if config.quantization == "gguf":
         raise ValueError("--quantization gguf serves a .gguf file's blocks as stored: load the model from the file")
     if config.quantization in ("int8", "int4"):
-        return QuantizeMethod(config.quantization, native.load())
+        return QuantizeFormat(config.quantization, native.load())
     if config.quantization != "none":
         raise ValueError(f"unknown quantization {config.quantization!r}: one of int8, int4, gguf")
     if config.prepack_weights and can_prepack(device, dtype):
-        return PackedMethod(device, dtype)
-    return PlainMethod(device, dtype)
+        return PackedFormat(device, dtype)
+    return PlainFormat(device, dtype)
 
 
 def owned_path(model_config, config: ModelConfig) -> str | None:
@@ -45,7 +45,7 @@ def owned_path(model_config, config: ModelConfig) -> str | None:
 def load_owned(directory, model_config, config: ModelConfig, device: torch.device,
                dtype: torch.dtype) -> LlamaForCausalLM:
     """The owned model straight from a safetensors checkpoint directory."""
-    return _owned(lambda method: weights.load(directory, model_config, method, device, dtype), config, device, dtype)
+    return _owned(lambda formats: weights.load(directory, model_config, formats, device, dtype), config, device, dtype)
 
 
 def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -55,7 +55,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
         return model
     reason = owned_path(model.config, config)
     if reason is None:
-        return _owned(lambda method: weights.from_transformers(model, method, device, dtype), config, device, dtype)
+        return _owned(lambda formats: weights.from_transformers(model, formats, device, dtype), config, device, dtype)
     if config.quantization != "none":
         raise ValueError(f"--quantization {config.quantization} needs Sluice's own forward, which this model cannot "
                          f"run ({reason})")
@@ -67,11 +67,11 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
 
 
 def _owned(build, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """build(linear method) with the formats `config` asks for, timed and logged."""
+    """build(weight format) with the formats `config` asks for, timed and logged."""
     start = time.perf_counter()
-    method = linear_method(config, device, dtype)
-    model = build(method)
-    logger.info("model path: Sluice's own Llama-family forward; linears %s (%.1f s)", method.describe(),
+    formats = weight_format(config, device, dtype)
+    model = build(formats)
+    logger.info("model path: Sluice's own Llama-family forward; linears %s (%.1f s)", formats.describe(),
                 time.perf_counter() - start)
     if device.type == "cpu":
         release_freed_memory()  # before the KV cache is sized from what is free

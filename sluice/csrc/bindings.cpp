@@ -43,6 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");
   m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored, few rows");
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks as stored to float32 rows");
+  m.def("quant_linear", &quant_linear, "linear on a GGUF type's packed layout, its kernel found by type id");
+  m.def("quant_packed_dequantize", &quant_packed_dequantize, "a GGUF type's packed layout to float32 rows");
+  m.def("quant_types", &quant_types, "the quant-type table: (name, id, block size, block bytes, packed, packed rows)");
   m.def("q6_k_dequantize", &q6_k_dequantize, "packed Q6_K blocks to float32 rows");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
   pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")

@@ -7,6 +7,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <string>
+#include <tuple>
 #include <vector>
 
 // y = x @ dequant(q).T for Q4_1 weights (float16 scale d and minimum m per 32 inputs, element = q * d + m) with the
@@ -77,12 +79,10 @@ void rotary_embedding_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const 
 // [1, T, E]: o projection, residual, post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
 class LlamaLayerOps {
  public:
-  // One linear on GGUF blocks: parts side by side (a GGUF may store q and v in different types), each a GGML type with
-  // its tensors: Q4_1 (3) packed for int4_linear (a, b, c = nibbles, scale, minimum); Q4_K (12), Q5_0 (6) and Q5_1 (7)
-  // packed for q4_k_linear (a, b, c = nibbles, scales_mins, supers), q5_0_linear and q5_1_linear (nibbles, fifth bits,
-  // scales), Q6_K (14) for q6_k_linear (nibbles, high_scales, supers), Q8_0 (8) and Q4_0 (2) for q8_0_packed_linear and
-  // q4_0_linear (a, b = codes, scale; c empty), each or as stored; any other type's rows of blocks in a for
-  // gguf_linear; n outputs in all.
+  // One linear: parts side by side (a GGUF may store q and v in different types), each a GGML type id (quant_types.h)
+  // with its tensors: where b is not empty, a, b, c are the type's packed buffers for its packed kernel (c empty for a
+  // type with two), else a holds its rows of blocks as stored; or a float weight in oneDNN's packed layout. n
+  // outputs in all.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).
@@ -142,11 +142,17 @@ class PagedDecodePlan {
 std::string paged_decode_isa();
 // Whether the vector path attends heads of this shape (else each row runs the portable loop on its own).
 bool paged_decode_vector_covers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
-// Linears on GGUF blocks as the file stores them (gguf_linear.cpp): w uint8 [N, row_bytes] of GGML type `type`
-// (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). gguf_linear: y = x @ W.T for few rows of x
-// float32 [M, K], activations quantized to int8 per 32; gguf_dequantize: W as float32 [N, K].
+// Linears on GGUF blocks (gguf_linear.cpp), each type's kernels found by GGML type id in its kQuantTypes
+// (quant_types.h). gguf_linear and gguf_dequantize: on blocks as stored, w uint8 [N, row_bytes]: y = x @ W.T for few
+// rows of x float32 [M, K], activations quantized to int8 per 32; W as float32 [N, K]. quant_linear and
+// quant_packed_dequantize: the same on a type's packed layout (buffers a, b, c; c empty for a type with two).
+// quant_types: the table's rows (name, id, block size, block bytes, has a packed kernel, has a packed dequantizer).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type);
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K);
+at::Tensor quant_linear(const at::Tensor& x, int64_t type, const at::Tensor& a, const at::Tensor& b,
+                        const at::Tensor& c, int64_t N);
+at::Tensor quant_packed_dequantize(int64_t type, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
+std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> quant_types();
 // q6_k_linear's packed Q6_K blocks (pack_q6_k) as float32 rows [16 P, K].
 at::Tensor q6_k_dequantize(const at::Tensor& nibbles, const at::Tensor& high_scales,
                            const at::Tensor& supers);

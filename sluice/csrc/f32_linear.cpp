@@ -1,6 +1,6 @@
 // float32 linear for the few-row batches of decoding, reading the plain [N, K] weight that torch's own path reads
 // too, so nothing is copied. At batch 1 a linear streams its weight once, so its speed is the memory bandwidth it
-// reaches (bench/f32-gemv.json). Each weight row is read once and used for up to kRowBlock input rows (more rows
+// reaches (bench/results/f32-gemv.json). Each weight row is read once and used for up to kRowBlock input rows (more rows
 // take turns on tiles of it in cache); threads split the output rows (at::parallel_for, -fopenmp).
 #include "cpu_ops.h"
 

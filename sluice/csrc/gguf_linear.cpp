@@ -1,14 +1,16 @@
-// Linears on GGUF's own blocks, read in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants
-// Q4_K, Q5_K, Q6_K (256). A weight is uint8 [N, row_bytes], each row its K / QK blocks exactly as the file stores
-// them. Every block unpacks in registers to integer codes q (int8), a scale per 16 inputs and an offset per 32, so
-// that element i = scale[i / 16] * q[i] + offset[i / 32] for every type (Q4_K: scale = d * sc, offset = -dmin * m).
+// Linears on GGUF's own blocks, read in place, and the table of the quant types (kQuantTypes, at the end: one row per
+// type naming its kernels, the C++ mirror of service/engine/layers/quant_types.py). A weight is uint8 [N, row_bytes],
+// each row its K / QK blocks exactly as the file stores them. Every block unpacks in registers to integer codes q
+// (int8), a scale per 16 inputs and an offset per 32, so that element i = scale[i / 16] * q[i] + offset[i / 32] for
+// every type (Q4_K: scale = d * sc, offset = -dmin * m; IQ4_NL: q a level of its table).
 //
-// gguf_linear (few rows, decoding; the engine runs Q4_1, Q4_K, Q5_0, Q5_1 and Q8_0 packed, int4_linear.cpp): each
+// stored_linear (few rows, decoding; the engine runs the types with a packed layout in int4_linear.cpp instead): each
 // input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as llama.cpp quantizes activations, so
-//   y[r, n] = sum_g dx[r, g] * (sum_{i in g} scale[i / 16] q[i] qx[r, i]) + offset[g] * dx[r, g] * sum_{i in g} qx[r, i]
+//   y[r, n] = sum_g dx[r, g] * (sum_{i in g} scale[i / 16] q[i] qx[r, i])
+//             + offset[g] * dx[r, g] * sum_{i in g} qx[r, i]
 // where the inner sums are exact integer dot products (u8 x s8 -> s32 with the sign trick), one per 16 inputs'
 // scale. A block is unpacked once and used for up to kRowsPerPass rows.
-// gguf_dequantize (many rows): the float rows [n0, n1) of the weight, for a tile of a prefill GEMM.
+// stored_dequantize (many rows): the float rows of the weight, for a tile of a prefill GEMM.
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -17,7 +19,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
 
+#include "quant_types.h"
 #include "quantize_rows.h"
 #include "row_blocks.h"
 #include "simd.h"
@@ -127,6 +133,30 @@ struct Q8_0 {
   static constexpr int kQK = 32, kBytes = 34;
   static void unpack(const uint8_t* b, Unpacked<32>& u) {
     std::memcpy(u.q, b + 2, 32);
+    u.scale[0] = u.scale[1] = f16(b);
+    u.offset[0] = 0.f;
+  }
+};
+
+// IQ4_NL: d and 16 bytes of nibbles laid out as Q4_0's, each nibble the index of one of 16 non-linear levels
+// (llama.cpp's kvalues_iq4nl). One byte shuffle per half where built for AVX2.
+constexpr int8_t kIq4NlLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+struct IQ4_NL {
+  static constexpr int kQK = 32, kBytes = 18;
+  static void unpack(const uint8_t* b, Unpacked<32>& u) {
+#ifdef SLUICE_AVX2
+    const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlLevels));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(15);
+    _mm_store_si128(reinterpret_cast<__m128i*>(u.q), _mm_shuffle_epi8(levels, _mm_and_si128(v, mask)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(u.q + 16),
+                    _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+#else
+    for (int j = 0; j < 16; ++j) {
+      u.q[j] = kIq4NlLevels[b[2 + j] & 15];
+      u.q[j + 16] = kIq4NlLevels[b[2 + j] >> 4];
+    }
+#endif
     u.scale[0] = u.scale[1] = f16(b);
     u.offset[0] = 0.f;
   }
@@ -312,38 +342,19 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0,
   }
 }
 
-// Calls fn(Format{}) for a GGML type id (gguf.GGMLQuantizationType's values).
-template <typename Fn>
-void with_format(int64_t type, Fn&& fn) {
-  switch (type) {
-    case 2: fn(Q4_0{}); break;
-    case 3: fn(Q4_1{}); break;
-    case 6: fn(Q5<false>{}); break;
-    case 7: fn(Q5<true>{}); break;
-    case 8: fn(Q8_0{}); break;
-    case 12: fn(QK4<false>{}); break;
-    case 13: fn(QK4<true>{}); break;
-    case 14: fn(Q6_K{}); break;
-    default: TORCH_CHECK(false, "gguf_linear: unsupported GGML type ", type);
-  }
-}
-
-void check_blocks(const at::Tensor& w, int64_t type, int64_t K) {
+template <class F>
+void check_blocks(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf_linear: blocks uint8 [N, row_bytes], contiguous");
-  with_format(type, [&](auto f) {
-    using F = decltype(f);
-    TORCH_CHECK(K % F::kQK == 0 && w.size(1) == K / F::kQK * F::kBytes, "gguf_linear: ", K,
-                " inputs do not match rows of ", w.size(1), " bytes of type ", type);
-  });
+  TORCH_CHECK(K % F::kQK == 0 && w.size(1) == K / F::kQK * F::kBytes, "gguf_linear: ", K,
+              " inputs do not match rows of ", w.size(1), " bytes of ", F::kQK, "-input blocks of ", F::kBytes);
 }
 
-}  // namespace
-
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+template <class F>
+at::Tensor stored_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x float32 [M, K]");
   const int64_t K = x.size(1), N = w.size(0);
-  check_blocks(w, type, K);
+  check_blocks<F>(w, K);
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K);
@@ -351,29 +362,88 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  with_format(type, [&](auto f) {
-    using F = decltype(f);
-    at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
-      for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
-        const int64_t t1 = std::min(n1, t0 + kTileRows);
-        sluice::for_each_row_block<kRowsPerPass>(M, [&](auto rows, int64_t m) {
-          rows_dot<F, rows>(qx, K, wp, row_bytes, t0, t1, m, yp + m * N, N);
-        });
-      }
-    });
+  at::parallel_for(0, N, kTileRows, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
+      const int64_t t1 = std::min(n1, t0 + kTileRows);
+      sluice::for_each_row_block<kRowsPerPass>(M, [&](auto rows, int64_t m) {
+        rows_dot<F, rows>(qx, K, wp, row_bytes, t0, t1, m, yp + m * N, N);
+      });
+    }
   });
   return y;
 }
 
-at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
-  check_blocks(w, type, K);
+template <class F>
+at::Tensor stored_dequantize(const at::Tensor& w, int64_t K) {
+  check_blocks<F>(w, K);
   const int64_t N = w.size(0), row_bytes = w.size(1);
   at::Tensor out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  with_format(type, [&](auto f) {
-    using F = decltype(f);
-    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) { dequantize_rows<F>(wp, row_bytes, K, n0, n1, op); });
-  });
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) { dequantize_rows<F>(wp, row_bytes, K, n0, n1, op); });
   return out;
+}
+
+// A packed kernel of two buffers (codes, scale) in the table's three-buffer shape.
+template <at::Tensor (*Kernel)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>
+at::Tensor two_buffers(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor&, int64_t n) {
+  return Kernel(x, a, b, n);
+}
+
+template <class F>
+constexpr sluice::QuantTraits row(const char* name, int64_t id, sluice::PackedLinear packed = nullptr,
+                                  sluice::PackedDequantize packed_dequantize = nullptr) {
+  return {name, id, F::kQK, F::kBytes, stored_linear<F>, stored_dequantize<F>, packed, packed_dequantize};
+}
+
+// One row per type, by GGML id (gguf.GGMLQuantizationType's values), as quant_types.py's QUANT_TYPES.
+constexpr sluice::QuantTraits kQuantTypes[] = {
+    row<Q4_0>("Q4_0", 2, two_buffers<q4_0_linear>),
+    row<Q4_1>("Q4_1", 3, int4_linear),
+    row<Q5<false>>("Q5_0", 6, q5_0_linear),
+    row<Q5<true>>("Q5_1", 7, q5_1_linear),
+    row<Q8_0>("Q8_0", 8, two_buffers<q8_0_packed_linear>),
+    row<QK4<false>>("Q4_K", 12, q4_k_linear),
+    row<QK4<true>>("Q5_K", 13),
+    row<Q6_K>("Q6_K", 14, q6_k_linear, q6_k_dequantize),
+    row<IQ4_NL>("IQ4_NL", 20),
+};
+
+}  // namespace
+
+const sluice::QuantTraits& sluice::quant_traits(int64_t id) {
+  const QuantTraits* found = nullptr;
+  for (const QuantTraits& t : kQuantTypes)
+    if (t.id == id) found = &t;
+  TORCH_CHECK(found != nullptr, "no kernels for GGML type ", id);
+  return *found;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+  return sluice::quant_traits(type).stored_linear(x, w);
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
+  return sluice::quant_traits(type).stored_dequantize(w, K);
+}
+
+at::Tensor quant_linear(const at::Tensor& x, int64_t type, const at::Tensor& a, const at::Tensor& b,
+                        const at::Tensor& c, int64_t N) {
+  const sluice::QuantTraits& t = sluice::quant_traits(type);
+  TORCH_CHECK(t.packed_linear != nullptr, "quant_linear: ", t.name, " has no packed kernel");
+  return t.packed_linear(x, a, b, c, N);
+}
+
+at::Tensor quant_packed_dequantize(int64_t type, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  const sluice::QuantTraits& t = sluice::quant_traits(type);
+  TORCH_CHECK(t.packed_dequantize != nullptr, "quant_packed_dequantize: ", t.name, " has no packed dequantizer");
+  return t.packed_dequantize(a, b, c);
+}
+
+std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> quant_types() {
+  std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> rows;
+  for (const sluice::QuantTraits& t : kQuantTypes)
+    rows.emplace_back(t.name, t.id, t.block_size, t.block_bytes, t.packed_linear != nullptr,
+                      t.packed_dequantize != nullptr);
+  return rows;
 }

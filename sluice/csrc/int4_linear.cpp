@@ -137,7 +137,7 @@ constexpr int64_t kGroupBytes = kBlock * 16;  // one group of one block: 16 outp
 // hold 8 rows' sums; AVX2's 16 hold 6 (past four rows each row keeps one chain), so a verify step's 1 + 4 rows take
 // one pass over the weights, not a pass of four and one of one. More rows go in passes of kRowsPerTilePass over
 // tiles of blocks held in cache: on AVX2 three rows a pass, whose sums fit the registers (six spill), ran batches
-// of 8-64 rows faster (docs/performance.md).
+// of 8-64 rows faster (docs/history.md).
 #if defined(I4_LANES) && I4_LANES == 16
 constexpr int kRowsPerPass = 8;
 constexpr int kRowsPerTilePass = 8;

@@ -1,9 +1,10 @@
-// A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones.
-// At batch 1 a layer's kernels (GGUF blocks, or float weights packed for oneDNN) take tens of microseconds and the
-// Python between them (module calls, views, splits, in-place ops) a large share again. This runs the same ops in
-// the same order as models/llama.py's Python path (the same kernels, at::silu, mul_, add_), so the results are
-// that path's bit for bit; the attention itself stays in Python (paged_attention covers every kind of step).
+// A Llama decoder layer's work before and after its attention, as two C++ calls instead of a dozen Python ones
+// (module calls, views, splits, in-place ops between the kernels). This runs the same ops in the same order as
+// models/llama.py's Python path (the same kernels, at::silu, mul_, add_), so the results are that path's bit for
+// bit; the attention itself stays in Python (paged_attention covers every kind of step). A GGUF linear's kernels are
+// found by its type id in the quant-type table (quant_types.h).
 #include "cpu_ops.h"
+#include "quant_types.h"
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -11,21 +12,17 @@
 
 namespace {
 
-constexpr int64_t kPackedQ4_1 = 3;  // GGML's Q4_1, in int4_linear's 16-row blocks
-constexpr int64_t kQ4_0 = 2;        // GGML's Q4_0: packed for q4_0_linear where b holds its scales
-constexpr int64_t kQ4_K = 12;       // GGML's Q4_K: packed for q4_k_linear where b holds its scales
-constexpr int64_t kQ5_0 = 6;        // GGML's Q5_0 and Q5_1: packed for q5_0_linear, q5_1_linear where b holds the
-constexpr int64_t kQ5_1 = 7;        // fifth bits
-constexpr int64_t kQ6_K = 14;       // GGML's Q6_K: packed for q6_k_linear where b holds its high bits and scales
-constexpr int64_t kQ8_0 = 8;        // GGML's Q8_0: packed for q8_0_packed_linear where b holds its scales
 constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' type) in oneDNN's packed layout
+
+bool has_packs(const at::Tensor& b) { return b.defined() && b.numel() > 0; }
 
 }  // namespace
 
 LlamaLayerOps::Linear::Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n)
     : parts{{type, std::move(a), std::move(b), std::move(c), n}}, n(n) {
-  TORCH_CHECK(type != kPackedQ4_1 || (parts[0].b.defined() && parts[0].b.numel() > 0),
-              "LlamaLayerOps: a Q4_1 linear comes packed (nibbles, scale, minimum)");
+  const sluice::QuantTraits& traits = sluice::quant_traits(type);  // an error for a type without kernels
+  TORCH_CHECK(!has_packs(parts[0].b) || traits.packed_linear != nullptr, "LlamaLayerOps: ", traits.name,
+              " has no packed kernel");
 }
 
 LlamaLayerOps::Linear::Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n)
@@ -48,20 +45,12 @@ at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
       outs.push_back(x.scalar_type() == at::kBFloat16 ? packed_linear_bf16(x, p.ptr, p.n, p.block, p.k_rows)
                                                       : packed_linear_f32(x, p.ptr, p.n, p.block, p.k_rows));
     } else {
-      const bool packed = p.b.defined() && p.b.numel() > 0;
-      outs.push_back(p.type == kPackedQ4_1               ? int4_linear(x, p.a, p.b, p.c, p.n)
-                     : p.type == kQ4_0 && packed         ? q4_0_linear(x, p.a, p.b, p.n)
-                     : p.type == kQ4_K && packed         ? q4_k_linear(x, p.a, p.b, p.c, p.n)
-                     : p.type == kQ5_0 && packed         ? q5_0_linear(x, p.a, p.b, p.c, p.n)
-                     : p.type == kQ5_1 && packed         ? q5_1_linear(x, p.a, p.b, p.c, p.n)
-                     : p.type == kQ6_K && packed         ? q6_k_linear(x, p.a, p.b, p.c, p.n)
-                     : p.type == kQ8_0 && packed         ? q8_0_packed_linear(x, p.a, p.b, p.n)
-                                                         : gguf_linear(x, p.a, p.type));
+      const sluice::QuantTraits& traits = sluice::quant_traits(p.type);
+      outs.push_back(has_packs(p.b) ? traits.packed_linear(x, p.a, p.b, p.c, p.n) : traits.stored_linear(x, p.a));
     }
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
-
 LlamaLayerOps::LlamaLayerOps(at::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
                              int64_t head_dim, Linear o, at::Tensor post_norm, double post_eps, Linear gate_up,
                              Linear down)

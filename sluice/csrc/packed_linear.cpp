@@ -101,7 +101,7 @@ void for_each_block(int64_t M, int64_t N, int64_t B, int64_t width, Fn&& chunk_r
 // How many pair rows ahead a chunk of oneDNN's 32-column blocks (AMX machines) prefetches its column stream: on a
 // Xeon with AMX the hardware prefetchers alone read 18 GB/s of bf16 blocks past the caches, against 23 GB/s for a
 // plain sum. The 64-column blocks of AVX-512 machines without AMX stream without it: on 2 Zen 4 cores the
-// prefetch made one-row bf16 steps slower (docs/performance.md).
+// prefetch made one-row bf16 steps slower (docs/history.md).
 constexpr int64_t kPrefetchPairRows = 16;
 
 // Columns [c, c + 16 V) of one bf16 block (a pair row holds 2B values) for R input rows: 16 columns per vector,

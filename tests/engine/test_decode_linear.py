@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 import sluice.service.engine.layers.linear as decode
-from sluice.service.engine.layers.linear import PlainLinear
-from sluice.service.engine.layers.packed_linear import padded_rows
+from sluice.service.engine.layers.linear import PlainLinear, padded_rows
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +74,9 @@ def test_f32_decode_linear_takes_the_kernel_up_to_its_limit_and_onednn_on_the_pl
         a.load_state_dict(b.state_dict())
     model = nn.Sequential(*(PlainLinear(m.weight.detach(), None if m.bias is None else m.bias.detach(), pad=True,
                                         decode_kernel=True) for m in model))
-    limit = 16  # whatever this CPU measured (decode_kernel_max_rows), the routing is the same
+    limit = 16  # whatever this CPU measured (plain_max_rows), the routing is the same
     for layer in model:
-        layer.kernel_rows = limit
+        layer.method.max_rows = limit
     calls, onednn = [], []
     _recording_ops(monkeypatch, kernel, calls)
     real = torch.ops.mkldnn._linear_pointwise
@@ -98,7 +97,7 @@ def test_bf16_decode_linear_takes_the_kernel_up_to_its_limit_and_torch_above(nat
     plain = nn.Linear(64, 48, dtype=torch.bfloat16)
     model = [PlainLinear(plain.weight.detach(), plain.bias.detach(), pad=True, decode_kernel=True)]
     padded_only = PlainLinear(plain.weight.detach(), plain.bias.detach(), pad=True)
-    limit = model[0].kernel_rows = 16
+    limit = model[0].method.max_rows = 16
     calls = []
     _recording_ops(monkeypatch, native, calls)
     with torch.inference_mode():

@@ -55,8 +55,8 @@ def logged_gemv_rows(log: str) -> dict[int, int]:
 
 def packed_gemv_rows(eng) -> dict[int, int]:
     """The engine's packed linears counted by the most rows their GEMV takes (those that take none left out)."""
-    return dict(Counter(m.gemv_max_rows for m in eng.model.modules()
-                        if isinstance(m, PackedLinear) and m.gemv_max_rows))
+    return dict(Counter(m.method.max_rows for m in eng.model.modules()
+                        if isinstance(m, PackedLinear) and m.method.max_rows))
 
 
 def fake_cpu(monkeypatch, flags: list[str]):
@@ -110,9 +110,10 @@ def test_bf16_engine_packs_where_bf16_is_native_and_still_generates(tmp_path_fac
     bf16_native = packed_gemv.bf16_native()
     assert (packed(eng) > 0) == bf16_native
     plain = [m for m in eng.model.modules() if isinstance(m, PlainLinear)]
-    assert plain and all(m.pad and m.decode_kernel == bf16_native for m in plain)  # the tied head, or every linear
+    # the tied head, or every linear
+    assert plain and all(m.method.pad and m.method.decode_kernel == bf16_native for m in plain)
     if bf16_native:
-        assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
+        assert all(m.method.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
         assert logged_gemv_rows(caplog.text) == packed_gemv_rows(eng)
     else:
         assert "model path: Sluice's own Llama-family forward; linears plain" in caplog.text
@@ -129,7 +130,7 @@ def test_fp32_engine_prepacks_and_reads_the_packed_layout_when_decoding(tmp_path
     assert eng.dtype == torch.float32 and "dtype auto: float32 on cpu" in caplog.text
     assert (packed(eng) > 0) == can_prepack(CPU, torch.float32)
     if native.load() is not None and packed(eng):
-        assert all(m.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
+        assert all(m.method.gemv_layout for m in eng.model.modules() if isinstance(m, PackedLinear))
         assert logged_gemv_rows(caplog.text) == packed_gemv_rows(eng)
 
 
@@ -140,7 +141,7 @@ def test_fp32_engine_without_prepacking_runs_plain_weights(tmp_path_factory, mon
     eng = engine(tiny_dir(tmp_path_factory), "float32", prepack_weights=False)
     linears = [m for m in eng.model.modules() if isinstance(m, PlainLinear)]
     assert packed(eng) == 0 and linears
-    assert all(m.decode_kernel == decode_kernel_wins(torch.float32) for m in linears)
+    assert all(m.method.decode_kernel == decode_kernel_wins(torch.float32) for m in linears)
 
 
 def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monkeypatch):
@@ -152,7 +153,7 @@ def test_a_given_model_keeps_its_own_precision_under_auto(tmp_path_factory, monk
 
 
 def test_padded_linears_compute_the_same_on_a_few_row_counts(monkeypatch):
-    from sluice.service.engine.layers.packed_linear import padded_rows
+    from sluice.service.engine.layers.linear import padded_rows
 
     torch.manual_seed(0)
     plain = [torch.nn.Linear(8, 12).to(torch.bfloat16), torch.nn.Linear(12, 5, bias=False).to(torch.bfloat16)]

@@ -8,47 +8,40 @@ import pytest
 import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.layers.gguf_blocks import (
-    BLOCK_TYPES,
-    GgufBlocks,
-    dequantize,
-    pack_q4_k,
-    unpack_q4_k,
-)
-from sluice.service.engine.layers.gguf_linear import (
-    KERNEL_MAX_ROWS_DEFAULT,
-    PACKED_MAX_ROWS,
-    GgufBlockMethod,
-    GgufEmbedding,
-    GgufLinear,
-    MergedLinear,
-)
-from sluice.service.engine.layers.linear import PlainMethod
+from sluice.service.engine.layers.gguf_blocks import GgufBlocks, pack_q4_k, unpack_q4_k
+from sluice.service.engine.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear, MergedLinear
+from sluice.service.engine.layers.linear import PlainFormat
+from sluice.service.engine.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
 from sluice.service.engine.models import gguf_weights, weights
 from tests.support import tiny
 from tests.support.int8_rounding import RoundedActivations, int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import make_engine
 
-TYPES = list(BLOCK_TYPES)
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+TYPES = list(BY_NAME)
+# Types gguf.quants cannot quantize: random codes, and small float16 scales at these bytes of a block.
+RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """uint8 [n, row_bytes] of valid blocks: gguf.quants.quantize of random floats where the package quantizes
-    the type, else random bytes with small finite float16 scales (the K-quants)."""
+    the type, else random bytes with small finite float16 scales (RANDOM_SCALES)."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    if qtype not in K_QUANTS:
+    if qtype not in RANDOM_SCALES:
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
-    _, qk, nbytes = BLOCK_TYPES[qtype]
-    blocks = rng.integers(0, 256, (n * k // qk, nbytes), dtype=np.uint8)
-    scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]
-    for at in scales:  # d (and dmin): element magnitudes around 0.1
-        d = (rng.random(len(blocks)) * (2e-5 if qtype == "Q6_K" else 1e-4)).astype(np.float16)
+    t = BY_NAME[qtype]
+    blocks = rng.integers(0, 256, (n * k // t.block_size, t.block_bytes), dtype=np.uint8)
+    for at in RANDOM_SCALES[qtype]:  # d (and dmin): element magnitudes around 0.1
+        d = (rng.random(len(blocks)) * {"Q6_K": 2e-5, "IQ4_NL": 1e-3}.get(qtype, 1e-4)).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
+
+
+def stored(linear, *bounds) -> torch.Tensor:
+    """A GGUF linear's rows (bounds: start, stop) as the file stores them."""
+    return linear.method.stored_rows(linear, *bounds)
 
 
 def reference_dequantize(blocks: np.ndarray, qtype: str) -> torch.Tensor:
@@ -68,13 +61,13 @@ def test_dequantize_matches_the_gguf_package(qtype, kernel):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS_DEFAULT])
+@pytest.mark.parametrize("rows", [1, 3, STORED_MAX_ROWS])
 def test_integer_gemv_matches_float_matmul(qtype, rows, kernel):
     n, k = 40, 768
     blocks = torch.from_numpy(random_blocks(qtype, n, k, seed=rows))
     weight = reference_dequantize(blocks.numpy(), qtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))  # a fixed draw: ties are rare, not absent
-    got = kernel.gguf_linear(x, blocks, BLOCK_TYPES[qtype][0])
+    got = kernel.gguf_linear(x, blocks, BY_NAME[qtype].type_id)
     # Against the same int8-rounded activations the products are exact integers: only float summation order differs
     # (and, rarely, an activation within an ulp of a rounding tie landing on the other integer: one output in 40).
     exact = int8_rounded(x) @ weight.T
@@ -93,7 +86,7 @@ def test_every_instruction_set_unpacks_and_multiplies_the_same(kernel):
         variant = integer_kernels(isa)
         for qtype in TYPES:
             blocks = torch.from_numpy(random_blocks(qtype, 24, 512, seed=3))
-            type_id = BLOCK_TYPES[qtype][0]
+            type_id = BY_NAME[qtype].type_id
             want = reference_dequantize(blocks.numpy(), qtype)
             torch.testing.assert_close(variant.gguf_dequantize(blocks, type_id, 512), want, rtol=2e-7, atol=1e-9)
             got, native = variant.gguf_linear(x, blocks, type_id), kernel.gguf_linear(x, blocks, type_id)
@@ -129,15 +122,15 @@ def test_packed_q4_k_kernel_computes_the_int8_activation_linear(rows, kernel):
     n, k = 40, 768
     blocks = torch.from_numpy(random_blocks("Q4_K", n, k, seed=rows))
     linear = GgufLinear(GgufBlocks(blocks, "Q4_K", k), None, kernel)
-    assert linear.packed and linear.kernel_max_rows >= 4096  # prefill chunks too
-    assert torch.equal(linear.stored_rows(), blocks) and torch.equal(linear.stored_rows(5, 21), blocks[5:21])
+    assert linear.method.packed and linear.method.max_rows >= 4096  # prefill chunks too
+    assert torch.equal(stored(linear), blocks) and torch.equal(stored(linear, 5, 21), blocks[5:21])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero group: scale 0
     got, want = linear(x), q4_k_reference(x, blocks, k)
     scale = (x.abs() @ dequantize(blocks, "Q4_K", k).abs().T).amax()
     assert ((got.double() - want).abs() > 1e-5 * scale).sum() <= max(1, got.numel() // 40)  # rounding ties
-    op = linear.kernel_op()  # the fused layer's linear: the same kernel
-    assert torch.equal(kernel.q4_k_linear(x, *linear._packed(), n), got) and op is not None
+    op = linear.kernel_facts().op  # the fused layer's linear: the same kernel
+    assert torch.equal(kernel.q4_k_linear(x, *linear.method.packs(linear), n), got) and op is not None
 
 
 def test_every_instruction_set_computes_packed_q4_k_the_same(kernel):
@@ -161,7 +154,7 @@ def test_linear_prefill_tiles_equal_float_matmul(qtype, native, kernel):
     blocks = random_blocks(qtype, n, k, seed=7)
     weight = reference_dequantize(blocks, qtype)
     linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), qtype, k), torch.randn(n), kernel if native else None)
-    linear.tile_rows = 64  # several tiles, the last one partial
+    linear.method.tile_rows = 64  # several tiles, the last one partial
     x = torch.randn(2, 17, k)
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, linear.bias), rtol=1e-5, atol=1e-4)
 
@@ -289,7 +282,7 @@ def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     assert model.lm_head is model.embed_tokens.table  # tied: one copy of the bytes
     first, second = model.layers
     assert isinstance(first.self_attn.qkv_proj, MergedLinear)  # Q4_K, Q5_K, Q4_K: side by side
-    assert [p.qtype for p in first.self_attn.qkv_proj.parts] == ["Q4_K", "Q5_K", "Q4_K"]
+    assert [p.method.qtype for p in first.self_attn.qkv_proj.parts] == ["Q4_K", "Q5_K", "Q4_K"]
     assert isinstance(second.self_attn.qkv_proj, GgufLinear) and second.self_attn.qkv_proj.out_features == 512
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "in_features")]
     assert all(isinstance(m, (GgufLinear, MergedLinear)) for m in linears)
@@ -300,12 +293,13 @@ def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     assert blocks < path.stat().st_size  # the blocks as they are, nothing dequantized beside them
     v = first.self_attn.qkv_proj.parts[2]  # Q4_K: regrouped for the packed kernel, every bit kept (not q: the
     # loader reorders q's rows for the rotary layout)
-    assert v.packed and torch.equal(v.stored_rows(), torch.from_numpy(np.array(_raw(path, "blk.0.attn_v.weight"))))
+    assert v.method.packed and torch.equal(stored(v), torch.from_numpy(np.array(_raw(path, "blk.0.attn_v.weight"))))
     packed = second.mlp.gate_up_proj  # Q4_1: regrouped for the packed kernel, the same bytes
-    assert packed.packed and torch.equal(packed.stored_rows(), torch.cat([
+    assert packed.method.packed and torch.equal(stored(packed), torch.cat([
         torch.from_numpy(np.array(_raw(path, f"blk.1.{name}.weight"))) for name in ("ffn_gate", "ffn_up")]))
     o = second.self_attn.o_proj  # Q5_1 (and layer 0's gate/up, Q5_0): regrouped with their fifth bits
-    assert o.packed and torch.equal(o.stored_rows(), torch.from_numpy(np.array(_raw(path, "blk.1.attn_output.weight"))))
+    want = torch.from_numpy(np.array(_raw(path, "blk.1.attn_output.weight")))
+    assert o.method.packed and torch.equal(stored(o), want)
 
 
 def greedy(model, prompts, tokens: int = 12) -> list[list[int]]:
@@ -317,7 +311,7 @@ def greedy(model, prompts, tokens: int = 12) -> list[list[int]]:
 PROMPTS = [[5, 17, 99, 3, 41, 8, 200, 13, 77, 6], list(range(30, 70)), [11, 12]]
 
 
-class RoundedActivationsMethod(PlainMethod):
+class RoundedActivationsFormat(PlainFormat):
     """The tiny Llama's linears as RoundedActivations: what every GGUF linear computes with the native kernels."""
 
     def make(self, weight, bias, parts, sizes, tied=False):
@@ -350,10 +344,10 @@ def test_tiny_llama_gguf_greedy_follows_the_float_weights(tiny_gguf, native, ker
         monkeypatch.setattr(gguf_weights.native, "load", lambda: None)
     ours = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
     assert isinstance(ours.layers[0].mlp.gate_up_proj, GgufLinear)
-    assert (ours.layers[0].mlp.gate_up_proj.kernel is not None) == native
-    method = (RoundedActivationsMethod if native else PlainMethod)(torch.device("cpu"), torch.float32)
+    assert (ours.layers[0].mlp.gate_up_proj.method.kernel is not None) == native
+    method = (RoundedActivationsFormat if native else PlainFormat)(torch.device("cpu"), torch.float32)
     reference = weights.build(config, floats.get, method, torch.device("cpu"), torch.float32)
-    assert KERNEL_MAX_ROWS_DEFAULT >= 32
+    assert STORED_MAX_ROWS >= 32
     texts = greedy(ours, PROMPTS)
     if not native:
         assert texts == greedy(reference, PROMPTS)
@@ -364,7 +358,7 @@ def test_tiny_llama_gguf_greedy_follows_the_float_weights(tiny_gguf, native, ker
 
 def test_method_describes_the_types_it_served(tiny_gguf):
     path, config, _ = tiny_gguf
-    method = GgufBlockMethod(torch.float32)
+    method = GgufFormat(torch.float32)
     weights.build(config, gguf_weights.read_tensors(path, config), method, torch.device("cpu"), torch.float32)
     assert method.made == {"Q4_K": 3, "Q5_K": 1, "Q6_K": 2, "Q5_0": 1, "Q8_0": 1, "Q4_0": 1, "Q5_1": 1, "Q4_1": 1}
 
@@ -382,7 +376,7 @@ def test_tiny_llama_gguf_decodes_through_the_fused_layer_as_through_python(tiny_
     model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
     assert all(layer._layer_ops is not None for layer in model.layers)
     # Layer 0 holds types read as stored (Q5_K) and Q6_K, whose prefill is float; layer 1's are all packed.
-    assert [layer._layer_ops_rows for layer in model.layers] == [KERNEL_MAX_ROWS_DEFAULT, PACKED_MAX_ROWS]
+    assert [layer._layer_ops_rows for layer in model.layers] == [STORED_MAX_ROWS, PACKED_MAX_ROWS]
     fused = greedy(model, PROMPTS)
     for layer in model.layers:
         layer._layer_ops = None
@@ -408,14 +402,15 @@ def test_default_model_under_gguf_serves_the_wheels_blocks_as_stored(smollm2_dir
     model = engine.model
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the file's 210, q/k/v and gate/up fused
     body = [m for name, m in model.layers.named_modules() if name.rpartition(".")[2] in projections]
-    assert len(body) == 120 and all(isinstance(m, GgufLinear) and m.qtype == "Q4_1" and m.packed for m in body)
+    assert len(body) == 120
+    assert all(isinstance(m, GgufLinear) and m.method.qtype == "Q4_1" and m.method.packed for m in body)
     # The file's Q8_0 embedding, and the tied head reading the very same bytes.
-    assert model.lm_head.qtype == "Q8_0" and model.lm_head is model.embed_tokens.table
+    assert model.lm_head.method.qtype == "Q8_0" and model.lm_head is model.embed_tokens.table
     reader = gguf.GGUFReader(str(default_gguf()))
     # ffn_down's rows are not permuted by llama.cpp's converter: the bytes are the file's, row for row.
-    assert np.array_equal(model.layers[0].mlp.down_proj.stored_rows().numpy(),
+    assert np.array_equal(stored(model.layers[0].mlp.down_proj).numpy(),
                           _raw_rows(reader, "blk.0.ffn_down.weight"))
-    assert np.array_equal(model.lm_head.stored_rows().numpy(), _raw_rows(reader, "token_embd.weight"))
+    assert np.array_equal(stored(model.lm_head).numpy(), _raw_rows(reader, "token_embd.weight"))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
                                                   add_generation_prompt=True, tokenize=False)
     # The float checkpoint was dequantized from this very file, and --quantization int4 quantizes it back into the
@@ -424,8 +419,8 @@ def test_default_model_under_gguf_serves_the_wheels_blocks_as_stored(smollm2_dir
     int4_cfg = SluiceConfig()
     int4_cfg.model.quantization, int4_cfg.cache.num_kv_blocks = "int4", 64
     int4 = LLMEngine(int4_cfg)
-    assert torch.equal(int4.model.layers[0].mlp.down_proj.stored_rows(), model.layers[0].mlp.down_proj.stored_rows())
-    assert torch.equal(int4.model.lm_head.stored_rows(), model.lm_head.stored_rows())
+    assert torch.equal(stored(int4.model.layers[0].mlp.down_proj), stored(model.layers[0].mlp.down_proj))
+    assert torch.equal(stored(int4.model.lm_head), stored(model.lm_head))
     assert engine.generate([prompt], params)[0].token_ids == int4.generate([prompt], params)[0].token_ids
 
 

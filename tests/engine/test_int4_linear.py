@@ -13,9 +13,10 @@ from torch import nn
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.layers.gguf_blocks import dequantize, pack_q4_1, quantize, unpack_q4_1
-from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufEmbedding, GgufLinear, QuantizeMethod
+from sluice.service.engine.layers.gguf_blocks import GgufBlocks, pack_q4_1, quantize, unpack_q4_1
+from sluice.service.engine.layers.gguf_linear import GgufEmbedding, GgufLinear, QuantizeFormat
 from sluice.service.engine.layers.linear import PlainLinear
+from sluice.service.engine.layers.quant_types import dequantize
 from tests.support import tiny
 from tests.support.int8_rounding import RoundedActivations, greedy_gaps
 from tests.support.kernels import integer_kernels, variant_isas
@@ -107,18 +108,18 @@ def test_kernel_computes_the_int8_activation_linear_and_stays_near_the_float_one
     torch.manual_seed(rows * 1000 + in_features)
     linear = nn.Linear(in_features, 130, bias=True)  # 130 outputs: a padded last block
     layer = int4_linear(linear.weight.detach(), linear.bias.detach(), kernel)
-    assert layer.packed and {name for name, _ in layer.named_buffers()} == {"blocks", "scale", "minimum"}
+    assert layer.method.packed and {name for name, _ in layer.named_buffers()} == {"blocks", "scale", "minimum"}
     x = torch.randn(2, rows, in_features)
     x[0, 0, :32] = 0  # an all-zero group: scale 0
     exact = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
     want = w4a8_reference(x.reshape(-1, in_features), *q4_1(linear.weight.detach())).view_as(exact) + linear.bias
     with torch.inference_mode():
-        layer.kernel_max_rows = 10**6
+        layer.method.max_rows = 10**6
         got = layer(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (got - exact).norm() / exact.norm() < 0.05  # int8 activations: a few % off the float linear
-        layer.kernel_max_rows = 0  # more rows than the kernel takes: dequantized tiles (unpacked) + GEMM
-        layer.tile_rows = 32  # several tiles, not all on a 16-row boundary of the weight's 130 rows
+        layer.method.max_rows = 0  # more rows than the kernel takes: dequantized tiles (unpacked) + GEMM
+        layer.method.tile_rows = 32  # several tiles, not all on a 16-row boundary of the weight's 130 rows
         torch.testing.assert_close(layer(x), exact, rtol=1e-4, atol=1e-4)
 
 
@@ -130,7 +131,7 @@ def test_kernel_rows_past_one_pass_take_turns_on_tiles_of_the_weight(kernel, row
     weight = torch.randn(1000, 576) * 0.05
     layer, x = int4_linear(weight, None, kernel), torch.randn(rows, 576)
     with torch.inference_mode():
-        layer.kernel_max_rows = 10**6
+        layer.method.max_rows = 10**6
         torch.testing.assert_close(layer(x), w4a8_reference(x, *q4_1(weight)), rtol=1e-5, atol=1e-5)
 
 
@@ -144,7 +145,7 @@ def test_threads_that_split_a_row_of_groups_quantize_it_alike(kernel):
     torch.set_num_threads(2)
     try:
         with torch.inference_mode():
-            layer.kernel_max_rows = 10**6
+            layer.method.max_rows = 10**6
             torch.testing.assert_close(layer(x), w4a8_reference(x, *q4_1(weight)), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
@@ -188,9 +189,9 @@ def test_a_fused_projection_computes_each_parts_output(kernel):
 
 
 def test_int4_method_serves_the_head_in_q8_0_and_a_linear_not_in_groups_of_32_in_float32(kernel):
-    method = QuantizeMethod("int4", kernel)
-    assert method.make(torch.randn(8, 64), None, ["model.layers.0.mlp.down_proj"], [8]).qtype == "Q4_1"
-    assert method.make(torch.randn(8, 64), None, ["lm_head"], [8]).qtype == "Q8_0"
+    method = QuantizeFormat("int4", kernel)
+    assert method.make(torch.randn(8, 64), None, ["model.layers.0.mlp.down_proj"], [8]).method.qtype == "Q4_1"
+    assert method.make(torch.randn(8, 64), None, ["lm_head"], [8]).method.qtype == "Q8_0"
     assert type(method.make(torch.randn(8, 40), None, ["model.layers.0.mlp.down_proj"], [8])) is PlainLinear
     assert method.made == {"Q4_1": 1, "Q8_0": 1, "F32": 1}
 
@@ -235,8 +236,8 @@ def test_int4_engine_matches_transformers_with_the_kernels_arithmetic(kernel, bu
     cfg.scheduler.max_num_seqs = 16
     engine = LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
     assert engine.dtype == torch.float32
-    assert engine.model.lm_head.qtype == "Q8_0" and isinstance(engine.model.embed_tokens, GgufEmbedding)
-    assert all(type(m) is GgufLinear and m.qtype == "Q4_1" and m.packed
+    assert engine.model.lm_head.method.qtype == "Q8_0" and isinstance(engine.model.embed_tokens, GgufEmbedding)
+    assert all(type(m) is GgufLinear and m.method.qtype == "Q4_1" and m.method.packed
                for m in engine.model.layers.modules() if hasattr(m, "in_features"))
     assert engine.model.layers[0]._layer_ops is not None  # the fused C++ layer path
     layer = engine.model.layers[0]

@@ -13,8 +13,9 @@ from torch import nn
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.layers.gguf_blocks import dequantize, pack_q8_0, quantize
-from sluice.service.engine.layers.gguf_linear import GgufBlocks, GgufLinear
+from sluice.service.engine.layers.gguf_blocks import GgufBlocks, pack_q8_0, quantize
+from sluice.service.engine.layers.gguf_linear import GgufLinear
+from sluice.service.engine.layers.quant_types import dequantize
 from tests.support import tiny
 from tests.support.int8_rounding import RoundedActivations, greedy_gaps
 from tests.support.parity import MAX_NEW, build_pair, mixed_prompts
@@ -54,10 +55,10 @@ def test_kernel_and_dequantize_paths_compute_the_dequantized_linear(kernel, rows
     assert {t.dtype for t in layer.buffers()} == {torch.uint8, torch.float16}  # codes and scales, no float copy
     x = torch.randn(2, rows, in_features)
     with torch.inference_mode():
-        assert layer.packed and layer.kernel_max_rows >= 4096  # every call: int8 activations
+        assert layer.method.packed and layer.method.max_rows >= 4096  # every call: int8 activations
         rounded = RoundedActivations(layer.dequantized(), linear.bias.detach())
         torch.testing.assert_close(layer(x), rounded(x), rtol=1e-4, atol=1e-4)
-        layer.kernel_max_rows = 0  # the dequantized tiles: the float linear
+        layer.method.max_rows = 0  # the dequantized tiles: the float linear
         want = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
@@ -134,7 +135,7 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, bud
     reference = _dequantized_twin(reference)
     engine = int8_engine(ours, budget)
     assert all(type(m) is not nn.Linear for m in engine.model.modules())
-    assert isinstance(engine.model.lm_head, GgufLinear) and engine.model.lm_head.qtype == "Q8_0"
+    assert isinstance(engine.model.lm_head, GgufLinear) and engine.model.lm_head.method.qtype == "Q8_0"
     prompts = mixed_prompts(12)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = [c.token_ids for c in engine.generate(prompts, params)]
@@ -144,9 +145,9 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(kernel, bud
 
 
 def test_int8_method_quantizes_whole_groups_only():
-    from sluice.service.engine.layers.gguf_linear import QuantizeMethod
+    from sluice.service.engine.layers.gguf_linear import QuantizeFormat
     from sluice.service.engine.layers.linear import PlainLinear
 
-    method = QuantizeMethod("int8")
-    assert method.make(torch.randn(8, 64), None, ["model.layers.0.self_attn.o_proj"], [8]).qtype == "Q8_0"
+    method = QuantizeFormat("int8")
+    assert method.make(torch.randn(8, 64), None, ["model.layers.0.self_attn.o_proj"], [8]).method.qtype == "Q8_0"
     assert type(method.make(torch.randn(8, 50), None, ["lm_head"], [8])) is PlainLinear  # no whole groups of 32

@@ -21,7 +21,7 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import ModelConfig, SluiceConfig
 from sluice.service.engine.attention_backend import ForwardContext, set_forward_context
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.layers.linear import PlainMethod
+from sluice.service.engine.layers.linear import PlainFormat
 from sluice.service.engine.layers.mlp import GatedMLP
 from sluice.service.engine.layers.norm import RMSNorm
 from sluice.service.engine.layers.rotary import apply_rotary
@@ -125,7 +125,7 @@ def forward_both(arch: str, prompt: list[int]):
     """Logits of transformers' own forward and of the owned model on pure-torch linears (no padding, no GEMV: the
     arithmetic transformers runs) over one prompt on a paged cache."""
     reference, source = build_pair(arch)
-    ours = weights.from_transformers(source, PlainMethod(torch.device("cuda"), torch.float32), CPU, torch.float32)
+    ours = weights.from_transformers(source, PlainFormat(torch.device("cuda"), torch.float32), CPU, torch.float32)
     ids = torch.tensor(prompt)
     config = ours.config
     kv = KVTensors(4, config.num_hidden_layers, config.num_key_value_heads, weights.attention_shape(config)[2], 16,
@@ -237,7 +237,7 @@ def test_prepacked_float_layers_run_in_cpp_around_the_attention_bit_for_bit(kern
 
     engines = twin_engines("none", dtype)
     linears = [m for m in engines[0].model.layers.modules() if isinstance(m, PackedLinear)]
-    if not linears or not all(m.gemv_layout for m in linears):
+    if not linears or not all(m.method.gemv_layout for m in linears):
         pytest.skip(f"no prepacked {dtype} GEMV layout on this CPU")
     assert_cpp_layers_match_python(engines)
 
@@ -257,4 +257,4 @@ def test_a_copied_layer_builds_its_own_cpp_object():
     copied = copy.deepcopy(packed)
     for old, new in zip(packed.layers, copied.layers, strict=True):
         assert new._layer_ops is not None and new._layer_ops is not old._layer_ops
-        assert new.mlp.down_proj.packed_ptr != old.mlp.down_proj.packed_ptr
+        assert new.mlp.down_proj.method.packed_ptr != old.mlp.down_proj.method.packed_ptr

@@ -9,7 +9,8 @@ from torch import nn
 from sluice import native
 from sluice.service.engine import packed_gemv
 from sluice.service.engine.layers import packed_linear
-from sluice.service.engine.layers.packed_linear import PackedLinear, can_prepack, padded_rows
+from sluice.service.engine.layers.linear import padded_rows
+from sluice.service.engine.layers.packed_linear import PackedLinear, can_prepack
 from tests.support.kernels import MARCHES, build_variant, variant_isas
 
 
@@ -30,7 +31,7 @@ def tolerance(dtype):
 @pytest.mark.parametrize("out_features,in_features", [(1536, 576), (576, 1536), (576, 576), (2048, 2048)])
 def test_model_shaped_fp32_weights_take_the_gemv(kernel, out_features, in_features):
     """SmolLM2's and the 1.7B's linears: oneDNN packs them in a layout the GEMV reads (AVX2 and AVX-512 alike)."""
-    assert packed_of(nn.Linear(in_features, out_features)).gemv_layout is not None
+    assert packed_of(nn.Linear(in_features, out_features)).method.gemv_layout is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -41,12 +42,12 @@ def test_packed_linear_matches_the_plain_one_on_both_paths(kernel, dtype, out_fe
     plain = nn.Linear(in_features, out_features).to(dtype)
     plain.load_state_dict(linear.state_dict())
     packed = PackedLinear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-    if packed.gemv_layout is None:  # oneDNN chose blocks narrower than the GEMV reads (AVX2 does, for some shapes)
-        assert packed.gemv_max_rows == 0  # oneDNN alone serves every call
+    if packed.method.gemv_layout is None:  # oneDNN chose blocks narrower than the GEMV reads (AVX2, some shapes)
+        assert packed.method.max_rows == 0  # oneDNN alone serves every call
     else:
-        packed.gemv_max_rows = 32  # the GEMV's numerics at every row count, whatever this CPU measured
+        packed.method.max_rows = 32  # the GEMV's numerics at every row count, whatever this CPU measured
     with torch.inference_mode():
-        for rows in (1, 2, 3, 4, 5, 9, packed.gemv_max_rows, packed.gemv_max_rows + 1, 70):
+        for rows in (1, 2, 3, 4, 5, 9, packed.method.max_rows, packed.method.max_rows + 1, 70):
             x = torch.randn(2, rows, in_features).to(dtype)
             want = nn.functional.linear(x.double(), plain.weight.double(), plain.bias.double())
             torch.testing.assert_close(packed(x).double(), want, **tolerance(dtype))
@@ -60,9 +61,9 @@ def test_one_row_comes_out_as_in_a_two_row_call(kernel, dtype, out_features):
     torch.manual_seed(out_features)
     linear = nn.Linear(96, out_features, bias=False).to(dtype)
     packed = packed_of(linear)
-    if packed.gemv_layout is None:
+    if packed.method.gemv_layout is None:
         pytest.skip("oneDNN chose a layout the GEMV does not read")
-    packed.gemv_max_rows = 32
+    packed.method.max_rows = 32
     x = torch.randn(2, 96).to(dtype)
     with torch.inference_mode():
         one, two = packed(x[:1]), packed(x)
@@ -78,7 +79,7 @@ def test_decode_sized_calls_take_the_gemv_and_larger_ones_onednn(kernel, dtype, 
     monkeypatch.setattr(packed_gemv, "gemv", lambda x, *a: gemv_rows.append(x.shape[0]) or real_gemv(x, *a))
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: onednn_rows.append(x.shape[0]) or real_onednn(x, *a), raising=False)
-    limit = linear.gemv_max_rows = 16  # the routing, whatever packed_gemv.max_rows measured here
+    limit = linear.method.max_rows = 16  # the routing, whatever packed_max_rows measured here
     with torch.inference_mode():
         for rows in (1, limit, limit + 1, 100):
             linear(torch.randn(rows, 64).to(dtype))
@@ -101,7 +102,7 @@ def test_no_gemv_without_the_cpu_ops(monkeypatch):
     monkeypatch.setattr(packed_gemv.native, "load", lambda: None)
     plain = nn.Linear(64, 128)
     linear = packed_of(plain)
-    assert linear.gemv_layout is None and linear.gemv_max_rows == 0
+    assert linear.method.gemv_layout is None and linear.method.max_rows == 0
     x = torch.randn(1, 64)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x), plain(x))
@@ -146,16 +147,16 @@ def test_crossover_takes_each_sides_best_of_rounds_timed_in_turn():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
     from sluice.service.engine.layers.crossover import ROW_STEPS
-    from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_max_rows
+    from sluice.service.engine.layers.linear import PlainLinear, plain_max_rows
 
-    limit = packed_linear.gemv_max_rows(dtype, (128, 64))
-    assert limit in (0, *ROW_STEPS) and packed_linear.gemv_max_rows(dtype, (128, 64)) == limit  # measured once
-    assert packed_of(nn.Linear(64, 128, bias=False).to(dtype)).gemv_max_rows == limit  # per shape
-    plain = decode_kernel_max_rows(dtype, (8, 64))
+    limit = packed_linear.packed_max_rows(dtype, (128, 64))
+    assert limit in (0, *ROW_STEPS) and packed_linear.packed_max_rows(dtype, (128, 64)) == limit  # measured once
+    assert packed_of(nn.Linear(64, 128, bias=False).to(dtype)).method.max_rows == limit  # per shape
+    plain = plain_max_rows(dtype, (8, 64))
     assert plain in (0, *ROW_STEPS)
     weight = torch.randn(8, 64).to(dtype)
-    assert PlainLinear(weight, None, pad=True, decode_kernel=True).kernel_rows == plain
-    assert PlainLinear(weight, None, pad=True).kernel_rows == 0
+    assert PlainLinear(weight, None, pad=True, decode_kernel=True).method.max_rows == plain
+    assert PlainLinear(weight, None, pad=True).method.max_rows == 0
 
 
 def test_probe_weights_stream_past_the_last_level_cache(monkeypatch):

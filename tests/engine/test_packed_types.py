@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from sluice.service.engine.layers.gguf_blocks import (
-    BLOCK_TYPES,
     GgufBlocks,
-    dequantize,
     pack_q4_0,
     pack_q5_0,
     pack_q5_1,
@@ -26,13 +24,8 @@ from sluice.service.engine.layers.gguf_blocks import (
     unpack_q6_k,
     unpack_q8_0,
 )
-from sluice.service.engine.layers.gguf_linear import (
-    KERNEL_MAX_ROWS_DEFAULT,
-    PACKED_MAX_ROWS,
-    GgufBlockMethod,
-    GgufEmbedding,
-    GgufLinear,
-)
+from sluice.service.engine.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear
+from sluice.service.engine.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
 from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
@@ -44,6 +37,16 @@ SHAPES = {"Q4_0": [(3, 16, 4, 16, 4), (3, 16, 16)],  # codes (nibbles), scales
           "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
           "Q6_K": [(3, 16, 4, 16, 4), (3, 16, 160), (3, 2, 16)],  # nibbles, high bits and scales, d per 256
           "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)]}  # codes (bytes), scales
+
+
+def rows_of(linear, *bounds) -> torch.Tensor:
+    """A GGUF linear's rows (bounds: start, stop) as the file stores them."""
+    return linear.method.stored_rows(linear, *bounds)
+
+
+def packs(linear) -> list[torch.Tensor]:
+    """A packed GGUF linear's buffers, in the order its kernel takes them."""
+    return linear.method.packs(linear)
 
 
 def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -63,7 +66,7 @@ def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", list(PACKS))
 def test_packing_keeps_every_bit_in_the_files_size(qtype):
     pack, unpack, _ = PACKS[qtype]
-    nbytes = BLOCK_TYPES[qtype][2]
+    nbytes = BY_NAME[qtype].block_bytes
     blocks = quantized(qtype, 40, 512, seed=1)  # 40 rows: the last block of 16 is padded
     packed = pack(blocks)
     assert [tuple(t.shape) for t in packed] == SHAPES[qtype] and packed[-1].dtype == torch.float16
@@ -115,25 +118,27 @@ def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
     blocks = quantized("Q6_K", n, k, seed=11)
     packed = GgufLinear(GgufBlocks(blocks, "Q6_K", k), torch.randn(n), kernel)
     stored = GgufLinear(GgufBlocks(blocks, "Q6_K", k), packed.bias.data, kernel, repack=False)
-    assert packed.packed and not stored.packed and packed.kernel_max_rows == stored.kernel_max_rows == 32
-    assert torch.equal(kernel.q6_k_dequantize(*packed._packed())[:n], dequantize(blocks, "Q6_K", k, kernel))
-    assert torch.equal(packed.float_rows(16, 40), dequantize(blocks[16:], "Q6_K", k))
+    assert packed.method.packed and not stored.method.packed
+    assert packed.method.max_rows == stored.method.max_rows == 32
+    assert torch.equal(kernel.q6_k_dequantize(*packs(packed))[:n], dequantize(blocks, "Q6_K", k, kernel))
+    assert torch.equal(packed.method.float_rows(packed, 16, 40), dequantize(blocks[16:], "Q6_K", k))
     weight = dequantize(blocks, "Q6_K", k).double()
     for rows in (1, 5, 32):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(packed(x), stored(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(packed(x).double(), int8_rounded(x).double() @ weight.T + packed.bias.double(),
                                    rtol=1e-5, atol=1e-5)
-    packed.tile_rows = stored.tile_rows = 16  # several tiles, the last one partial
+    packed.method.tile_rows = stored.method.tile_rows = 16  # several tiles, the last one partial
     x = torch.randn(2, 17, k, generator=torch.Generator().manual_seed(2))  # 34 rows: prefill
     torch.testing.assert_close(packed(x), stored(x), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(packed(x).double(), x.double() @ weight.T + packed.bias.double(), rtol=1e-5,
                                atol=1e-5)
     with pytest.raises(RuntimeError, match="high_scales uint8"):
-        kernel.q6_k_dequantize(packed._packed()[0], packed._packed()[1][:, :, :8].contiguous(), packed._packed()[2])
+        nibbles, high_scales, supers = packs(packed)
+        kernel.q6_k_dequantize(nibbles, high_scales[:, :, :8].contiguous(), supers)
     for isa in variant_isas():  # the portable loop and the AVX2 lanes unpack the same codes
-        assert torch.equal(integer_kernels(isa).q6_k_dequantize(*packed._packed()), kernel.q6_k_dequantize(
-            *packed._packed())), isa
+        assert torch.equal(integer_kernels(isa).q6_k_dequantize(*packs(packed)), kernel.q6_k_dequantize(
+            *packs(packed))), isa
 
 
 def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
@@ -141,12 +146,13 @@ def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
     # Q6_K still multiplies float tiles past 32 rows: its prefill).
     n, k = 40, 512
     blocks = GgufBlocks(quantized("Q6_K", n, k, seed=4), "Q6_K", k)
-    method = GgufBlockMethod(torch.float32, kernel)
+    method = GgufFormat(torch.float32, kernel)
     cpu = torch.device("cpu")
     tied = method.tied_head(method.embedding(blocks, cpu, torch.float32))
-    untied, layer = (method.make_parts([blocks], [None], [name], cpu, torch.float32) for name in ("lm_head", "down_proj"))
-    assert tied.kernel_max_rows == untied.kernel_max_rows == PACKED_MAX_ROWS
-    assert layer.kernel_max_rows == KERNEL_MAX_ROWS_DEFAULT
+    untied, layer = (method.make_parts([blocks], [None], [name], cpu, torch.float32)
+                     for name in ("lm_head", "down_proj"))
+    assert tied.method.max_rows == untied.method.max_rows == PACKED_MAX_ROWS
+    assert layer.method.max_rows == STORED_MAX_ROWS
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
     logits = tied(x)
     for row in (0, 17, 39):
@@ -162,8 +168,8 @@ def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     n, k = 40, 768
     blocks = quantized(qtype, n, k, seed=rows)
     linear = GgufLinear(GgufBlocks(blocks, qtype, k), None, kernel)
-    assert linear.packed and linear.kernel_max_rows == PACKED_MAX_ROWS  # prefill chunks too
-    assert torch.equal(linear.stored_rows(), blocks) and torch.equal(linear.stored_rows(5, 21), blocks[5:21])
+    assert linear.method.packed and linear.method.max_rows == PACKED_MAX_ROWS  # prefill chunks too
+    assert torch.equal(rows_of(linear), blocks) and torch.equal(rows_of(linear, 5, 21), blocks[5:21])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero group: scale 0
     weight = dequantize(blocks, qtype, k).double()
@@ -173,8 +179,8 @@ def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     scale = (x.double().abs() @ weight.abs().T).amax()
     assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
     assert (got - x.double() @ weight.T).abs().max() <= 0.01 * scale  # the int8 rounding, no more
-    op = linear.kernel_op()  # the fused layer's linear: the same kernel
-    assert op is not None and torch.equal(getattr(kernel, PACKS[qtype][2])(x, *linear._packed(), n), linear(x))
+    op = linear.kernel_facts().op  # the fused layer's linear: the same kernel
+    assert op is not None and torch.equal(getattr(kernel, PACKS[qtype][2])(x, *packs(linear), n), linear(x))
 
 
 def test_halfway_activations_round_to_even_in_every_instruction_set(kernel):
@@ -217,7 +223,7 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
 def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
     blocks = quantized(qtype, 40, 256, seed=3)
     embed = GgufEmbedding(GgufBlocks(blocks, qtype, 256), torch.float32, kernel)
-    assert embed.table.packed  # the one copy of the bytes, which a tied head runs
+    assert embed.table.method.packed  # the one copy of the bytes, which a tied head runs
     ids = torch.tensor([[39, 0, 17], [16, 39, 5]])
     want = dequantize(blocks[ids.reshape(-1)], qtype, 256, kernel).view(2, 3, 256)
     assert torch.equal(embed(ids), want)
@@ -231,7 +237,7 @@ def test_largest_five_bit_codes_against_the_largest_activations_sum_exactly(qtyp
     # instruction set (16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 such products).
     n, k = 16, 256
     head = 2 if qtype == "Q5_0" else 4
-    block = torch.full((BLOCK_TYPES[qtype][2],), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
+    block = torch.full((BY_NAME[qtype].block_bytes,), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
     block[:head] = torch.tensor([1.0, 0.0][:head // 2], dtype=torch.float16).view(torch.uint8)  # d = 1 (m = 0)
     blocks = block.repeat(n, k // 32)
     x = torch.full((3, k), 1.0)
@@ -241,4 +247,5 @@ def test_largest_five_bit_codes_against_the_largest_activations_sum_exactly(qtyp
     want = int8_rounded(x).double() @ dequantize(blocks, qtype, k).double().T
     assert torch.equal(linear(x).double(), want)
     for isa in variant_isas():
-        assert torch.equal(getattr(integer_kernels(isa), PACKS[qtype][2])(x, *linear._packed(), n).double(), want)
+        op = getattr(integer_kernels(isa), PACKS[qtype][2])
+        assert torch.equal(op(x, *packs(linear), n).double(), want)

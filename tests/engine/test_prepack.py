@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from sluice.service.engine.layers.linear import PackedMethod, PlainLinear
-from sluice.service.engine.layers.packed_linear import PackedLinear, can_prepack, padded_rows
+from sluice.service.engine.layers.linear import PlainLinear, padded_rows
+from sluice.service.engine.layers.packed_linear import PackedFormat, PackedLinear, can_prepack
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -26,8 +26,8 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_give_the_weight_back
         torch.testing.assert_close(twin(x), packed(x))
 
 
-def test_the_packed_method_keeps_a_head_tied_to_the_embedding_plain():
-    method = PackedMethod(torch.device("cpu"), torch.float32)
+def test_the_packed_format_keeps_a_head_tied_to_the_embedding_plain():
+    method = PackedFormat(torch.device("cpu"), torch.float32)
     embedding = torch.randn(50, 8)
     head = method.make(embedding, None, ["lm_head"], [50], tied=True)
     assert type(head) is PlainLinear and head.weight.data_ptr() == embedding.data_ptr()  # one copy

@@ -81,7 +81,7 @@ def test_without_a_compiler_quantized_weights_serve_on_dequantized_tiles(model_d
     config.model.model, config.model.quantization, config.cache.num_kv_blocks = model_dir, quantization, 64
     engine = LLMEngine(config)
     linears = [m for m in engine.model.modules() if isinstance(m, GgufLinear)]
-    assert linears and all(m.kernel is None and not m.packed for m in linears)
+    assert linears and all(m.method.kernel is None and not m.method.packed for m in linears)
     assert {b.dtype for m in linears for b in m.buffers()} == {torch.uint8}  # the blocks only, no float copy
     assert all(layer._layer_ops is None for layer in engine.model.layers)
     outputs = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]

@@ -1,12 +1,11 @@
 """Where a few-row C++ kernel stops beating oneDNN's GEMM, timed once per weight shape on this CPU.
 
 The GEMVs stream each weight once per block of input rows; oneDNN's GEMM pays a fixed cost per call but computes
-many rows at the rate of the CPU's matrix units. Where the two cross depends on the CPU, not only its flags: on
-a Zen 4 the packed GEMV won up to 16-32 rows, on a Xeon with AMX oneDNN won from 4 (docs/performance.md, "Weight
-formats on CPU"). It depends on the shape too (oneDNN's cost per call weighs more on a small model's narrow
-linears), and on where the weights come from: a model's linears stream from memory, one after the other, while
-one weight timed again and again sits in the last-level cache. So the limit is measured the first time a linear
-of a given shape asks, on random weights of that shape, enough of them to stream past the caches.
+many rows at the rate of the CPU's matrix units. Where the two cross depends on the CPU (its vector and matrix
+units, not only its flags), on the shape (oneDNN's cost per call weighs more on a narrow linear), and on where the
+weights come from: a model's linears stream from memory one after the other, while one weight timed again and again
+sits in the last-level cache. So the limit (a linear method's `max_rows`) is measured the first time a linear of a
+given shape asks, on random weights of that shape, enough of them to stream past the caches.
 """
 
 from __future__ import annotations

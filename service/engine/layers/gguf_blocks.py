@@ -1,7 +1,7 @@
-"""GGUF's block formats in plain torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 inputs a block) and the K-quants Q4_K,
-Q5_K, Q6_K (256). `dequantize` (also the tests' reference), `quantize` of float weights into Q8_0 and Q4_1 (what
-`--quantization int8 | int4` stores), and the repacking of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 into
-csrc/int4_linear.cpp's blocks of 16 rows.
+"""GGUF's block formats in plain torch: a weight as stored (`GgufBlocks`), the field readers the dequantizers of
+quant_types.py share, `quantize` of float weights into Q8_0 and Q4_1 (what `--quantization int8 | int4` stores), and
+the regrouping of the packed types' rows into csrc/int4_linear.cpp's blocks of 16 rows (`pack_*`, each with its
+exact inverse `unpack_*`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# GGML type name → (type id, elements per block, bytes per block), as gguf.GGML_QUANT_SIZES has them.
-BLOCK_TYPES = {
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-}
+
 @dataclass(slots=True)
 class GgufBlocks:
     """A weight as a GGUF file stores it: `data` uint8 [N, row_bytes], each row its K / QK blocks of `qtype`."""
@@ -25,22 +21,23 @@ class GgufBlocks:
     in_features: int
 
 
-def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+def half_at(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Blocks [nb, bytes] → the float16 field at byte `at` of each, as float32 [nb, 1]."""
     return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def split_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes → [..., 2n]: the low nibbles, then the high ones."""
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
-def _bits32(qh: torch.Tensor) -> torch.Tensor:
+def bits32(qh: torch.Tensor) -> torch.Tensor:
     """[nb, 4] bytes → [nb, 32]: bit j of the little-endian 32-bit word."""
     shifts = torch.arange(8, dtype=torch.uint8)
     return ((qh[:, :, None] >> shifts) & 1).reshape(-1, 32)
 
 
-def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's 12 bytes → eight 6-bit scales and minimums, uint8 [nb, 8]."""
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     scale = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
@@ -49,45 +46,9 @@ def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _k4_scale_bytes(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The inverse of _k4_scales: eight 6-bit scales and minimums [nb, 8] → the 12 bytes."""
+    """The inverse of k4_scales: eight 6-bit scales and minimums [nb, 8] → the 12 bytes."""
     return torch.cat([scale[:, :4] | ((scale[:, 4:] >> 4) << 6), minimum[:, :4] | ((minimum[:, 4:] >> 4) << 6),
                       (scale[:, 4:] & 15) | ((minimum[:, 4:] & 15) << 4)], dim=-1)
-
-
-def _dequantize_blocks(b: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Blocks [nb, bytes] → float32 [nb, QK]."""
-    if qtype == "Q8_0":
-        return _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
-    if qtype in ("Q4_0", "Q4_1"):
-        q = _nibbles(b[:, 2 if qtype == "Q4_0" else 4:]).float()
-        return _f16(b, 0) * (q - 8) if qtype == "Q4_0" else _f16(b, 0) * q + _f16(b, 2)
-    if qtype in ("Q5_0", "Q5_1"):
-        head = 2 if qtype == "Q5_0" else 4
-        q = (_nibbles(b[:, head + 4:]) | (_bits32(b[:, head:head + 4]) << 4)).float()
-        return _f16(b, 0) * (q - 16) if qtype == "Q5_0" else _f16(b, 0) * q + _f16(b, 2)
-    if qtype in ("Q4_K", "Q5_K"):
-        scale, minimum = (t.float() for t in _k4_scales(b[:, 4:16]))
-        qs = b[:, 48:] if qtype == "Q5_K" else b[:, 16:]
-        q = _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j+1 high
-        if qtype == "Q5_K":
-            q = q | (((b[:, 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1).transpose(1, 2) << 4)
-        d = _f16(b, 0)[:, :, None] * scale[:, :, None]
-        return (d * q.float() - _f16(b, 2)[:, :, None] * minimum[:, :, None]).reshape(-1, 256)
-    if qtype == "Q6_K":
-        ql = _nibbles(b[:, :128].reshape(-1, 2, 64))  # [nb, 2, 128]
-        qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
-        q = (ql | (qh.reshape(-1, 2, 128) << 4)).float() - 32
-        scale = b[:, 192:208].contiguous().view(torch.int8).float() * _f16(b, 208)
-        return (scale.repeat_interleave(16, dim=-1) * q.reshape(-1, 256)).reshape(-1, 256)
-    raise ValueError(f"no dequantization for GGML type {qtype}")
-
-
-def dequantize(data: torch.Tensor, qtype: str, in_features: int, kernel=None) -> torch.Tensor:
-    """Rows of blocks uint8 [N, row_bytes] → float32 [N, in_features]; in C++ where `kernel` is the built ops."""
-    if kernel is not None:
-        return kernel.gguf_dequantize(data, BLOCK_TYPES[qtype][0], in_features)
-    _, _, nbytes = BLOCK_TYPES[qtype]
-    return _dequantize_blocks(data.reshape(-1, nbytes), qtype).reshape(data.shape[0], in_features)
 
 
 GROUP = 32  # inputs per Q8_0 / Q4_1 block
@@ -193,9 +154,9 @@ def pack_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     (unpack_q4_k gives the rows back), in 148 bytes per 144."""
     n, nb = data.shape[0], data.shape[1] // 144
     b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 144)
-    codes = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # group 2j: chunk j's low nibbles, 2j+1 high
+    codes = split_nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # group 2j: chunk j's low nibbles, 2j+1 high
     nibbles = _interleave((codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, PACK_ROWS, nb * 8, 16))
-    scale, minimum = _k4_scales(b[:, 4:16])
+    scale, minimum = k4_scales(b[:, 4:16])
     scales_mins = _by_block(torch.stack([scale, minimum], dim=-1).reshape(-1, nb * 8, 2))
     d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16) for at in (0, 2))
     supers = _by_block(torch.cat([d, _negated(dmin)], dim=-1).reshape(-1, nb, 2))
@@ -227,8 +188,8 @@ def _plane_bits(plane: torch.Tensor) -> torch.Tensor:
 
 
 def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
-    """Q5 blocks' fifth bits [nb, 4] (bit j of the little-endian word: element j) → int4_linear.cpp's order [nb, 4]."""
-    return _bit_plane(_bits32(qh))
+    """Q5 blocks' fifth bits [nb, 4] (bit j of the little-endian word: element j) → int4_linear.cpp's order."""
+    return _bit_plane(bits32(qh))
 
 
 _FIFTH_SHIFTS = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)  # half h, chunk c → bit 4h + c
@@ -287,7 +248,7 @@ _Q6_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
 
 def _q6_k_codes(b: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [B, 210] → their 6-bit codes in input order, uint8 [B, 256]."""
-    ql = _nibbles(b[:, :128].reshape(-1, 2, 64))  # per 128 inputs: bytes 0..63's low nibbles, then their high ones
+    ql = split_nibbles(b[:, :128].reshape(-1, 2, 64))  # per 128 inputs: bytes 0..63's low nibbles, then their high ones
     qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> _Q6_HIGH_SHIFTS[:, None]) & 3  # input 32i + l: byte l, bits 2i, 2i+1
     return (ql | (qh.reshape(-1, 2, 128) << 4)).reshape(-1, 256)
 

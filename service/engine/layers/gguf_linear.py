@@ -1,244 +1,209 @@
-"""Linears and embeddings on GGUF's blocks (formats: `gguf_blocks.py`): a .gguf file's as stored, or a float
+"""Linears and embeddings on GGUF blocks (the types of quant_types.py): a .gguf file's as stored, or a float
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
-Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 run csrc/int4_linear.cpp, their blocks regrouped 16 output rows
-together at load (`pack_q4_0` and `pack_q4_1`, a permutation; `pack_q4_k`, which also gives each 6-bit scale a byte;
-`pack_q5_0` and `pack_q5_1`, the fifth bits in the kernel's order; `pack_q6_k`, its two high bits so; `pack_q8_0`, a
-byte per code: several times faster than reading the rows as stored, docs/performance.md), the activations rounded
-to int8 per 32 inputs as llama.cpp does; for calls of any size, except Q6_K (`prefill_op`): SmolLM2's first
-layers keep their down projections in Q6_K in a Q4_K_M file, and a prefill of those with int8-rounded activations
-changed its greedy answers (docs/performance.md), so past KERNEL_MAX_ROWS_DEFAULT rows its tiles are dequantized
-(`q6_k_dequantize`) and multiplied in float, as for the types read as stored (an output head in Q6_K stays on the
-kernel: `head_on_kernel`). Calls of few rows (decoding) of the other type (Q5_K) run an integer-weight GEMV on the
-blocks (csrc/gguf_linear.cpp, int8 activations); larger calls (prefill) dequantize a tile of output rows at a time
-into a scratch and multiply.
-Without the native build, `dequantize` (pure torch) does the tiles for every call. A quantized decoder layer hands
-its linears to csrc/llama_layer.cpp (`kernel_op`).
+`GgufMethod` keeps a weight in one of two layouts. A type the table gives a `Packing` is regrouped at load (where the
+extension is built), 16 output rows together, for csrc/int4_linear.cpp's packed kernel, every bit kept: calls of up
+to the type's `max_rows` rows run that kernel, the activations rounded to int8 per 32 inputs as llama.cpp rounds
+them; larger calls (a type whose `prefill` is FLOAT) multiply float tiles dequantized from the packs. Any other type
+keeps its rows as stored: calls of up to STORED_MAX_ROWS rows run csrc/gguf_linear.cpp's GEMV on them (int8
+activations), larger ones float tiles. Without the extension every call multiplies tiles dequantized in torch. The
+C++ side finds each type's kernels by its id (csrc/gguf_linear.cpp's kQuantTypes), never by name.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from sluice.service.engine.layers.gguf_blocks import (
-    BLOCK_TYPES,
-    GROUP,
-    PACK_ROWS,
-    GgufBlocks,
-    dequantize,
-    pack_q4_0,
-    pack_q4_1,
-    pack_q4_k,
-    pack_q5_0,
-    pack_q5_1,
-    pack_q6_k,
-    pack_q8_0,
-    q8_0_rows,
-    quantize,
-    unpack_q4_0,
-    unpack_q4_1,
-    unpack_q4_k,
-    unpack_q5_0,
-    unpack_q5_1,
-    unpack_q6_k,
-    unpack_q8_0,
+from sluice import native
+from sluice.service.engine.layers.gguf_blocks import GROUP, PACK_ROWS, GgufBlocks, quantize
+from sluice.service.engine.layers.linear import (
+    KernelFacts,
+    Linear,
+    LinearMethod,
+    PlainLinear,
+    WeightFormat,
+    set_bias,
 )
-from sluice.service.engine.layers.linear import LinearMethod, PlainLinear
+from sluice.service.engine.layers.quant_types import (
+    PACKED_MAX_ROWS,
+    STORED_MAX_ROWS,
+    Prefill,
+    dequantize,
+    quant_type,
+)
 
-# Rows a call of a type stored as is (Q5_K), or of Q6_K, may have for the GEMV (above: dequantized tiles +
-# GEMM). The GEMV unpacks every weight block once per few input rows, the tiles once per call, so the tiles win
-# past a crossover that lies between 32 and 64 rows for the K-quants at SmolLM2's and 1.7B's shapes on Zen 4
-# (docs/performance.md); the other packed types (PACKINGS) take every prefill chunk (their kernel reads 16 output
-# rows' blocks together).
-KERNEL_MAX_ROWS_DEFAULT = 32
-PACKED_MAX_ROWS = 4096
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 
 
-@dataclass(frozen=True, slots=True)
-class Packing:
-    """How a type is regrouped for csrc/int4_linear.cpp: its buffers (the nibbles first), the kernel op reading
-    them, and the functions to them from rows as stored and back (`rows`: single rows read in place, where an
-    embedding looks them up: without it, each row's whole block of 16 is unpacked). `prefill_op`: the kernel op that
-    turns whole packs into float32 rows, for a type whose calls past KERNEL_MAX_ROWS_DEFAULT rows multiply float
-    tiles instead of int8-rounded activations (None: the packed kernel takes calls of every size)."""
+class GgufMethod(LinearMethod):
+    """A weight's GGUF blocks of one quant type (`quant`, its table row), computed in float32. `kernel`: the built
+    extension, or None (torch dequantize for every call); `repack=False` keeps a packed type's rows as stored (bench/
+    packed_linears.py times the two); `head`: an output head, whose rows are the sampled ones, one per sequence, so a
+    packed type's kernel takes its calls of every size whatever the type's prefill (the logits of a row do not depend
+    on the batch; llama.cpp too rounds a Q6_K head's activations)."""
 
-    buffers: tuple[str, ...]
-    kernel_op: str
-    pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-    unpack: Callable[..., torch.Tensor]
-    rows: Callable[..., torch.Tensor] | None = None
-    prefill_op: str | None = None
+    def __init__(self, kernel=None, repack: bool = True, head: bool = False) -> None:
+        self.kernel, self.repack, self.head = kernel, repack, head
 
+    def __deepcopy__(self, memo: dict) -> GgufMethod:
+        return copy.copy(self)  # no tensors here (the layer holds them); the extension module is shared
 
-PACKINGS = {"Q4_0": Packing(("blocks", "scale"), "q4_0_linear", pack_q4_0, unpack_q4_0),
-            "Q4_1": Packing(("blocks", "scale", "minimum"), "int4_linear", pack_q4_1, unpack_q4_1),
-            "Q4_K": Packing(("blocks", "scales_mins", "supers"), "q4_k_linear", pack_q4_k, unpack_q4_k),
-            "Q5_0": Packing(("blocks", "fifth", "scale"), "q5_0_linear", pack_q5_0, unpack_q5_0),
-            "Q5_1": Packing(("blocks", "fifth", "scale_min"), "q5_1_linear", pack_q5_1, unpack_q5_1),
-            "Q6_K": Packing(("blocks", "high_scales", "supers"), "q6_k_linear", pack_q6_k, unpack_q6_k,
-                            prefill_op="q6_k_dequantize"),
-            "Q8_0": Packing(("blocks", "scale"), "q8_0_packed_linear", pack_q8_0, unpack_q8_0, q8_0_rows)}
-
-
-class GgufLinear(nn.Module):
-    """y = x W^T + b with W in GGUF blocks; float activations in and out (computed in float32). `blocks`: the rows
-    as stored, or for the types PACKINGS names, with a kernel, the packed codes, with the type's other buffers
-    (`repack=False` keeps the rows: bench/packed_linears.py times the packing against them)."""
-
-    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True) -> None:
-        super().__init__()
-        _, qk, nbytes = BLOCK_TYPES[blocks.qtype]
-        self.in_features, self.out_features = blocks.in_features, blocks.data.shape[0]
-        if self.in_features % qk or blocks.data.shape[1] != self.in_features // qk * nbytes:
-            raise ValueError(f"{blocks.qtype} rows of {blocks.data.shape[1]} bytes for {self.in_features} inputs")
-        self.qtype, self.type_id = blocks.qtype, BLOCK_TYPES[blocks.qtype][0]
-        self.packed = kernel is not None and repack and blocks.qtype in PACKINGS
+    def create_weights(self, layer, blocks: GgufBlocks, bias):
+        quant = quant_type(blocks.qtype)
+        self.quant, self.qtype = quant, quant.name
+        n, k = blocks.data.shape[0], blocks.in_features
+        if blocks.data.shape[1] != quant.row_bytes(k):
+            raise ValueError(f"{quant.name} rows of {blocks.data.shape[1]} bytes for {k} inputs")
+        self.packed = self.kernel is not None and self.repack and quant.packing is not None
         if self.packed:
-            packing = PACKINGS[blocks.qtype]
-            for name, t in zip(packing.buffers, packing.pack(blocks.data), strict=True):
-                self.register_buffer(name, t)
+            for name, t in zip(quant.packing.buffers, quant.packing.pack(blocks.data), strict=True):
+                layer.register_buffer(name, t)
         else:
-            self.register_buffer("blocks", blocks.data)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.kernel = kernel  # native.load(), or None: every call dequantizes tiles in torch
-        whole_calls = self.packed and PACKINGS[self.qtype].prefill_op is None
-        self.kernel_max_rows = 0 if kernel is None else PACKED_MAX_ROWS if whole_calls else KERNEL_MAX_ROWS_DEFAULT
-        self.kernel_dtype = torch.float32  # what kernel_op's linear computes in
-        self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // self.in_features // PACK_ROWS * PACK_ROWS)
+            layer.register_buffer("blocks", blocks.data)
+        set_bias(layer, None if bias is None else bias.float())
+        if self.kernel is not None:
+            self.max_rows = (PACKED_MAX_ROWS if self.head else quant.max_rows) if self.packed else STORED_MAX_ROWS
+        self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // k // PACK_ROWS * PACK_ROWS)
+        return n, k
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] → [..., N]."""
-        rows = x.reshape(-1, self.in_features).float()
-        if self.kernel is not None and rows.shape[0] <= self.kernel_max_rows:
-            out = self._packed_linear(rows) if self.packed else self.kernel.gguf_linear(rows, self.blocks, self.type_id)
+    def packs(self, layer: Linear) -> list[torch.Tensor]:
+        """The packed buffers, in the table's order."""
+        return [layer.get_buffer(name) for name in self.quant.packing.buffers]
+
+    def _kernel_tensors(self, layer: Linear) -> list[torch.Tensor]:
+        """The three tensors the C++ kernels take: the packs (an empty third where there are two) or the blocks."""
+        empty = torch.empty(0)
+        return [*self.packs(layer), empty][:3] if self.packed else [layer.blocks, empty, empty]
+
+    def apply(self, layer, rows):
+        x = rows.float()
+        if self.kernel is not None and x.shape[0] <= self.max_rows:
+            if self.packed:
+                out = self.kernel.quant_linear(x, self.quant.type_id, *self._kernel_tensors(layer), layer.out_features)
+            else:
+                out = self.kernel.gguf_linear(x, layer.blocks, self.quant.type_id)
         else:
-            out = torch.empty(rows.shape[0], self.out_features)
-            for n in range(0, self.out_features, self.tile_rows):
-                tile = self.float_rows(n, n + self.tile_rows)
-                torch.mm(rows, tile.t(), out=out[:, n:n + tile.shape[0]])
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            out = torch.empty(x.shape[0], layer.out_features)
+            for n in range(0, layer.out_features, self.tile_rows):
+                tile = self.float_rows(layer, n, n + self.tile_rows)
+                torch.mm(x, tile.t(), out=out[:, n:n + tile.shape[0]])
+        if layer.bias is not None:
+            out += layer.bias
+        return out.to(rows.dtype)
 
-    def _packed(self) -> list[torch.Tensor]:
-        """The packed buffers, in PACKINGS' order."""
-        return [getattr(self, name) for name in PACKINGS[self.qtype].buffers]
-
-    def _packed_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        return getattr(self.kernel, PACKINGS[self.qtype].kernel_op)(rows, *self._packed(), self.out_features)
-
-    def stored_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def stored_rows(self, layer: Linear, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows [start, stop) of the weight as GGUF stores them (uint8 [rows, row_bytes]), unpacked where packed."""
-        stop = self.out_features if stop is None else min(stop, self.out_features)
+        stop = layer.out_features if stop is None else min(stop, layer.out_features)
         if not self.packed:
-            return self.blocks[start:stop]
-        return self._from_packs(start, stop, PACKINGS[self.qtype].unpack)
+            return layer.blocks[start:stop]
+        return self._from_packs(layer, start, stop, self.quant.packing.unpack)
 
-    def float_rows(self, start: int, stop: int) -> torch.Tensor:
+    def float_rows(self, layer: Linear, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the weight as float32 [rows, K]: a prefill tile."""
-        stop = min(stop, self.out_features)
-        op = PACKINGS[self.qtype].prefill_op if self.packed else None
-        if op is None:
-            return dequantize(self.stored_rows(start, stop), self.qtype, self.in_features, self.kernel)
-        return self._from_packs(start, stop, lambda *packs: getattr(self.kernel, op)(*packs[:-1]))
+        stop = min(stop, layer.out_features)
+        if self.packed and self.quant.prefill is Prefill.FLOAT:
+            empty = torch.empty(0)
+            return self._from_packs(layer, start, stop, lambda *packs: self.kernel.quant_packed_dequantize(
+                self.quant.type_id, *[*packs[:-1], empty][:3]))
+        return dequantize(self.stored_rows(layer, start, stop), self.qtype, layer.in_features, self.kernel)
 
-    def _from_packs(self, start: int, stop: int, convert: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _from_packs(self, layer: Linear, start: int, stop: int, convert: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Rows [start, stop) of convert(*the packed buffers of the packs holding them, those packs' row count)."""
         first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
-        rows = convert(*(t[first:last] for t in self._packed()), (last - first) * PACK_ROWS)
+        rows = convert(*(t[first:last] for t in self.packs(layer)), (last - first) * PACK_ROWS)
         return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
-    def rows_at(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows_at(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` (int64 [n]) as GGUF stores them, uint8 [n, row_bytes]: an embedding's lookup."""
         if not self.packed:
-            return self.blocks.index_select(0, ids)
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.out_features:  # as index_select refuses
-            raise IndexError(f"row ids out of range for {self.out_features} rows")
-        packing = PACKINGS[self.qtype]
+            return layer.blocks.index_select(0, ids)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < layer.out_features:  # as index_select refuses
+            raise IndexError(f"row ids out of range for {layer.out_features} rows")
+        packing = self.quant.packing
         if packing.rows is not None:
-            return packing.rows(*self._packed(), ids)
+            return packing.rows(*self.packs(layer), ids)
         packs, where = torch.unique(ids // PACK_ROWS, return_inverse=True)
-        rows = packing.unpack(*(t.index_select(0, packs) for t in self._packed()), len(packs) * PACK_ROWS)
+        rows = packing.unpack(*(t.index_select(0, packs) for t in self.packs(layer)), len(packs) * PACK_ROWS)
         return rows.view(len(packs), PACK_ROWS, -1)[where, ids % PACK_ROWS]
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight [N, K] the blocks stand for (tests and references only)."""
-        return dequantize(self.stored_rows(), self.qtype, self.in_features)
+    def dense_weight(self, layer):
+        return dequantize(self.stored_rows(layer), self.qtype, layer.in_features)
 
-    def kernel_op(self):
-        """This linear as csrc/llama_layer.cpp's LayerLinear, or None (no kernel, or a bias)."""
-        if self.kernel is None or self.bias is not None or (self.qtype == "Q4_1" and not self.packed):
+    def layer_op(self, layer):
+        if self.kernel is None or layer.bias is not None:
             return None
-        if self.packed:  # a, b, c: the packed buffers, an empty c where there are two
-            tensors = [*self._packed(), torch.empty(0)][:3]
-            return self.kernel.LayerLinear(self.type_id, *tensors, self.out_features)
-        empty = torch.empty(0)
-        return self.kernel.LayerLinear(self.type_id, self.blocks, empty, empty, self.out_features)
+        return self.kernel.LayerLinear(self.quant.type_id, *self._kernel_tensors(layer), layer.out_features)
 
-    def extra_repr(self) -> str:
-        kernel = (", packed, int4_linear.cpp" if self.packed else ", integer GEMV") if self.kernel is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}{kernel}"
+    def describe(self, layer):
+        kernel = (", packed kernel" if self.packed else ", GEMV on the blocks") if self.kernel is not None else ""
+        return f"{self.qtype}{kernel}"
 
 
-def head_on_kernel(linear: nn.Module) -> nn.Module:
-    """An output head on its packed kernel for calls of every size, Q6_K's too (`prefill_op` is for the layers'
-    prefill): a head's rows are the sampled rows, one per sequence, so a decode step of 64 sequences computes each
-    row as a step of one does, the same logits whatever the batch (llama.cpp too rounds a Q6_K head's activations,
-    per 256). A Q4_0 or Q4_K_M file of a model whose hidden size is a multiple of 256 keeps its head in Q6_K, and
-    float tiles of it at every step of a large batch cost more than the layers' kernels (docs/performance.md)."""
-    if isinstance(linear, GgufLinear) and linear.packed:
-        linear.kernel_max_rows = PACKED_MAX_ROWS
-    return linear
+class GgufLinear(Linear):
+    """A Linear on GGUF blocks (GgufMethod)."""
+
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True,
+                 head: bool = False) -> None:
+        super().__init__(GgufMethod(kernel, repack, head), blocks, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K] the blocks stand for (service/bench's name for dense_weight)."""
+        return self.dense_weight()
 
 
 class GgufEmbedding(nn.Module):
     """Token embeddings in GGUF blocks: only the looked-up rows are dequantized, into `dtype`. The blocks are a
-    GgufLinear's (`table`, packed where its type is), which a tied head runs: one copy of the bytes."""
+    GgufLinear's (`table`, packed where its type is, built as a head), which a tied head runs: one copy of the bytes."""
 
     def __init__(self, blocks: GgufBlocks, dtype: torch.dtype, kernel=None) -> None:
         super().__init__()
         self.qtype, self.embedding_dim, self.dtype, self.kernel = blocks.qtype, blocks.in_features, dtype, kernel
-        self.table = GgufLinear(blocks, None, kernel)
+        self.table = GgufLinear(blocks, None, kernel, head=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] → [..., E]."""
-        rows = self.table.rows_at(ids.reshape(-1))
+        rows = self.table.method.rows_at(self.table, ids.reshape(-1))
         out = dequantize(rows, self.qtype, self.embedding_dim, self.kernel).to(self.dtype)
         return out.view(*ids.shape, self.embedding_dim)
 
 
-class MergedLinear(nn.Module):
-    """Linears of one input side by side whose formats differ (a GGUF may store q and v in different types)."""
+class MergedMethod(LinearMethod):
+    """Linears of one input side by side (`layer.parts`, each in its own format: a GGUF file may store q and v in
+    different types); the parts carry their own biases. Its kernel: the parts' ops as one LayerLinear."""
 
-    kernel_dtype = torch.float32  # a GGUF file's linears compute in float32, as GgufLinear
+    def create_weights(self, layer, parts: list[Linear], bias):
+        if bias is not None:
+            raise ValueError("a merged linear's parts carry their own biases")
+        layer.parts = nn.ModuleList(parts)
+        set_bias(layer, None)
+        return sum(p.out_features for p in parts), parts[0].in_features
 
-    def __init__(self, parts: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    def apply(self, layer, rows):
+        return torch.cat([part(rows) for part in layer.parts], dim=-1)
 
-    @property
-    def kernel_max_rows(self) -> int:
-        """The fewest rows any part's GEMV takes."""
-        return min(getattr(part, "kernel_max_rows", 0) for part in self.parts)
+    def dense_weight(self, layer):
+        return torch.cat([part.dense_weight() for part in layer.parts])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The parts' outputs concatenated along the last dim."""
-        return torch.cat([part(x) for part in self.parts], dim=-1)
-
-    def kernel_op(self):
-        """The parts as one csrc/llama_layer.cpp LayerLinear, or None where a part has none."""
-        ops = [getattr(part, "kernel_op", lambda: None)() for part in self.parts]
-        return None if None in ops else self.parts[0].kernel.LayerLinear(ops)
+    def kernel_facts(self, layer):
+        facts = [part.kernel_facts() for part in layer.parts]
+        ops = [f.op for f in facts]
+        op = None if any(o is None for o in ops) else native.load().LayerLinear(ops)
+        return KernelFacts(op, min(f.max_rows for f in facts), facts[0].dtype)
 
 
-class GgufBlockMethod(LinearMethod):
+class MergedLinear(Linear):
+    """A Linear of parts side by side (MergedMethod)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        super().__init__(MergedMethod(), parts)
+
+
+class GgufFormat(WeightFormat):
     """Each linear in its GGUF file's block type as stored; q/k/v and gate/up fused where their types match (else
     side by side), float tensors (F32, F16) plain; the embedding in blocks, a tied head reading the same bytes."""
 
@@ -259,8 +224,8 @@ class GgufBlockMethod(LinearMethod):
         if kinds[0] == "float":
             return PlainLinear(torch.cat(weights).to(dtype), None if bias is None else bias.to(dtype), pad=True)
         data = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
-        linear = GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel)
-        return head_on_kernel(linear) if parts == ["lm_head"] else linear
+        return GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel,
+                          head=parts == ["lm_head"])
 
     def embedding(self, weight, device, dtype):
         if isinstance(weight, GgufBlocks):
@@ -268,23 +233,27 @@ class GgufBlockMethod(LinearMethod):
         return super().embedding(weight, device, dtype)
 
     def tied_head(self, embed):
-        if isinstance(embed, GgufEmbedding):
-            self.made[embed.qtype] += 1
-            return head_on_kernel(embed.table)
-        return super().tied_head(embed)
+        return _blocks_head(self, embed)
 
     def describe(self) -> str:
         return f"{self.name}: {dict(self.made)} (type: linears)"
 
 
-class QuantizeMethod(GgufBlockMethod):
+def _blocks_head(formats: GgufFormat | QuantizeFormat, embed: nn.Module) -> nn.Module:
+    """A head tied to `embed`: its table, where the embedding is in GGUF blocks (one copy of the bytes)."""
+    if isinstance(embed, GgufEmbedding):
+        formats.made[embed.qtype] += 1
+        return embed.table
+    return WeightFormat.tied_head(formats, embed)
+
+
+class QuantizeFormat(WeightFormat):
     """`--quantization int8 | int4`: a float checkpoint's linears quantized at load into GGUF Q8_0 or Q4_1 blocks
-    (int4's head in Q8_0, as llama.cpp keeps it: in 4 bits it alone took SmolLM2's perplexity from 7.10 to 7.52), the
-    embedding in Q8_0 with a tied head reading its bytes; a weight whose input size is not a multiple of 32 stays
-    float32."""
+    (int4's head in Q8_0, as llama.cpp keeps it: a 4-bit head costs the most quality per byte saved), the embedding
+    in Q8_0 with a tied head reading its bytes; a weight whose input size is not a multiple of 32 stays float32."""
 
     def __init__(self, name: str, kernel=None) -> None:
-        super().__init__(torch.float32, kernel)
+        self.kernel, self.made = kernel, Counter()
         self.qtype = {"int8": "Q8_0", "int4": "Q4_1"}[name]
         self.name = f"{name} ({self.qtype} blocks)"
 
@@ -292,14 +261,20 @@ class QuantizeMethod(GgufBlockMethod):
         if weight.shape[1] % GROUP:
             self.made["F32"] += 1
             return PlainLinear(weight.float(), None if bias is None else bias.float(), pad=True)
-        qtype = "Q8_0" if parts == ["lm_head"] else self.qtype
+        head = parts == ["lm_head"]
+        qtype = "Q8_0" if head else self.qtype
         self.made[qtype] += 1
-        return GgufLinear(GgufBlocks(quantize(weight, qtype), qtype, weight.shape[1]), bias, self.kernel)
-
-    def make_parts(self, weights, biases, parts, device, dtype):
-        return LinearMethod.make_parts(self, weights, biases, parts, device, dtype)
+        return GgufLinear(GgufBlocks(quantize(weight, qtype), qtype, weight.shape[1]), bias, self.kernel, head=head)
 
     def embedding(self, weight, device, dtype):
         if weight.shape[1] % GROUP:
-            return LinearMethod.embedding(self, weight, device, torch.float32)
+            return super().embedding(weight, device, torch.float32)
         return GgufEmbedding(GgufBlocks(quantize(weight, "Q8_0"), "Q8_0", weight.shape[1]), torch.float32, self.kernel)
+
+    def tied_head(self, embed):
+        return _blocks_head(self, embed)
+
+    def describe(self) -> str:
+        return f"{self.name}: {dict(self.made)} (type: linears)"
+
+

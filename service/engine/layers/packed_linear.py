@@ -1,39 +1,31 @@
-"""CPU linears with oneDNN-prepacked weights (`LinearMethod` "prepacked", see linear.py).
+"""CPU linears on oneDNN-prepacked weights (`PackedMethod`, `--prepack-weights`).
 
-torch's plain CPU linear goes through MKL's sgemm, which re-lays-out the weight on every call. For the batch
-sizes an engine runs (1 to a few hundred rows) that repacking is a large part of the cost: on 2 AMD cores the
-SmolLM2 lm_head takes 46 ms at 16 rows and 82 ms at 64 through sgemm, 18 and 35 ms with its weight packed once
-for oneDNN. Packing happens once at load; the plain weight is dropped, so memory does not grow. A weight tied to
-the embedding is not packed (the embedding needs it plain). Decode-sized calls read the packed
-layout in packed_gemv's GEMV, faster there than oneDNN's own.
+torch's plain CPU linear goes through MKL's sgemm, which re-lays-out the weight on every call; a weight packed once
+at load for oneDNN's GEMM skips that. The plain weight is dropped after packing, so memory does not grow; a head tied
+to the embedding stays plain (the embedding needs the plain weight). Calls of up to `max_rows` rows read the packed
+layout in packed_gemv's GEMV (where it recognises the layout), larger ones run oneDNN's GEMM on the same bytes.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import torch
-from torch import nn
 
 from sluice import native
 from sluice.service.engine import packed_gemv
 from sluice.service.engine.layers.crossover import crossover, probe_weights
-
-PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
-
-
-def padded_rows(m: int) -> int:
-    """Row count rounded up to one of a few sizes (1, 2, 4, 8, 16, then multiples of 16, 64, 256).
-
-    oneDNN builds and caches a kernel for every distinct input shape, about half a MiB each; a step's token
-    count takes hundreds of values, so unpadded the cache would grow by hundreds of MiB, evict, and rebuild.
-    Padding keeps it to a few dozen kernels; the common shapes (decode batches of 1, 16, 64, full token
-    budgets) need no padding at all.
-    """
-    if m <= 16:
-        return 1 << max(0, m - 1).bit_length()
-    step = 16 if m <= 128 else 64 if m <= 512 else 256
-    return -(-m // step) * step
+from sluice.service.engine.layers.linear import (
+    PACK_BATCH_HINT,
+    Linear,
+    LinearMethod,
+    PlainFormat,
+    onednn_linear,
+    pad_rows,
+    set_bias,
+    taking_kernel,
+)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -46,75 +38,62 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear whose weight is kept only in oneDNN's blocked layout (inference only).
+class PackedMethod(LinearMethod):
+    """The weight kept only in oneDNN's blocked layout (`layer.packed`, an opaque tensor: a plain attribute, not a
+    parameter or buffer, so state_dict, .parameters() and .to() leave it alone). `gemv_layout`: the layout as the
+    GEMV reads it (None: oneDNN alone serves every call), `packed_ptr` where its bytes lie."""
 
-    Calls of up to gemv_max_rows rows read that layout in the C++ GEMV where gemv_layout recognised it;
-    larger ones (and every call where it did not) run oneDNN's own GEMM.
-    """
+    gemv_layout: tuple[int, int] | None = None
+    packed_ptr = 0
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+    def create_weights(self, layer, weight, bias):
         with torch.no_grad():
-            # An opaque tensor (no storage): a plain attribute, not a parameter or buffer, so state_dict,
-            # .parameters() and .to() leave it alone.
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.gemv_layout = packed_gemv.gemv_layout(self.packed, weight)
-        self.gemv_max_rows = gemv_max_rows(weight.dtype, tuple(weight.shape)) if self.gemv_layout else 0
-        self.packed_ptr = torch.ops.mkldnn.data_ptr(self.packed) if self.gemv_layout else 0
+            layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        set_bias(layer, bias)
+        self.dtype = weight.dtype
+        self.gemv_layout = packed_gemv.gemv_layout(layer.packed, weight)
+        if self.gemv_layout:
+            self.max_rows = packed_max_rows(weight.dtype, tuple(weight.shape))
+            self.packed_ptr = torch.ops.mkldnn.data_ptr(layer.packed)
+        return weight.shape
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Same result as nn.Linear.forward, up to float32 summation order."""
-        rows = x.reshape(-1, self.in_features)
-        if self.gemv_layout and rows.shape[0] <= self.gemv_max_rows:
-            out = packed_gemv.gemv(rows, self.packed_ptr, self.out_features, self.gemv_layout)
-            if self.bias is not None:
-                out += self.bias
-            return out.view(*x.shape[:-1], self.out_features)
-        rows, m = pad_rows(x, self.in_features)
-        return onednn_linear(rows, self.packed, self.bias)[:m].view(*x.shape[:-1], self.out_features)
+    def apply(self, layer, rows):
+        if self.gemv_layout and rows.shape[0] <= self.max_rows:
+            out = packed_gemv.gemv(rows, self.packed_ptr, layer.out_features, self.gemv_layout)
+            if layer.bias is not None:
+                out += layer.bias
+            return out
+        padded, m = pad_rows(rows, layer.in_features)
+        return onednn_linear(padded, layer.packed, layer.bias)[:m]
 
-    @property
-    def kernel_max_rows(self) -> int:
-        """The most rows kernel_op's linear takes (the GEMV's)."""
-        return self.gemv_max_rows
-
-    @property
-    def kernel_dtype(self) -> torch.dtype:
-        """What kernel_op's linear computes in: the packed weight's dtype."""
-        return self.packed.dtype
-
-    def kernel_op(self):
-        """This linear as csrc/llama_layer.cpp's LayerLinear on the packed layout, or None (no GEMV layout, or a
-        bias)."""
+    def layer_op(self, layer):
         ops = native.load()
-        if ops is None or not self.gemv_layout or self.bias is not None:
+        if ops is None or not self.gemv_layout or layer.bias is not None:
             return None
-        return ops.LayerLinear(self.packed, self.packed_ptr, *self.gemv_layout, self.out_features)
+        return ops.LayerLinear(layer.packed, self.packed_ptr, *self.gemv_layout, layer.out_features)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The plain weight [N, K] (a copy)."""
-        return self.packed.to_dense()
+    def dense_weight(self, layer):
+        return layer.packed.to_dense()
 
-    def __deepcopy__(self, memo: dict) -> PackedLinear:
+    def rebuilt(self, layer):
         # Opaque tensors cannot be deep-copied; repack from a dense copy instead.
-        return PackedLinear(self.dense_weight(), None if self.bias is None else self.bias.detach().clone())
+        return PackedLinear(self.dense_weight(layer), None if layer.bias is None else layer.bias.detach().clone())
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def describe(self, layer):
+        return f"packed, GEMV up to {self.max_rows} rows" if self.max_rows else "packed"
 
 
-def onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [M, K] @ weight.T (+ bias) in oneDNN's GEMM, on a packed weight or a plain one."""
-    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+class PackedLinear(Linear):
+    """A Linear on its oneDNN-prepacked weight (PackedMethod)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(PackedMethod(), weight, bias)
 
 
 @functools.cache
-def gemv_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
-    """The most rows a call may have to take the packed-layout GEMV here for a weight of `shape` [N, K] (0: oneDNN
-    always wins), timed once per dtype and shape on probe weights packed as PackedLinear packs its own."""
+def packed_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
+    """The most rows a call may have on the packed-layout GEMV here for a weight of `shape` [N, K] (0: oneDNN always
+    wins), timed once per dtype and shape on probe weights packed as PackedMethod packs its own (crossover.py)."""
     weights = probe_weights(shape, dtype)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
     layout = packed_gemv.gemv_layout(packed[0], weights[0])
@@ -126,13 +105,22 @@ def gemv_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
                      lambda x: [onednn_linear(pad_rows(x, shape[1])[0], p, None) for p in packed], shape[1], dtype)
 
 
-def pad_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, int]:
-    """x as a 2-D batch of rows, zero-padded to `padded_rows`, and the real row count."""
-    rows = x.reshape(-1, in_features)
-    m = rows.shape[0]
-    pad = padded_rows(m) - m
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, in_features)])
-    return rows, m
+class PackedFormat(PlainFormat):
+    """oneDNN-prepacked weights (the plain one is dropped), decode-sized calls in the packed-layout GEMV."""
 
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.packed_limits = Counter()  # the packed linears' max_rows
+        self.name = "prepacked for oneDNN"
 
+    def make(self, weight, bias, parts, sizes, tied=False):
+        if tied:  # a packed copy of the embedding would hold the same bytes twice
+            return super().make(weight, bias, parts, sizes, tied)
+        packed = PackedLinear(weight, bias)
+        self.packed_limits[packed.method.max_rows] += 1
+        return packed
+
+    def describe(self) -> str:
+        gemv, plain = taking_kernel(self.packed_limits), taking_kernel(self.row_limits)
+        tied = f"; the tied head plain, C++ GEMV: {plain}" if plain else ""
+        return f"{self.name}, read by the packed-layout GEMV: {gemv or 'none'} (rows: linears){tied}"

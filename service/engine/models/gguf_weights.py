@@ -17,8 +17,9 @@ import torch
 
 from sluice import native
 from sluice.service.engine.kv_sizing import format_bytes, model_weight_bytes
-from sluice.service.engine.layers.gguf_blocks import BLOCK_TYPES, GgufBlocks
-from sluice.service.engine.layers.gguf_linear import GgufBlockMethod
+from sluice.service.engine.layers.gguf_blocks import GgufBlocks
+from sluice.service.engine.layers.gguf_linear import GgufFormat
+from sluice.service.engine.layers.quant_types import BY_NAME
 from sluice.service.engine.models import weights
 from sluice.service.engine.models.gguf_file import read_gguf
 from sluice.service.engine.models.llama import LlamaForCausalLM
@@ -55,9 +56,9 @@ def read_tensors(path: Path, config) -> weights.Tensors:
         if t is None:
             return None
         qtype = t.type_name
-        if qtype not in BLOCK_TYPES and qtype not in FLOAT_TYPES:
+        if qtype not in BY_NAME and qtype not in FLOAT_TYPES:
             raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which Sluice cannot serve as stored "
-                             f"(one of {', '.join([*BLOCK_TYPES, *FLOAT_TYPES])})")
+                             f"(one of {', '.join([*BY_NAME, *FLOAT_TYPES])})")
         data = t.rows(FLOAT_TYPES.get(qtype, np.uint8))
         heads = permuted.get(gguf_name.rpartition(".")[2]) if suffix == "weight" else None
         if heads:
@@ -77,10 +78,10 @@ def load(path: Path, config, device: torch.device, dtype: torch.dtype) -> LlamaF
 
     if device.type != "cpu":
         raise ValueError(f"GGUF blocks are served on CPU, not {device}")
-    method = GgufBlockMethod(dtype, native.load())
-    model = weights.build(config, read_tensors(path, config.get_text_config()), method, device, dtype,
+    formats = GgufFormat(dtype, native.load())
+    model = weights.build(config, read_tensors(path, config.get_text_config()), formats, device, dtype,
                           GenerationConfig.from_model_config(config))
     resident, size = model_weight_bytes(model), path.stat().st_size
     logger.info("GGUF %s: %s resident weights for a %s file (%.2fx); linears %s", path.name, format_bytes(resident),
-                format_bytes(size), resident / size, method.describe())
+                format_bytes(size), resident / size, formats.describe())
     return model

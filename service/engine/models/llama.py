@@ -6,8 +6,7 @@ into one sequence [T] with explicit positions; the final norm and the head run o
 (embedding requests read the normed hidden states of their own rows instead: service/engine/pooling.py). Where
 every linear of a layer has a C++ kernel (GGUF blocks, or float weights packed for oneDNN's GEMV; no bias, no q/k
 norms), its work before and after the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same
-ops in the same order as the Python path, bit for bit), so at batch 1 the Python between the kernels costs less
-than the kernels.
+ops in the same order as the Python path, bit for bit) instead of a dozen Python calls between the kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from torch import nn
 from sluice import native
 from sluice.service.engine.attention_backend import get_forward_context
 from sluice.service.engine.layers.attention import PagedAttention
+from sluice.service.engine.layers.linear import Linear
 from sluice.service.engine.layers.mlp import GatedMLP
 from sluice.service.engine.layers.norm import RMSNorm
 from sluice.service.engine.layers.rotary import RotaryEmbedding
@@ -53,24 +53,22 @@ class DecoderLayer(nn.Module):
 
 def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes;
-    (None, 0) unless its four linears have a C++ kernel (`kernel_op`: GGUF blocks, or float weights packed for
-    oneDNN's GEMV) and both norms are in the dtype those compute in (`kernel_dtype`)."""
+    (None, 0) unless each of its four linears offers a layer op (`Linear.kernel_facts`: GGUF blocks, or float weights
+    packed for oneDNN's GEMV) and both norms are on the CPU in the dtype those compute in."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if attn.q_norm is not None or not all(hasattr(linear, "kernel_op") for linear in linears) \
-            or any(n.weight.device.type != "cpu" or n.weight.dtype != linears[0].kernel_dtype for n in norms):
+    if attn.q_norm is not None or not all(isinstance(linear, Linear) for linear in linears):
         return None, 0
-    ops = native.load()  # only now: a CUDA model must not build the CPU kernels
-    if ops is None:
+    facts = [linear.kernel_facts() for linear in linears]
+    if any(f.op is None for f in facts) \
+            or any(n.weight.device.type != "cpu" or n.weight.dtype != facts[0].dtype for n in norms):
         return None, 0
-    kernels = [linear.kernel_op() for linear in linears]
-    if None in kernels:
-        return None, 0
-    layer_ops = ops.LlamaLayerOps(norms[0].weight, norms[0].variance_epsilon, kernels[0], attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim, kernels[1], norms[1].weight,
-                                  norms[1].variance_epsilon, *kernels[2:])
-    return layer_ops, min(linear.kernel_max_rows for linear in linears)
+    ops = native.load()  # loaded already: a linear with a layer op was built on it
+    layer_ops = ops.LlamaLayerOps(norms[0].weight, norms[0].variance_epsilon, facts[0].op, attn.num_heads,
+                                  attn.num_kv_heads, attn.head_dim, facts[1].op, norms[1].weight,
+                                  norms[1].variance_epsilon, facts[2].op, facts[3].op)
+    return layer_ops, min(f.max_rows for f in facts)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,6 +1,6 @@
 """Builds the owned Llama-family model straight from checkpoint tensors: a safetensors directory, or the state of a
 transformers model handed to the engine. q/k/v and gate/up are fused at load; each linear's format comes from the
-linear method (`layers/linear.py`). No transformers modeling module is built on the safetensors path.
+weight format (`layers/linear.py`). No transformers modeling module is built on the safetensors path.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sluice.service.engine.layers.attention import PagedAttention
-from sluice.service.engine.layers.linear import LinearMethod
+from sluice.service.engine.layers.linear import WeightFormat
 from sluice.service.engine.layers.mlp import GatedMLP
 from sluice.service.engine.layers.norm import RMSNorm
 from sluice.service.engine.layers.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, rope_parameters
@@ -54,9 +54,9 @@ def _sliding_window(config, layer: int) -> int | None:
     return window if config.model_type == "mistral" else None
 
 
-def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, dtype: torch.dtype,
+def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device, dtype: torch.dtype,
           generation_config=None) -> LlamaForCausalLM:
-    """The owned model of `config` with the checkpoint's weights, each linear in `method`'s format."""
+    """The owned model of `config` with the checkpoint's weights, each linear in the format `formats` gives it."""
     config = config.get_text_config()
 
     def take(name: str) -> torch.Tensor | None:
@@ -65,7 +65,7 @@ def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, 
 
     def linear(prefix: str, parts: list[str]) -> nn.Module:
         names = [f"{prefix}{p}" for p in parts]
-        return method.make_parts([tensors(f"{n}.weight") for n in names], [tensors(f"{n}.bias") for n in names],
+        return formats.make_parts([tensors(f"{n}.weight") for n in names], [tensors(f"{n}.bias") for n in names],
                                  names, device, dtype)
 
     def norm(name: str) -> RMSNorm:
@@ -86,9 +86,9 @@ def build(config, tensors: Tensors, method: LinearMethod, device: torch.device, 
         mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
         layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn, norm(f"{p}post_attention_layernorm.weight"),
                                    mlp))
-    embed = method.embedding(tensors("model.embed_tokens.weight"), device, dtype)
+    embed = formats.embedding(tensors("model.embed_tokens.weight"), device, dtype)
     tied = config.tie_word_embeddings or tensors("lm_head.weight") is None
-    head = method.tied_head(embed) if tied else linear("", ["lm_head"])
+    head = formats.tied_head(embed) if tied else linear("", ["lm_head"])
     rotary = RotaryEmbedding(config, head_dim).to(device)
     return LlamaForCausalLM(config, embed, layers, norm("model.norm.weight"), head, rotary, generation_config).eval()
 
@@ -115,18 +115,18 @@ def safetensors_tensors(directory: Path) -> Tensors:
     return get
 
 
-def load(directory: Path, config, method: LinearMethod, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def load(directory: Path, config, formats: WeightFormat, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """The owned model from a safetensors checkpoint directory (transformers' layout and names)."""
     from transformers import GenerationConfig
 
     generation = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() \
         else GenerationConfig.from_model_config(config)
-    return build(config, safetensors_tensors(directory), method, device, dtype, generation)
+    return build(config, safetensors_tensors(directory), formats, device, dtype, generation)
 
 
-def from_transformers(model: nn.Module, method: LinearMethod, device: torch.device,
+def from_transformers(model: nn.Module, formats: WeightFormat, device: torch.device,
                       dtype: torch.dtype) -> LlamaForCausalLM:
     """The owned model with the weights of a transformers Llama-family model (copied: `model` is left as it is)."""
     state = model.state_dict()
-    return build(model.config, state.get, method, device, dtype, getattr(model, "generation_config", None))
+    return build(model.config, state.get, formats, device, dtype, getattr(model, "generation_config", None))
 

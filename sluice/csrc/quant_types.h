@@ -1,0 +1,32 @@
+// The GGUF quant types the kernels serve: one row each in gguf_linear.cpp's kQuantTypes, keyed by GGML type id as
+// service/engine/layers/quant_types.py's table is (tests/engine/test_quant_types.py checks that they agree). A row
+// names the type's kernels; the bindings, gguf_linear and llama_layer.cpp find them here by id.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace sluice {
+
+// On a weight's blocks as stored, w uint8 [N, row_bytes]: y = x @ W.T for few rows of x float32 [M, K]
+// (activations rounded to int8 per 32), and W as float32 rows [N, K].
+using StoredLinear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w);
+using StoredDequantize = at::Tensor (*)(const at::Tensor& w, int64_t K);
+// On a weight regrouped 16 output rows together for int4_linear.cpp (the type's pack_* in gguf_blocks.py): its
+// buffers a, b, c (c empty for a type with two), N outputs; and those packs as float32 rows [16 P, K].
+using PackedLinear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                                    const at::Tensor& c, int64_t N);
+using PackedDequantize = at::Tensor (*)(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
+
+struct QuantTraits {
+  const char* name;
+  int64_t id, block_size, block_bytes;
+  StoredLinear stored_linear;
+  StoredDequantize stored_dequantize;
+  PackedLinear packed_linear;          // nullptr: the type is read as stored
+  PackedDequantize packed_dequantize;  // nullptr: a prefill does not dequantize the packs
+};
+
+// The row of GGML type `id`; an error naming it where there is none.
+const QuantTraits& quant_traits(int64_t id);
+
+}  // namespace sluice
