@@ -121,7 +121,7 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_mixed_flags(p: argparse.ArgumentParser) -> None:
-    from sluice.service.bench.mixed import LARGE_KINDS
+    from sluice.service.bench.workloads import LARGE_KINDS
 
     g = p.add_argument_group("mixed", "--mixed: streams decoding while long prompts arrive (the workload flags above "
                              "are unused; --endpoint is the streams')")

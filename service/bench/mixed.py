@@ -24,11 +24,9 @@ import orjson
 from sluice.service.bench.serve import ServeConfig, first_model_id, load_tokenizer, request_body, stream_one
 from sluice.service.bench.sse import CompletionStream, SSEError, SSEParser
 from sluice.service.bench.stats import Distribution, RequestRecord, distribution
-from sluice.service.bench.workloads import Workload, text_prompts
+from sluice.service.bench.workloads import LARGE_KINDS, Workload, text_prompts
 
 PROBE = "Say hello in one short sentence."
-# The large request's shapes: a prompt list, separate requests, embedding inputs, a prompt list under a grammar.
-LARGE_KINDS = ("prompts", "separate", "embeddings", "grammar")
 SMALL_GRAMMAR = {"regex": "[a-z]{1,8}( [a-z]{1,8}){0,31}"}  # words: a grammar every row's mask must follow
 
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from sluice.service.bench.repetitive import edit_prompts
 
+# `sluice bench serve --mixed`'s large request (mixed.py): a prompt list, separate requests, embedding inputs, or a
+# prompt list under a small grammar. Here, not in mixed.py, so the CLI's parser names them without importing aiohttp.
+LARGE_KINDS = ("prompts", "separate", "embeddings", "grammar")
+
 DATASETS = ("random", "repetitive")
 
 # Short, common words: each is about one token in any English BPE vocabulary, so a prompt of N words is
