@@ -2,7 +2,8 @@
 
 Both are str-valued so JSON bodies, log lines and metric labels keep the plain text ("stop", "queue_timeout").
 They live here, in the lowest layer that ends requests; the API reads the HTTP side of each code, never the
-reverse.
+reverse. Codes only the HTTP layer answers (a missing route, a bad API key, a LoRA route's refusal) are its own
+ApiErrorCode, of the same shape (service/api/errors.py).
 """
 
 from __future__ import annotations
@@ -26,20 +27,31 @@ class FinishReason(_StrEnum):
     ERROR = "error"  # the server failed it
 
 
-class ErrorCode(_StrEnum):
-    """Why the server ended a request, with what the API answers for it.
+class CodedEnum(_StrEnum):
+    """Error codes, each with what the API answers for it: the base of ErrorCode and the API's own ApiErrorCode.
 
-    `retry` becomes `x-should-retry`, the header the OpenAI SDKs obey before their own status rules (they retry
-    408/409/429/5xx): a retry makes sense when another replica or a later moment can serve it (shutdown, dead
-    engine), not when the same request would fail again (a failed step) or join the same overloaded queue
-    (waited too long). `public`: the engine's message may reach the client; otherwise it stays in the log.
+    `status` and `type` are the HTTP status and OpenAI error type. `retry` becomes `x-should-retry`, the header
+    the OpenAI SDKs obey before their own status rules (they retry 408/409/429/5xx): a retry makes sense when
+    another replica or a later moment can serve it (shutdown, dead engine), not when the same request would fail
+    again (a failed step) or join the same overloaded queue (waited too long). `public`: the engine's message may
+    reach the client; otherwise it stays in the log. `named`: the JSON's `code` names it (False: OpenAI's null).
     """
 
-    def __new__(cls, value: str, status: int, type_: str, retry: bool, public: bool):
+    def __new__(cls, value: str, status: int, type_: str, retry: bool = False, public: bool = True,
+                named: bool = True):
         member = str.__new__(cls, value)
         member._value_ = value
-        member.status, member.type, member.retry, member.public = status, type_, retry, public
+        member.status, member.type, member.retry, member.public, member.named = status, type_, retry, public, named
         return member
+
+    @property
+    def wire(self) -> str | None:
+        """What the error body's `code` holds: the plain value, or None."""
+        return self.value if self.named else None
+
+
+class ErrorCode(CodedEnum):
+    """Why the server ended a request (or refused it at admission), with what the API answers for it."""
 
     QUEUE_TIMEOUT = ("queue_timeout", 429, "rate_limit_error", False, True)
     SHUTDOWN = ("shutdown", 503, "server_error", True, True)

@@ -74,7 +74,7 @@ class PoolingParams:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop; validated by `validate()` before admission."""
+    """How to pick tokens and when to stop; validated by `validate()`, once, when the engine admits it."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -127,7 +127,13 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> None:
-        """Raise ValueError with a user-facing message when a field is out of range."""
+        """Raise ValueError with a user-facing message, starting with the field's name, when a field is out of range.
+
+        The one check for in-process callers, run once per request by Engine.add_request. The HTTP API's values
+        come bounded by its protocol models (service/api/protocol_models.py), which declare the same ranges for
+        clients (and /openapi.json), and min_tokens <= max_tokens by protocol.resolve_params, which settles
+        max_tokens: for them this check refuses nothing.
+        """
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if not 0.0 <= self.temperature <= 2.0 or self.temperature != self.temperature:

@@ -223,4 +223,4 @@ def renamed(e: RequestError) -> RequestError:
     if new == param:
         return e
     message = e.message.replace(param, new)
-    return RequestError(message, new, e.status, e.type, e.code, e.headers)
+    return RequestError(message, new, e.code, e.headers)

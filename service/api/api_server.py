@@ -15,6 +15,7 @@ from sluice.scheduling.outcomes import ErrorCode, RequestRejected
 from sluice.service.api import json_codec
 from sluice.service.api.anthropic import MessagesAPI
 from sluice.service.api.embeddings import embedding_response, prepare_embeddings
+from sluice.service.api.errors import ApiErrorCode, RequestError, code_named
 from sluice.service.api.formatting import Choice, ResponseFormat, record, usage
 from sluice.service.api.lora_routes import adapter_cards, load_lora_adapter, unload_lora_adapter
 from sluice.service.api.middlewares import (
@@ -29,7 +30,7 @@ from sluice.service.api.middlewares import (
 )
 from sluice.service.api.openapi import openapi_spec
 from sluice.service.api.preprocess import prepare_generate
-from sluice.service.api.protocol import RequestCaps, RequestError
+from sluice.service.api.protocol import RequestCaps
 from sluice.service.api.reasoning import split_output
 from sluice.service.api.rerank import prepare_rerank, prepare_score
 from sluice.service.api.responses import ResponseBuilder, head
@@ -66,7 +67,7 @@ async def health(request: web.Request) -> web.Response:
     if engine is None:
         return _json({"status": "loading"})
     if not engine.is_alive:
-        raise RequestError("the engine is dead", status=503, type="server_error", code="engine_dead")
+        raise RequestError("the engine is dead", code=ErrorCode.ENGINE_DEAD)
     s = engine.stats
     return _json({
         "status": "draining" if state.draining else "ok",
@@ -81,8 +82,9 @@ async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 only with the model loaded, the engine running and the server not draining."""
     state = request.app[STATE]
     if state.engine is None or state.draining or not state.engine.is_alive:
-        why = "loading" if state.engine is None else "draining" if state.draining else "dead"
-        raise RequestError(f"not ready: {why}", status=503, type="server_error", code=why)
+        why = ApiErrorCode.LOADING if state.engine is None else ApiErrorCode.DRAINING if state.draining \
+            else ApiErrorCode.DEAD
+        raise RequestError(f"not ready: {why}", code=why)
     return _json({"status": "ready"})
 
 
@@ -118,9 +120,9 @@ def _json(payload, status: int = 200) -> web.Response:
 
 def _engine(state: ServerState) -> AsyncEngine:
     if state.draining:
-        raise RequestError("the server is shutting down", status=503, type="server_error", code="draining")
+        raise RequestError("the server is shutting down", code=ApiErrorCode.DRAINING)
     if state.engine is None:
-        raise RequestError("the model is still loading", status=503, type="server_error", code="loading")
+        raise RequestError("the model is still loading", code=ApiErrorCode.LOADING)
     return state.engine
 
 
@@ -208,19 +210,19 @@ async def _admit(request: web.Request, aengine: AsyncEngine, batch: list, priori
     try:
         return await aengine.add_requests(batch, priority, _trace_headers(request, aengine), _tenant(request))
     except GrammarError as e:  # a schema, regex, choice or grammar that does not compile
-        raise RequestError(str(e), e.param, code=e.code) from None
+        raise RequestError(str(e), e.param, code_named(e.code)) from None
     except RequestRejected as e:  # the scheduler's word: a prompt that can never run, an id in use
-        raise RequestError(str(e), param, code=e.code.value) from None
+        raise RequestError(str(e), param, e.code) from None
     except ValueError as e:  # the engine's word on a prompt or its parameters
         raise RequestError(str(e), param) from None
     except QueueFullError as e:
-        raise RequestError(f"{e}; retry shortly", status=429, type="rate_limit_error", code="rate_limit_exceeded",
+        raise RequestError(f"{e}; retry shortly", code=ApiErrorCode.RATE_LIMIT_EXCEEDED,
                            headers={"Retry-After": "1"}) from None
     except EngineDrainingError:  # another replica can take it
-        raise RequestError("the server is shutting down", status=503, type="server_error", code="draining",
+        raise RequestError("the server is shutting down", code=ApiErrorCode.DRAINING,
                            headers={"x-should-retry": "true"}) from None
     except EngineDeadError:
-        raise RequestError("the engine is not available", status=503, type="server_error", code="engine_dead",
+        raise RequestError("the engine is not available", code=ErrorCode.ENGINE_DEAD,
                            headers={"x-should-retry": "true"}) from None
 
 
@@ -291,8 +293,7 @@ def _error_of(out) -> RequestError:
     else:  # internals stay in the log
         logger.error("generation failed: %s", out.error)
         message = f"generation failed (request id {request_id_var.get()})"
-    return RequestError(message, status=code.status, type=code.type, code=code.value,
-                        headers={"x-should-retry": "true" if code.retry else "false"})
+    return RequestError(message, code=code, headers={"x-should-retry": "true" if code.retry else "false"})
 
 
 async def _collect(stream, choices: dict[str, Choice], fmt: ResponseFormat) -> web.Response:
@@ -346,8 +347,7 @@ async def _stream(request: web.Request, stream, events, failure) -> web.StreamRe
         logger.info("client disconnected mid-stream")
     except Exception:  # headers are out: the error can only be an event
         logger.exception("stream failed")
-        err = RequestError(f"internal server error (request id {request[REQUEST_ID]})", status=500,
-                           type="server_error", code="internal_error")
+        err = RequestError(f"internal server error (request id {request[REQUEST_ID]})", code=ErrorCode.INTERNAL_ERROR)
         try:
             await _write(request, resp, failure(err), timeout)
         except ConnectionError:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from sluice.scheduling.sampling_params import PoolingParams, SamplingParams
 from sluice.service.api import json_codec
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import RequestError, context_length_error
 from sluice.service.api.preprocess import check_model, load_body, refuse_if_longer_than_context
 from sluice.service.api.protocol import DEFAULT_CAPS, RequestCaps, invalid
 from sluice.service.api.protocol_embeddings import EmbeddingRequest
@@ -66,9 +66,8 @@ def prepare_embeddings(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT
         if keep is not None:
             ids = ids[-keep:]
         elif len(ids) > model.max_model_len:
-            raise RequestError(f"This model's maximum context length is {model.max_model_len} tokens. However, "
-                               f"'{where}' has {len(ids)} tokens. Shorten it, or pass truncate_prompt_tokens.",
-                               where, code="context_length_exceeded")
+            raise context_length_error(model.max_model_len, f"'{where}' has {len(ids)} tokens. Shorten it, or pass "
+                                       "truncate_prompt_tokens.", where)
         batch.append((f"{prefix}-{i}", ids, params))
     return PreparedEmbeddings(batch, req.get("priority"), req.get("encoding_format") == "base64", req.model)
 

@@ -17,7 +17,7 @@ import logging
 
 from aiohttp import web
 
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import ApiErrorCode, RequestError, code_named
 from sluice.service.api.middlewares import STATE
 from sluice.service.api.preprocess import load_body
 from sluice.service.config import lora_name_problem
@@ -35,13 +35,13 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     registry, model, body = await _registry_and_body(request)
     name, path = _field(body, "lora_name"), _field(body, "lora_path")
     if problem := lora_name_problem(name, model.served_model_name):
-        raise RequestError(f"invalid lora_name: {problem}", "lora_name", code="invalid_lora_name")
+        raise RequestError(f"invalid lora_name: {problem}", "lora_name", ApiErrorCode.INVALID_LORA_NAME)
     try:
         await asyncio.get_running_loop().run_in_executor(None, registry.load_runtime, name, path)
     except LoRAError as e:
         # The client gets the server's words; the log gets the detail (file contents, paths), under the name.
         logger.warning("LoRA adapter %r not loaded from %r: %s%s", name, path, e, f" ({e.detail})" if e.detail else "")
-        raise RequestError(str(e), e.param, status=e.status, code=e.code) from None
+        raise _refused(e) from None
     logger.info("LoRA adapter %r loaded at run time from %r", name, path)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -51,16 +51,21 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     registry, _, body = await _registry_and_body(request)
     name = _field(body, "lora_name")
     if lora_name_problem(name) is not None:  # no adapter has such a name: not quoted back
-        raise RequestError("no LoRA adapter of that name is loaded", "lora_name", status=404, code="model_not_found")
+        raise RequestError("no LoRA adapter of that name is loaded", "lora_name", ApiErrorCode.MODEL_NOT_FOUND)
     try:
         registry.unload(name)
     except LoRANotFound:
-        raise RequestError(f"the LoRA adapter '{name}' is not loaded", "lora_name", status=404,
-                           code="model_not_found") from None
+        raise RequestError(f"the LoRA adapter '{name}' is not loaded", "lora_name",
+                           ApiErrorCode.MODEL_NOT_FOUND) from None
     except LoRAError as e:
-        raise RequestError(str(e), e.param, status=e.status, code=e.code) from None
+        raise _refused(e) from None
     logger.info("LoRA adapter %r unloaded", name)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _refused(e: LoRAError) -> RequestError:
+    """The engine's refusal as the client's error: its code, by name, decides the status (404, 403 or 400)."""
+    return RequestError(str(e), e.param, code_named(e.code))
 
 
 def adapter_cards(model: ModelInfo, created: int) -> list[dict]:
@@ -76,10 +81,10 @@ async def _registry_and_body(request: web.Request):
     state = request.app[STATE]
     raw = await request.read()  # over client_max_size: 413
     if state.engine is None:
-        raise RequestError("the model is still loading", status=503, type="server_error", code="loading")
+        raise RequestError("the model is still loading", code=ApiErrorCode.LOADING)
     model = state.engine.model
     if model.loras is None or not model.loras.runtime:
-        raise RequestError(DISABLED, status=404, code="runtime_lora_disabled")
+        raise RequestError(DISABLED, code=ApiErrorCode.RUNTIME_LORA_DISABLED)
     return model.loras, model, load_body(raw)
 
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from sluice.metrics.prometheus import record_rejection
+from sluice.scheduling.outcomes import ErrorCode
 from sluice.service.api import json_codec
 from sluice.service.api.anthropic_errors import error_body, speaks_anthropic
+from sluice.service.api.errors import ApiErrorCode, RequestError
 from sluice.service.api.preprocess import Preprocessor
-from sluice.service.api.protocol import RequestError
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.async_engine import AsyncEngine
 
@@ -78,9 +79,8 @@ async def error_middleware(request: web.Request, handler):
         return error_response(err, request.path)
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
-        return error_response(RequestError(
-            f"internal server error (request id {request[REQUEST_ID]})", status=500, type="server_error",
-            code="internal_error"), request.path)
+        return error_response(RequestError(f"internal server error (request id {request[REQUEST_ID]})",
+                                           code=ErrorCode.INTERNAL_ERROR), request.path)
 
 
 def _count_rejection(request: web.Request, e: RequestError) -> None:
@@ -91,16 +91,17 @@ def _count_rejection(request: web.Request, e: RequestError) -> None:
 
 
 def _from_http_exception(request: web.Request, e: web.HTTPException) -> RequestError:
+    """aiohttp's refusals in the handler chain (routing and reading the body: 404, 405, 413) as the API's."""
     if e.status == 404:
-        return RequestError(f"no such endpoint: {request.method} {request.path}", status=404, code="not_found")
+        return RequestError(f"no such endpoint: {request.method} {request.path}", code=ApiErrorCode.NOT_FOUND)
     if e.status == 405:
         allowed = ", ".join(sorted(getattr(e, "allowed_methods", ()) or ()))
-        return RequestError(f"method {request.method} not allowed on {request.path}", status=405,
-                            code="method_not_allowed", headers={"Allow": allowed})
+        return RequestError(f"method {request.method} not allowed on {request.path}",
+                            code=ApiErrorCode.METHOD_NOT_ALLOWED, headers={"Allow": allowed})
     if e.status == 413:
         limit = request.app[STATE].config.server.max_request_body_bytes
-        return RequestError(f"request body too large (limit {limit} bytes)", status=413, code="request_too_large")
-    return RequestError(e.reason or "bad request", status=e.status)
+        return RequestError(f"request body too large (limit {limit} bytes)", code=ApiErrorCode.REQUEST_TOO_LARGE)
+    return RequestError(e.reason or "bad request")  # none other reaches here (417 is answered before the chain)
 
 
 def error_response(e: RequestError, path: str = "") -> web.Response:
@@ -125,7 +126,7 @@ def auth_middleware(api_key: str):
         if request.path not in OPEN_PATHS and not (request.method == "HEAD" and request.path == "/"):
             if not (_given(request, "Authorization") or _given(request, "x-api-key")):
                 raise RequestError("invalid or missing API key (expected 'Authorization: Bearer <key>' or "
-                                   "'x-api-key: <key>')", status=401, code="invalid_api_key",
+                                   "'x-api-key: <key>')", code=ApiErrorCode.INVALID_API_KEY,
                                    headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 

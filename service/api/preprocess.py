@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api import json_codec
-from sluice.service.api.errors import RequestError, param_path
+from sluice.service.api.errors import ApiErrorCode, RequestError, context_length_error, param_path
 from sluice.service.api.formatting import Choice
 from sluice.service.api.protocol import (
     DEFAULT_CAPS,
@@ -57,8 +57,7 @@ class Preprocessor:
         """`fn(*args)` in the pool; RequestError 429 when too many preparations are already queued."""
         if self._pending >= self.max_pending:
             raise RequestError(f"more than {self.max_pending} requests are being prepared; retry shortly",
-                               status=429, type="rate_limit_error", code="rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
+                               code=ApiErrorCode.RATE_LIMIT_EXCEEDED, headers={"Retry-After": "1"})
         self._pending += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -210,10 +209,8 @@ def refuse_if_longer_than_context(text: str, tokenizer, max_model_len: int, para
     byte by byte against what the tokenizer's tokens cover)."""
     num_bytes, least_tokens = prompt_bound(tokenizer).measure(text)
     if least_tokens + 1 > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, the {num_bytes} bytes of text "
-            f"in your {param} are at least {least_tokens} tokens. Please reduce the length of the {param}.", param,
-            code="context_length_exceeded")
+        raise context_length_error(max_model_len, f"the {num_bytes} bytes of text in your {param} are at least "
+                                   f"{least_tokens} tokens. Please reduce the length of the {param}.", param)
 
 
 # ---- a generate request ---------------------------------------------------------------------------------
@@ -234,7 +231,7 @@ def check_model(name, model: ModelInfo):
         return None
     lora = None if model.loras is None else model.loras.get(name)
     if lora is None:
-        raise RequestError(f"the model '{name}' does not exist", "model", status=404, code="model_not_found")
+        raise RequestError(f"the model '{name}' does not exist", "model", ApiErrorCode.MODEL_NOT_FOUND)
     return lora
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.api.errors import RequestError, param_path
+from sluice.service.api.errors import RequestError, context_length_error, param_path
 from sluice.service.api.protocol_models import (
     TAGS,
     ChatCompletionRequest,
@@ -34,8 +34,6 @@ TEMPLATE_RESERVED = frozenset({
     "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _KWARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass(slots=True)
@@ -268,22 +266,18 @@ def resolve_params(req: GenerateRequest, prompt_ids: list[int], max_model_len: i
         if bad is not None:
             raise RequestError(f"token id {bad} in '{name}' is outside the vocabulary (0..{vocab_size - 1})", name)
     n = len(prompt_ids)
-    max_tokens = req.max_tokens if req.max_tokens is not None else max_model_len - n
-    # The scheduler owns this rule (RequestRejected); checked here too because max_tokens is settled here anyway,
-    # and an early refusal never queues n requests behind a step on the engine thread to roll them back.
-    if n + max(max_tokens, 1) > max_model_len:
+    max_tokens = max(req.max_tokens if req.max_tokens is not None else max_model_len - n, 1)
+    # The API's one exact check (the scheduler's RequestRejected guards in-process callers): before anything is
+    # queued, so a prompt that can never run compiles no grammar, queues no n requests to roll back, and is never
+    # answered with a 429 its client would retry.
+    if n + max_tokens > max_model_len:
         where = "in the messages" if req.chat else "in your prompt"
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{n + max(max_tokens, 1)} tokens ({n} {where}, {max(max_tokens, 1)} for the completion). "
-            f"Please reduce the length of the {param} or completion.",
-            param, code="context_length_exceeded",
-        )
-    params = dataclasses.replace(req.params, max_tokens=max_tokens, stop=list(req.params.stop),
-                                 stop_token_ids=list(req.params.stop_token_ids))
-    try:
-        params.validate()
-    except ValueError as e:  # messages start with the field's name, e.g. "min_tokens must not exceed ..."
-        name = str(e).split(" ", 1)[0]
-        raise RequestError(str(e), name if name in _FIELDS else None) from None
-    return params
+        raise context_length_error(
+            max_model_len, f"you requested {n + max_tokens} tokens ({n} {where}, {max_tokens} for the completion). "
+            f"Please reduce the length of the {param} or completion.", param)
+    # The one rule the models cannot state: it needs the max_tokens settled here. The values were bounded by the
+    # models; SamplingParams.validate, for in-process callers, runs once, in the engine.
+    if req.params.min_tokens > max_tokens:
+        raise RequestError("min_tokens must not exceed max_tokens", "min_tokens")
+    return dataclasses.replace(req.params, max_tokens=max_tokens, stop=list(req.params.stop),
+                               stop_token_ids=list(req.params.stop_token_ids))

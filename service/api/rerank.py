@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api import json_codec
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import ApiErrorCode, RequestError, context_length_error
 from sluice.service.api.preprocess import check_model, load_body, refuse_if_longer_than_context
 from sluice.service.api.protocol import DEFAULT_CAPS, RequestCaps, invalid
 from sluice.service.api.protocol_rerank import RerankRequest, ScoreRequest
@@ -141,13 +141,13 @@ def _classifier(model: ModelInfo, route: str) -> ClassifierSpec:
     """The served reranker's classifier tokens; 404 on the generate runner, 400 for a model that is no reranker."""
     if model.runner_type != "pooling":
         raise RequestError(f"this server does not serve {route}: it runs the generate runner (a reranker is served "
-                           "with --runner pooling and --hf-overrides naming its classifier_from_token)", status=404,
-                           code="pooling_runner_disabled")
+                           "with --runner pooling and --hf-overrides naming its classifier_from_token)",
+                           code=ApiErrorCode.POOLING_RUNNER_DISABLED)
     if model.classifier is None:
         raise RequestError(f"the served model is not a reranker: {route} needs its classifier tokens, e.g. "
                            '--hf-overrides \'{"architectures": ["Qwen3ForSequenceClassification"], '
                            '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\' for '
-                           "Qwen3-Reranker", "model", code="model_not_reranker")
+                           "Qwen3-Reranker", "model", ApiErrorCode.MODEL_NOT_RERANKER)
     return model.classifier
 
 
@@ -199,5 +199,4 @@ def _batch(pairs: list[tuple[str, str, str, str]], req, spec: ClassifierSpec, mo
 def _bound(tokens: int, limit: int, param: str, how: str) -> None:
     """400 context_length_exceeded naming `param` for a prompt past the context (which a score prompt may fill)."""
     if tokens > limit:
-        raise RequestError(f"This model's maximum context length is {limit} tokens. However, '{param}' makes a "
-                           f"prompt of {tokens} tokens ({how}). Shorten it.", param, code="context_length_exceeded")
+        raise context_length_error(limit, f"'{param}' makes a prompt of {tokens} tokens ({how}). Shorten it.", param)

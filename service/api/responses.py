@@ -139,7 +139,7 @@ class ResponseBuilder:
 
     def error(self, err: RequestError) -> list[dict]:
         """A stream that failed after its headers ends with the spec's error event."""
-        return [self._event("error", code=err.code, message=err.message, param=err.param)]
+        return [self._event("error", code=err.code.wire, message=err.message, param=err.param)]
 
     # ---- items ------------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import uuid
 
 from pydantic import ValidationError
 
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import ApiErrorCode, RequestError
 from sluice.service.api.preprocess import Prepared, load_body, prepare_request
 from sluice.service.api.protocol import GenerateRequest, invalid, parse_chat
 from sluice.service.api.responses_models import (
@@ -55,10 +55,10 @@ def parse_body(body: dict) -> ResponsesRequest:
     for name in _STATEFUL:
         if getattr(m, name) is not None:
             raise RequestError(f"'{name}' is not supported: this server stores no responses; send the whole "
-                               "conversation in 'input'", name, code="unsupported_parameter")
+                               "conversation in 'input'", name, code=ApiErrorCode.UNSUPPORTED_PARAMETER)
     if m.background:
         raise RequestError("'background' responses are not supported: this server stores no responses",
-                           "background", code="unsupported_parameter")
+                           "background", code=ApiErrorCode.UNSUPPORTED_PARAMETER)
     return m
 
 
@@ -126,4 +126,4 @@ def renamed(e: RequestError) -> RequestError:
     if new == param:
         return e
     message = e.message.replace(param, new).replace("'response_format'", "'text.format'")
-    return RequestError(message, new, e.status, e.type, e.code, e.headers)
+    return RequestError(message, new, e.code, e.headers)

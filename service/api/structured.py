@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.service.api import json_codec
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import ApiErrorCode, RequestError
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema, grammar or choice list larger than this is almost surely a mistake
 MAX_CHOICES = 256
@@ -141,21 +141,22 @@ def check_schema_shape(schema, param: str, keywords: bool) -> None:
 
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
 _DATA = ("enum", "const", "default", "examples")
+_UNSUPPORTED = ApiErrorCode.UNSUPPORTED_SCHEMA_KEYWORD
 
 
 def _check_keywords(node: dict, param: str) -> None:
     for key in UNSUPPORTED_KEYWORDS:
         if key in node:
             raise RequestError(f"'{param}' uses '{key}', which structured outputs do not support (the output "
-                               "would not be constrained by it)", param, code="unsupported_schema_keyword")
+                               "would not be constrained by it)", param, code=_UNSUPPORTED)
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         raise RequestError(f"'{param}' has $ref {ref[:80]!r}: only local references ('#/...') are supported",
-                           param, code="unsupported_schema_keyword")
+                           param, code=_UNSUPPORTED)
     if node.get("uniqueItems") is True:
         raise RequestError(f"'{param}' uses 'uniqueItems', which structured outputs do not support", param,
-                           code="unsupported_schema_keyword")
+                           code=_UNSUPPORTED)
     for key in ("unevaluatedProperties", "unevaluatedItems"):
         if key in node and node[key] is not False:
             raise RequestError(f"'{param}' uses '{key}' with a schema; only false is supported", param,
-                               code="unsupported_schema_keyword")
+                               code=_UNSUPPORTED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sluice.service.api import json_codec
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import ApiErrorCode, RequestError
 from sluice.service.api.middlewares import STATE
 from sluice.service.api.preprocess import chat_prompt_ids, check_model, load_body
 from sluice.service.api.protocol import parse_chat
@@ -62,7 +62,7 @@ async def _state_and_body(request: web.Request):
     state = request.app[STATE]
     raw = await request.read()
     if state.engine is None:
-        raise RequestError("the model is still loading", status=503, type="server_error", code="loading")
+        raise RequestError("the model is still loading", code=ApiErrorCode.LOADING)
     return state, raw
 
 

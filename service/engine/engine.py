@@ -199,7 +199,7 @@ class LLMEngine(ConstrainedDecoding):
         `flow` names the API call it belongs to (its fan-out shares fair shares), `tenant` the client it is
         charged to (None: its flow).
         """
-        params.validate()
+        params.validate()  # once per request: the only call (the API's values arrive bounded by its models)
         if params.lora_request is not None and self.loras is None:
             raise ValueError("this server serves no LoRA adapters (start it with --enable-lora)")
         token_ids = self.tokenize(prompt)

@@ -14,12 +14,12 @@ import uuid
 
 import pytest
 
-from sluice.scheduling.outcomes import FinishReason
+from sluice.scheduling.outcomes import ErrorCode, FinishReason
 from sluice.service.api.anthropic import PING, MessagesAPI, Pinged
 from sluice.service.api.anthropic_errors import error_body
 from sluice.service.api.anthropic_reply import MessageBuilder
 from sluice.service.api.anthropic_request import parse_body, to_chat_request
-from sluice.service.api.errors import RequestError
+from sluice.service.api.errors import ApiErrorCode, RequestError
 from sluice.service.api.formatting import Choice
 from sluice.service.api.reasoning import ReasoningParser
 from sluice.service.api.tool_parsers import ToolOutput
@@ -119,11 +119,15 @@ def test_bad_bodies_name_the_field(body, param, words):
     assert error_body(e) == {"type": "error", "error": {"type": "invalid_request_error", "message": e.message}}
 
 
-@pytest.mark.parametrize("status,kind", [(400, "invalid_request_error"), (401, "authentication_error"),
-                                         (404, "not_found_error"), (413, "request_too_large"),
-                                         (429, "rate_limit_error"), (500, "api_error"), (503, "overloaded_error")])
-def test_statuses_have_anthropics_error_types(status, kind):
-    assert error_body(RequestError("m", status=status))["error"]["type"] == kind
+@pytest.mark.parametrize("code,kind", [(ApiErrorCode.INVALID_REQUEST, "invalid_request_error"),
+                                       (ApiErrorCode.INVALID_API_KEY, "authentication_error"),
+                                       (ApiErrorCode.NOT_FOUND, "not_found_error"),
+                                       (ApiErrorCode.REQUEST_TOO_LARGE, "request_too_large"),
+                                       (ApiErrorCode.RATE_LIMIT_EXCEEDED, "rate_limit_error"),
+                                       (ErrorCode.INTERNAL_ERROR, "api_error"),
+                                       (ApiErrorCode.LOADING, "overloaded_error")])
+def test_statuses_have_anthropics_error_types(code, kind):
+    assert error_body(RequestError("m", code=code))["error"]["type"] == kind
 
 
 # ---- the builder, against the anthropic package's models -------------------------------------------------

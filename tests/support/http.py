@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from tests.support.replies import check_event, check_reply
 from tests.support.server import MODEL
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)
@@ -15,7 +16,9 @@ TIMEOUT = aiohttp.ClientTimeout(total=60)
 async def post(url: str, path: str, body, headers=None) -> tuple[int, dict, dict]:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.post(url + path, data=data, headers=headers) as r:
-        return r.status, await r.json(content_type=None), r.headers.copy()
+        reply = await r.json(content_type=None)
+        check_reply(path, r.status, reply)
+        return r.status, reply, r.headers.copy()
 
 
 async def get(url: str, path: str, headers=None) -> tuple[int, bytes, dict]:
@@ -40,7 +43,10 @@ async def stream(url: str, path: str, body: dict, headers=None) -> list[dict]:
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.post(url + path, json=body, headers=headers) as r:
         assert r.status == 200, await r.text()
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        return parse_sse(await r.read())
+        events = parse_sse(await r.read())
+    for event in events:
+        check_event(path, event)
+    return events
 
 
 def check_chunks(chunks: list[dict], obj: str) -> None:
@@ -66,6 +72,7 @@ def finish_reasons(chunks: list[dict], index: int = 0) -> list[str]:
 
 def check_error(status: int, body: dict, want_status: int, param=None) -> None:
     assert status == want_status, body
+    check_reply("/", status, body)
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     assert "Traceback" not in body["error"]["message"]
