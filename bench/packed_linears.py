@@ -19,7 +19,8 @@ from sluice.service.engine.layers.quant_types import BY_NAME
 
 HIDDEN, INNER, LAYERS, VOCAB = 2048, 8192, 24, 49152
 SHAPES = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN), "down": (HIDDEN, INNER)}
-SCALES = {"Q4_0": (0,), "Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_1": (0, 2), "Q6_K": (208,)}  # float16 fields of a block
+# float16 fields of a block
+SCALES = {"Q4_0": (0,), "Q4_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_1": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:

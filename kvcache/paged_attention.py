@@ -253,7 +253,9 @@ def paged_attention(
     if decode is not None and not prefills and decode.num_rows == num_tokens:
         return _decode_attention(query, key_cache, value_cache, decode, scale, sliding_window, softcap)
     if decode is None and len(prefills) == 1 and prefills[0].q_len == num_tokens:
-        return _prefill_attention(query, key, value, key_cache, value_cache, prefills[0], scale, sliding_window, softcap)
+        return _prefill_attention(
+            query, key, value, key_cache, value_cache, prefills[0], scale, sliding_window, softcap
+        )
     out = torch.empty_like(query)
     if decode is not None:
         q = query[decode.rows]

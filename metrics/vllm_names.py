@@ -17,9 +17,9 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-# Sluice family (a MetricSpec field, metrics/prometheus.py) -> the vLLM names it is also exported as. Several vLLM names for one family
-# where vLLM renamed a series and both spellings are still read (gpu_cache_usage_perc by older pickers and
-# dashboards, time_per_output_token_seconds by dashboards made before vLLM's inter_token_latency_seconds).
+# Sluice family (a MetricSpec field, metrics/families.py) -> the vLLM names it is also exported as. Several vLLM
+# names for one family where vLLM renamed a series and both spellings are still read (gpu_cache_usage_perc by older
+# pickers and dashboards, time_per_output_token_seconds by dashboards made before vLLM's inter_token_latency_seconds).
 RENAMES: dict[str, tuple[str, ...]] = {
     "waiting": ("vllm:num_requests_waiting",),
     "running": ("vllm:num_requests_running",),
@@ -57,7 +57,7 @@ class VllmNames(Collector):
     """Yields the vLLM-named copies of the Sluice families of one registry (registered once per registry)."""
 
     def __init__(self, families: object) -> None:
-        self._families = families  # the families of prometheus.METRICS, read by field name (no import back: no cycle)
+        self._families = families  # the families of families.METRICS, read by field name (no import back: no cycle)
         self._cache_info: dict[str, CacheConfigInfo] = {}  # model_name -> its cache configuration
 
     def add_model(self, model_name: str, cache: CacheConfigInfo) -> None:

@@ -1,8 +1,9 @@
 """Who gets a step's prompt tokens: flows least-served first, within the latency budget and the seats.
 
-Decoding requests get their token (decode_rows.py may hold back a crowd's extra rows). The prompt tokens left (the step budget less the decodes, and while
-anything decodes, no more than the latency budget allows) go grant by grant to the flow that `flow_key` puts
-first: priority, then requests preempted by recompute, then the least `counter + prompt_weight * remaining`.
+Decoding requests get their token (decode_rows.py may hold back a crowd's extra rows). The prompt tokens left (the
+step budget less the decodes, and while anything decodes, no more than the latency budget allows) go grant by grant
+to the flow that `flow_key` puts first: priority, then requests preempted by recompute, then the least
+`counter + prompt_weight * remaining`.
 
 A flow's grant goes to its first request that still has prompt work: one already running (a chunked prefill), else
 its next waiting request, which needs a seat. Charging a grant to the client's counter (on a copy: the real

@@ -77,8 +77,8 @@ def load():
         return None
     made = "built" if os.path.getmtime(ops.__file__) >= wall_start else "loaded"
     logger.info("native kernels: %s %s in %.1f s (%s): decode attention %s, int4 %s, bf16 linears %s",
-                made, ops.__name__, time.monotonic() - start, ops.__file__, ops.paged_decode_isa(), ops.int4_linear_isa(),
-                "AVX512_BF16" if ops.bf16_linear_is_native() else "not native")
+                made, ops.__name__, time.monotonic() - start, ops.__file__, ops.paged_decode_isa(),
+                ops.int4_linear_isa(), "AVX512_BF16" if ops.bf16_linear_is_native() else "not native")
     return ops
 
 
@@ -88,7 +88,9 @@ def is_gcc(compiler: str) -> bool:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return False
-    return "clang" not in version.lower() and ("gcc" in version.lower() or "free software foundation" in version.lower())
+    return "clang" not in version.lower() and (
+        "gcc" in version.lower() or "free software foundation" in version.lower()
+    )
 
 
 def build(cflags: tuple[str, ...]):

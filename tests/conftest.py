@@ -116,7 +116,8 @@ def model_dir(tmp_path_factory) -> str:
 
 
 # The flags of the one shared tiny-model server: a 64-block cache, a 4 MiB grammar cache (eviction itself is
-# test_grammar_bounds') and the vLLM metric names beside Sluice's (test_metrics_vllm compares them); nothing else reads them.
+# test_grammar_bounds') and the vLLM metric names beside Sluice's (test_metrics_vllm compares them); nothing else
+# reads them.
 TINY_FLAGS = ("--num-kv-blocks", "64", "--grammar-cache-bytes", str(4 << 20), "--vllm-metric-names")
 
 

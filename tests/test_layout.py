@@ -157,8 +157,8 @@ def test_nothing_imports_the_old_top_level_packages():
                       if n.split(".")[0] in OLD_TOP_LEVEL]
     old = "|".join(OLD_TOP_LEVEL)
     old_m = re.compile(rf"-m\s+(?:{old})\.|[\"'](?:{old})\.(?!ya?ml\b|json\b)[a-z_]+[\"':]")
-    for path in [REPO / "Makefile", REPO / "k8s" / "Dockerfile", REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-                 *files]:
+    for path in [REPO / "Makefile", REPO / "k8s" / "Dockerfile", REPO / "README.md",
+                 *sorted((REPO / "docs").glob("*.md")), *files]:
         if path.exists():
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 if old_m.search(line):
@@ -200,13 +200,28 @@ def test_test_modules_import_only_the_support_helpers():
     assert not wrong, "\n".join(wrong)
 
 
+# The package folder whose subpackages a test folder's subfolders mirror (the other test folders have none).
+MIRRORED = {"kvcache": "kvcache", "scheduling": "scheduling", "metrics": "metrics", "engine": "service/engine",
+            "api": "service/api", "bench": "service/bench"}
+
+
 def test_test_folders_mirror_the_packages():
-    """tests/<folder>/ exists for a package folder or a repository folder (bench, k8s), and holds an __init__.py so
-    every test module has a unique dotted name."""
+    """tests/<folder>/ exists for a package folder or a repository folder (bench, k8s), tests/<folder>/<sub>/ for
+    each subpackage of the package it mirrors (tests/engine/layers/ for service/engine/layers/), so a subpackage's
+    tests sit where its code does; and each holds an __init__.py so every test module has a unique dotted name."""
     known = {"kvcache", "scheduling", "engine", "api", "metrics", "bench", "k8s", "native", "support"}
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders <= known, f"test folders that mirror no package: {sorted(folders - known)}"
     assert all((REPO / "tests" / f / "__init__.py").exists() for f in folders)
+    # Below the top: every folder holding Python files (a data folder is no test package).
+    nested = {p.parent.relative_to(REPO / "tests").as_posix() for p in (REPO / "tests").rglob("*.py")
+              if "__pycache__" not in p.parts and len(p.relative_to(REPO / "tests").parts) > 2}
+    expected = {f"{tests}/{init.parent.relative_to(REPO / package).as_posix()}"
+                for tests, package in MIRRORED.items() for init in (REPO / package).rglob("*/__init__.py")
+                if "__pycache__" not in init.parts}
+    assert nested == expected, (f"test folders that mirror no subpackage: {sorted(nested - expected)}; "
+                                f"subpackages without a test folder: {sorted(expected - nested)}")
+    assert all((REPO / "tests" / f / "__init__.py").exists() for f in nested)
 
 
 def test_the_product_wheel_carries_no_development_tools(tmp_path):

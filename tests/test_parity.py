@@ -164,7 +164,8 @@ def test_parity_with_priority_policy_and_tiny_blocks():
     prompts = mixed_prompts(8, seed=3)
     expected = [hf_greedy(reference, p, 12) for p in prompts]
     engine = make_engine(ours, "recompute", num_blocks=160, block_size=1, budget=37, scheduling_policy="priority")
-    results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), priorities=[i % 3 for i in range(8)])
+    results = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0),
+                              priorities=[i % 3 for i in range(8)])
     assert [r.token_ids for r in results] == expected
 
 

@@ -117,8 +117,8 @@ class ResponseFormat:
             return {"content": [{
                 "token": decode(t.token_id), "logprob": max(t.logprob, _MIN_LOGPROB),
                 "bytes": list(token_bytes(self.tokenizer, t.token_id)),
-                "top_logprobs": [{"token": decode(i), "logprob": max(lp, _MIN_LOGPROB), "bytes": list(token_bytes(self.tokenizer, i))}
-                                 for i, lp in t.top],
+                "top_logprobs": [{"token": decode(i), "logprob": max(lp, _MIN_LOGPROB),
+                                  "bytes": list(token_bytes(self.tokenizer, i))} for i, lp in t.top],
             } for t in items]}
         tokens = [decode(t.token_id) for t in items]
         offsets = []

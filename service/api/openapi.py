@@ -67,7 +67,8 @@ def openapi_spec(version: str) -> dict:
         "openapi": "3.1.0",
         "info": {"title": "Sluice", "version": version,
                  "description": "OpenAI-compatible completions with SSE streaming, served by Sluice."},
-        "components": {"schemas": copy.deepcopy(_schemas()), "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": copy.deepcopy(_schemas()),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}, {}],
         "paths": {
             "/v1/completions": _operation("Text completion", CompletionRequest, Completion, Completion),

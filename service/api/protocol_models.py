@@ -262,7 +262,9 @@ class Message(Strict):
     role: Literal[CHAT_ROLES]
     content: Content | None = None
     name: str | None = None
-    tool_calls: list_of(HistoryCall) | None = Field(None, description="assistant: the calls it made (content may be null).")
+    tool_calls: list_of(HistoryCall) | None = Field(
+        None, description="assistant: the calls it made (content may be null)."
+    )
     tool_call_id: str | None = Field(None, description="tool: the call this result answers (required).")
 
 

@@ -115,7 +115,8 @@ def prepare_score(raw: bytes, model: ModelInfo, caps: RequestCaps = DEFAULT_CAPS
     1:N or N:N."""
     spec, req, lora = _validated(raw, model, ScoreRequest, "/v1/score")
     # vLLM's text_1 / text_2, or newer vLLM's queries / documents
-    first, name_1 = (req.queries, "queries") if req.text_1 is None and req.queries is not None else (req.text_1, "text_1")
+    first, name_1 = (req.queries, "queries") if req.text_1 is None and req.queries is not None \
+        else (req.text_1, "text_1")
     second, name_2 = (req.documents, "documents") if req.text_2 is None and req.documents is not None \
         else (req.text_2, "text_2")
     for value, name in ((first, name_1), (second, name_2)):

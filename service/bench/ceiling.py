@@ -201,7 +201,9 @@ def prefill_groups(run: OfflineRun) -> list[list[int]]:
     return groups
 
 
-def measure_ceiling(run: OfflineRun, raw: RawForward, max_batch_sizes: int = 6, max_group_tokens: int = 4096) -> Ceiling:
+def measure_ceiling(
+    run: OfflineRun, raw: RawForward, max_batch_sizes: int = 6, max_group_tokens: int = 4096
+) -> Ceiling:
     """Raw time for the run's shapes: every prefill group once, decode steps interpolated from a small grid."""
     prefill_s = 0.0
     groups = prefill_groups(run)

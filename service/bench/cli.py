@@ -71,8 +71,9 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                        help="Model sizes: 135m (SmolLM2-135M-Instruct), 360m, 1.7b (random weights of SmolLM2's "
                             "shapes) (default: %(default)s).")
     peers.add_argument("--formats", default="", help="Weight format pairs, by either side's name: fp32/F32, bf16/BF16, "
-                       "int4/Q4_1, Q4_K/Q4_K_M (gguf), Q4_0/Q4_0, f16/F16 (default: the float pair this CPU runs best, bf16/BF16 "
-                       "where it multiplies bf16 natively, else fp32/F32 and fp32/F16; and every quantized pair).")
+                       "int4/Q4_1, Q4_K/Q4_K_M (gguf), Q4_0/Q4_0, f16/F16 (default: the float pair this CPU runs best, "
+                       "bf16/BF16 where it multiplies bf16 natively, else fp32/F32 and fp32/F16; and every quantized "
+                       "pair).")
     peers.add_argument("--d-sizes", default="135m", help="Sizes that also run workload D (repetitive) with n-gram "
                        "speculation off and on, or 'none' (default: %(default)s; random weights accept few drafts).")
     peers.add_argument("--resume", action="store_true", help="Keep the lines --output already holds with the same "
@@ -96,7 +97,9 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
     protocol.add_argument("--rounds", type=int, default=7, help="Rounds; the least is kept (default: %(default)s).")
     protocol.set_defaults(func=_protocol_command)
 
-    quant = commands.add_parser("quant", help="int8 and int4 vs fp32 on the default model: perplexity, greedy agreement.")
+    quant = commands.add_parser(
+        "quant", help="int8 and int4 vs fp32 on the default model: perplexity, greedy agreement."
+    )
     quant.add_argument("--output", default="", help="Also write the result as JSON here.")
     quant.set_defaults(func=_quant_command)
     return bench
@@ -105,7 +108,8 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
 def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=64, help="Requests to send (default: %(default)s).")
-    g.add_argument("--input-len", type=int, default=100, help="Prompt tokens, shared prefix included (default: %(default)s).")
+    g.add_argument("--input-len", type=int, default=100,
+                   help="Prompt tokens, shared prefix included (default: %(default)s).")
     g.add_argument("--output-len", type=int, default=128, help="Output tokens per request (default: %(default)s).")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Draw lengths uniformly from [len*(1-r), len*(1+r)] (default: fixed).")
@@ -186,8 +190,8 @@ def _mixed(args):
     from sluice.service.bench.mixed import MixedWorkload
 
     w = MixedWorkload(streams=args.mixed_streams, long_prompts=args.mixed_long_prompts,
-                      long_input_len=args.mixed_long_len, long_output_len=args.mixed_long_output, large=args.mixed_large,
-                      idle_s=args.mixed_idle, alone=args.mixed_alone, seed=args.seed)
+                      long_input_len=args.mixed_long_len, long_output_len=args.mixed_long_output,
+                      large=args.mixed_large, idle_s=args.mixed_idle, alone=args.mixed_alone, seed=args.seed)
     w.validate()
     return w
 
@@ -234,7 +238,9 @@ def _offline_command(args) -> int:
             batches = sorted({1, min(64, config.scheduler.max_num_seqs)})
             results["profile"] = [profile_decode(suite.engine, b, args.input_len) for b in batches]
         else:
-            _, results["workloads"][workload.name] = suite.evaluate(workload, baselines, args.generate_batch_max_prompts)
+            _, results["workloads"][workload.name] = suite.evaluate(
+                workload, baselines, args.generate_batch_max_prompts
+            )
         results["meta"]["loadavg_end"] = _loadavg()
         results["meta"]["elapsed_s"] = time.perf_counter() - suite.start
     results = to_jsonable(results)
@@ -312,7 +318,8 @@ def _scheduler_command(args) -> int:
     points = scheduler_scaling(tuple(int(s) for s in args.sizes.split(",")), args.steps)
     print(f"{'running':>8} {'schedule us':>12} {'update us':>10} {'step us':>10} {'us/request':>11}")
     for p in points:
-        print(f"{p.num_running:>8} {p.schedule_us:>12.0f} {p.update_us:>10.0f} {p.step_us:>10.0f} {p.us_per_request:>11.1f}")
+        print(f"{p.num_running:>8} {p.schedule_us:>12.0f} {p.update_us:>10.0f} {p.step_us:>10.0f} "
+              f"{p.us_per_request:>11.1f}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Generate the Kubernetes copies of metrics/ (dashboard ConfigMap, PrometheusRule) so one source stays true.
 
-    python -m sluice.service.bench.gen_k8s           # rewrite k8s/base/grafana-dashboard.yaml and k8s/base/prometheusrule.yaml
+    python -m sluice.service.bench.gen_k8s           # rewrite k8s/base/grafana-dashboard.yaml and
+                                                     # k8s/base/prometheusrule.yaml
     python -m sluice.service.bench.gen_k8s --check   # exit 1 when they differ from what metrics/ would generate
 """
 

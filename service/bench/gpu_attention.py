@@ -38,7 +38,8 @@ def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
 
     report: dict = {}
     masks = ((None, None), (8, None), (None, 5.0))
-    if triton_decode.available(device) and not flex:  # the decode steps' kernel (the one CUDA graphs capture): no compile, first
+    # the decode steps' kernel (the one CUDA graphs capture): no compile, first
+    if triton_decode.available(device) and not flex:
         for dtype in dtypes:
             cases = [(bs, window, softcap) for bs in (16, 64) for window, softcap in masks]
             worst = max(triton_decode_error(ATTENTION_MIXES["decodes"], bs, device, dtype, i, window, softcap)

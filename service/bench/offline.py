@@ -44,7 +44,9 @@ def prompts_for(engine, w: Workload) -> list[list[int]]:
 
 def warmup(engine, prompt_len: int = 32) -> None:
     """One short run so lazy initialisation and first-call costs stay out of the timed runs."""
-    engine.generate([list(range(3, 3 + prompt_len))] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.generate(
+        [list(range(3, 3 + prompt_len))] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
 
 
 def run_workload(engine, w: Workload, prompts: list[list[int]] | None = None, reset_cache: bool = True) -> OfflineRun:

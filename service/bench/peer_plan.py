@@ -188,7 +188,8 @@ def plan(sizes: tuple[str, ...], pairs=PAIRS, d_sizes: tuple[str, ...] = ("135m"
             ours, theirs = next(p for p in pairs if p[0] == "bf16") if bf16 and ("bf16", "BF16") in pairs else pairs[0]
             spec = Launch(1, c.kv_tokens, ("B", "D"))
             out.append(Line(size, "Sluice", ours, "ngram", (spec,)))
-            out += [Line(size, "llama.cpp", theirs, label, (Launch(C_SLOTS, c_ctx, ("B", "D")),)) for label in SPEC_LLAMA]
+            out += [Line(size, "llama.cpp", theirs, label, (Launch(C_SLOTS, c_ctx, ("B", "D")),))
+                    for label in SPEC_LLAMA]
     for spec in shapes:
         arch, _, size = spec.partition("-")
         for fmt in ("fp32", "bf16") if bf16 else ("fp32",):

@@ -83,8 +83,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
                         "sizes": list(sizes), "baseline": sha, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                         "rounds": rounds, "float_pair": float_pairs(bf16_flags)[1],
                         "formats": ["/".join(p) for p in pairs],
-                        "models": {s: ("SmolLM2-135M-Instruct" if s == "135m" else f"random weights, SmolLM2-{s.upper()}"
-                                       "'s shape") for s in sizes},
+                        "models": {s: ("SmolLM2-135M-Instruct" if s == "135m"
+                                       else f"random weights, SmolLM2-{s.upper()}'s shape") for s in sizes},
                         "disk_mib": disk_mib(models.values())}, "servers": {}}
     if resume and output.is_file():
         old = json.loads(output.read_text())
@@ -212,7 +212,8 @@ def _plan_of(line: Line) -> dict:
     """What a line measured: its launches and each workload's settings (resume compares it)."""
     ws = scaled_workloads(line.size)
     return {"launches": [{"slots": x.slots, "slot_ctx": x.slot_ctx,
-                          "workloads": {w: {k: str(v) for k, v in dataclasses.asdict(ws[w]).items()} for w in x.workloads}}
+                          "workloads": {w: {k: str(v) for k, v in dataclasses.asdict(ws[w]).items()}
+                                        for w in x.workloads}}
                          for x in line.launches]}
 
 

@@ -111,7 +111,8 @@ def table(results: dict) -> str:
                        f"{_c(pr.get('B'), '.2f')} | {pair('C', '.0f')} | {_c(pr.get('C'), '.2f')} | "
                        f"{pair('E', '.0f')} | {_c(pr.get('E'), '.2f')} | {rss} | {_c(pr.get('rss'), '.2f')} | "
                        f"{rss_e} | {_c(pr.get('rss_E'), '.2f')} |")
-        best = [(n.split(" ")[2], v) for n, v in r.items() if n.startswith(f"{size} Sluice ") and n.endswith("best llama.cpp")]
+        best = [(n.split(" ")[2], v) for n, v in r.items()
+                if n.startswith(f"{size} Sluice ") and n.endswith("best llama.cpp")]
         if best:
             out += ["", f"A against llama.cpp's best ({best[0][1]['best']}): "
                     + ", ".join(f"{fmt} {v['A']:.2f}×" for fmt, v in best) + "."]
@@ -163,7 +164,8 @@ def _d_section(servers: dict, d: dict | None, size: str) -> list[str]:
     if not lines:
         return []
     out = ["", "Workload D (return a passage with small edits, 1 at a time), n-gram speculation off and on:", "",
-           "| server | D TPOT p50 ms | decode tokens per forward | acceptance | B TPOT p50 ms |", "|---|---|---|---|---|"]
+           "| server | D TPOT p50 ms | decode tokens per forward | acceptance | B TPOT p50 ms |",
+           "|---|---|---|---|---|"]
     for name, s in lines:
         spec = s["D"].get("spec") or {}
         rate = spec.get("acceptance_rate")
@@ -172,6 +174,7 @@ def _d_section(servers: dict, d: dict | None, size: str) -> list[str]:
                    f"{_c(_get(s, 'B', 'tpot_p50_ms'), '.1f')} |")
     if d:
         out += ["", f"Sluice's speculation: D TPOT {_c(d['D_tpot_off_over_on'], '.2f')}× lower than without, "
-                f"{_c(d['D_tokens_per_forward'], '.2f')} tokens per forward, TPOT {_c(d['D_tpot_on_over_llama_best_on'], '.2f')}"
-                f"× llama.cpp's best n-gram; B with it on costs {_c(d['B_tpot_on_over_off'], '.2f')}× its TPOT off."]
+                f"{_c(d['D_tokens_per_forward'], '.2f')} tokens per forward, "
+                f"TPOT {_c(d['D_tpot_on_over_llama_best_on'], '.2f')}× llama.cpp's best n-gram; "
+                f"B with it on costs {_c(d['B_tpot_on_over_off'], '.2f')}× its TPOT off."]
     return out

@@ -1,8 +1,9 @@
 """`bench quant`: what int8 and int4 weights cost in accuracy: perplexity on a fixed text, greedy agreement with fp32.
 
 All use transformers' own forward on the same loaded model, with its linears in the engine's quantized formats
-or not (`quantized_copy`), so only the weights differ, and every quantized linear runs its few-row kernel whatever the row count: the arithmetic decoding runs
-(int4's kernel rounds activations to int8; the dequantize path for long prefills would not). The text is public domain (the opening of the US Declaration of Independence), fixed so runs
+or not (`quantized_copy`), so only the weights differ, and every quantized linear runs its few-row kernel whatever
+the row count: the arithmetic decoding runs (int4's kernel rounds activations to int8; the dequantize path for long
+prefills would not). The text is public domain (the opening of the US Declaration of Independence), fixed so runs
 compare across commits.
 """
 
@@ -72,7 +73,8 @@ def quantized_copy(model: nn.Module, method: str) -> nn.Module:
 
 
 def quant_quality(model, tokenizer, methods: tuple[str, ...] = ("int8", "int4"), max_new_tokens: int = 64) -> dict:
-    """fp32 vs each method: perplexity, and how far greedy outputs agree with fp32's (prefix before the first change)."""
+    """fp32 vs each method: perplexity, and how far greedy outputs agree with fp32's (prefix before the first
+    change)."""
     result = {"perplexity": {"fp32": perplexity(model, tokenizer)}, "greedy_prompts": len(PROMPTS),
               "greedy_tokens": max_new_tokens, "greedy": {}}
     reference = [greedy(model, tokenizer, prompt, max_new_tokens) for prompt in PROMPTS]

@@ -49,7 +49,8 @@ def result_lines(r: BenchResult) -> list[str]:
         lines.append(f"{label + ' (ms) mean/p50/p90/p99:':<34}{d.mean:>9.1f}{d.p50:>9.1f}{d.p90:>9.1f}{d.p99:>9.1f}")
     if r.spec:
         rate, per_forward = r.spec["acceptance_rate"], r.spec["tokens_per_forward"]
-        lines.append(f"{'Spec drafted / accepted tokens:':<34}{r.spec['draft_tokens']:>9.0f}{r.spec['accepted_tokens']:>9.0f}"
+        lines.append(f"{'Spec drafted / accepted tokens:':<34}"
+                     f"{r.spec['draft_tokens']:>9.0f}{r.spec['accepted_tokens']:>9.0f}"
                      f"  (acceptance {_f(rate and 100 * rate)}%, {_f(per_forward, 2)} decode tokens per forward, "
                      f"from {r.spec['source']})")
     lines += [f"  error: {e}" for e in r.errors]
@@ -81,13 +82,14 @@ def markdown(results: dict) -> str:
         prefix = f", prefix {wl['prefix_len']}" if wl["prefix_len"] else ""
         cache = "" if w.get("prefix_caching", True) else ", no prefix caching"
         gb = w.get("generate_batch")
-        gb_cell = "–" if gb is None else _f(gb["tokens_per_s"]) + (f" ({gb['num_prompts']} prompts)" if gb["num_prompts"]
-                                                                     != r["completed"] + r["failed"] else "")
+        gb_cell = "–" if gb is None else _f(gb["tokens_per_s"]) + (
+            f" ({gb['num_prompts']} prompts)" if gb["num_prompts"] != r["completed"] + r["failed"] else "")
         out.append(
             f"| {name} | {r['completed']}{'' if not r['failed'] else ' (+' + str(r['failed']) + ' failed)'}{conc} "
             f"| {wl['input_len']}{prefix}{cache} → {wl['output_len']} | **{_f(r['output_throughput'])}** "
             f"| {_f(r['request_throughput'], 2)} | {_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} "
-            f"| {_f(r['tpot_ms']['p50'])} / {_f(r['tpot_ms']['p99'])} | {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} "
+            f"| {_f(r['tpot_ms']['p50'])} / {_f(r['tpot_ms']['p99'])} "
+            f"| {_f(r['itl_ms']['p50'])} / {_f(r['itl_ms']['p99'])} "
             f"| {_f((w.get('ceiling') or {}).get('tokens_per_s'))} | {gb_cell} "
             f"| {_f((w.get('generate') or {}).get('tokens_per_s'))} |"
         )
@@ -122,7 +124,8 @@ def markdown(results: dict) -> str:
                 f"{100 * g['no_constraint_share']:.3f}%."]
     if results.get("scheduler"):
         out += ["", "## Scheduler + KV manager alone (no model)", "",
-                "| running requests | schedule µs | update µs | per step µs | µs per request |", "|---|---|---|---|---|"]
+                "| running requests | schedule µs | update µs | per step µs | µs per request |",
+                "|---|---|---|---|---|"]
         for s in results["scheduler"]:
             out.append(f"| {s['num_running']} | {s['schedule_us']:.0f} | {s['update_us']:.0f} | {s['step_us']:.0f} "
                        f"| {s['us_per_request']:.1f} |")

@@ -35,7 +35,9 @@ class NullRunner:
         return ModelRunnerOutput(sampled={s.request_id: 7 for s in out.scheduled if s.sample})
 
 
-def measure(num_running: int, steps: int = 30, prompt_len: int = 100, block_size: int = 16, seed: int = 0) -> SchedulerPoint:
+def measure(
+    num_running: int, steps: int = 30, prompt_len: int = 100, block_size: int = 16, seed: int = 0
+) -> SchedulerPoint:
     """Admit num_running requests, then time `steps` pure-decode steps (median per phase)."""
     rng = random.Random(seed)
     max_len = prompt_len + steps + 8

@@ -48,9 +48,13 @@ def run_standard(suite: Suite, profile: bool = True) -> dict:
     _, wl["C"] = suite.evaluate(C, ())
     _, wl["C-prefix"] = suite.evaluate(C_PREFIX, ())
     suite.log("building an engine with prefix caching off")
-    config = dataclasses.replace(engine.config, cache=dataclasses.replace(engine.config.cache, enable_prefix_caching=False))
+    config = dataclasses.replace(
+        engine.config, cache=dataclasses.replace(engine.config.cache, enable_prefix_caching=False)
+    )
     no_cache = LLMEngine(config, model=engine.model, tokenizer=engine.tokenizer)
-    _, wl["C-prefix-nocache"] = suite.evaluate(dataclasses.replace(C_PREFIX, name="C-prefix-nocache"), (), engine=no_cache)
+    _, wl["C-prefix-nocache"] = suite.evaluate(
+        dataclasses.replace(C_PREFIX, name="C-prefix-nocache"), (), engine=no_cache
+    )
     del no_cache
     results["targets"] = targets(results)
     results["meta"]["loadavg_end"] = _loadavg()

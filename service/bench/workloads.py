@@ -61,7 +61,9 @@ def sample_lengths(w: Workload) -> list[tuple[int, int]]:
     def draw(n: int) -> int:
         if not w.random_range_ratio:
             return n
-        return rng.randint(max(1, math.floor(n * (1 - w.random_range_ratio))), math.ceil(n * (1 + w.random_range_ratio)))
+        return rng.randint(
+            max(1, math.floor(n * (1 - w.random_range_ratio))), math.ceil(n * (1 + w.random_range_ratio))
+        )
 
     return [(draw(w.input_len), draw(w.output_len)) for _ in range(w.num_prompts)]
 

@@ -9,14 +9,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
 from sluice.metrics.tracing import Timelines
 from sluice.metrics.vllm_names import CacheConfigInfo
 from sluice.scheduling.outcomes import ErrorCode, FinishReason
-from sluice.scheduling.output import SchedulerOutput, SchedulerStats, TokenLogprobs
+from sluice.scheduling.output import SchedulerOutput, SchedulerStats
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
@@ -27,24 +26,12 @@ from sluice.service.engine.detokenizer import IncrementalDetokenizer
 from sluice.service.engine.grammar import GrammarState
 from sluice.service.engine.kv_events import KVEventPublisher, KVEventsConfig
 from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
-from sluice.service.engine.outputs import EngineOutput
+from sluice.service.engine.outputs import Completion, EngineOutput
 from sluice.service.engine.pooling import resolve_embedding, resolve_runner
 
 logger = logging.getLogger("sluice.engine")
 
 __all__ = ["Completion", "EngineOutput", "LLMEngine", "freeze_startup_objects"]
-
-
-@dataclass(slots=True)
-class Completion:
-    """A finished offline generation."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine(ConstrainedDecoding):
@@ -165,7 +152,9 @@ class LLMEngine(ConstrainedDecoding):
         self.stat_loggers: list[Callable[[SchedulerStats], None]] = []
         self.last_stats = self.scheduler.make_stats()
         vllm_names = CacheConfigInfo(block_size, config.cache.enable_prefix_caching)
-        self.metrics = SluiceMetrics(self.served_model_name, vllm_names=vllm_names if config.server.vllm_metric_names else None)
+        if not config.server.vllm_metric_names:
+            vllm_names = None
+        self.metrics = SluiceMetrics(self.served_model_name, vllm_names=vllm_names)
         self.stat_loggers.append(self.metrics.observe_step)
         self.metrics.observe_step(self.last_stats)  # gauges show the empty cache before the first step
         self.metrics.watch_memory(model_weight_bytes(model), self.runner.kv, self.kv_manager)  # read when scraped
@@ -306,7 +295,8 @@ class LLMEngine(ConstrainedDecoding):
                 logger.exception("engine step failed; failing %d requests", len(sched_out.scheduled))
                 for request in self.scheduler.fail_step(sched_out):
                     outputs.append(self._ended_output(
-                        request, FinishReason.ERROR, ErrorCode.STEP_FAILED, f"engine step failed: {type(exc).__name__}"))
+                        request, FinishReason.ERROR, ErrorCode.STEP_FAILED,
+                        f"engine step failed: {type(exc).__name__}"))
             else:
                 outputs += self._end_rows_without_token(runner_out)
                 for ro in self.scheduler.update_from_output(sched_out, runner_out):
@@ -372,7 +362,8 @@ class LLMEngine(ConstrainedDecoding):
     def _detokenize(self, ro) -> EngineOutput:
         detok = self._detokenizers[ro.request_id]
         num_tokens = len(ro.new_token_ids)
-        text = detok.update(ro.new_token_ids, finished=ro.finished) if num_tokens == 1 else _update_until_stop(detok, ro)
+        text = (detok.update(ro.new_token_ids, finished=ro.finished) if num_tokens == 1
+                else _update_until_stop(detok, ro))
         finished, reason, stop_reason = ro.finished, ro.finish_reason, ro.stop_reason
         num_dropped = num_tokens - len(ro.new_token_ids)  # a stop string inside a run of verified drafts ends it
         if detok.stop_hit is not None and (num_dropped or not finished):

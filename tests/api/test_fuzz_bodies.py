@@ -3,7 +3,8 @@
 Each body starts from a valid completions or chat request and takes a few random mutations: a known parameter
 (or a value nested inside one: a message's content, a tool's parameters, a schema) replaced with a random JSON
 value (deep, wide, huge, odd numbers, wrong types), a key removed, or the bytes themselves cut or flipped. The
-count is 2000 (20,000 under the deep hypothesis profile, `make test-deep`; SLUICE_FUZZ_BODIES overrides); the seed is fixed, so a failure replays.
+count is 2000 (20,000 under the deep hypothesis profile, `make test-deep`; SLUICE_FUZZ_BODIES overrides); the seed
+is fixed, so a failure replays.
 """
 
 from __future__ import annotations

@@ -61,9 +61,10 @@ def test_param_path():
 # Pieces the random texts are made of: the runs the widest tokens cover (SmolLM2's is a newline and 80 spaces), the
 # specials, CJK and emoji, decomposed Hangul (a normalizer composes it) and anything hypothesis makes up.
 PIECES = st.one_of(
-    st.builds(str.__mul__, st.sampled_from([" ", "\n", "\t", "#", "=", "-", "*", "\r\n", "ab", "0"]), st.integers(1, 200)),
-    st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<jupyter_output>", "Hello world", " the", "你好世界",
-                     "😀🎉", "café", "\u1100\u1161", "e\u0301", "<0x41>", "\u3000", "\xa0"]),
+    st.builds(str.__mul__, st.sampled_from([" ", "\n", "\t", "#", "=", "-", "*", "\r\n", "ab", "0"]),
+              st.integers(1, 200)),
+    st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<jupyter_output>", "Hello world", " the",
+                     "你好世界", "😀🎉", "café", "\u1100\u1161", "e\u0301", "<0x41>", "\u3000", "\xa0"]),
     st.text(max_size=20),
 )
 TEXTS = st.lists(PIECES, max_size=30).map("".join)
@@ -169,7 +170,8 @@ def test_text_too_long_for_the_context_is_refused_by_its_size(tiny_tok):
     least = bound.measure(text)[1]
     assert least > -(-len(text) // bound.widest)  # the text itself proves more than its length does
     refuse_if_longer_than_context(text, tiny_tok, least + 1, "messages")
-    with pytest.raises(RequestError, match=f"the {len(text)} bytes of text in your messages are at least {least} tokens"):
+    with pytest.raises(RequestError,
+                       match=f"the {len(text)} bytes of text in your messages are at least {least} tokens"):
         refuse_if_longer_than_context(text, tiny_tok, least, "messages")
 
 

@@ -75,7 +75,8 @@ def test_extras_are_accepted_and_unknown_fields_ignored():
 def test_history_calls_come_out_in_one_form():
     r = parse_chat({"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
-        {"function": {"name": "g", "arguments": {"b": "é"}}}]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]})
+        {"function": {"name": "g", "arguments": {"b": "é"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]})
     assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
         {"id": "call_1", "type": "function", "function": {"name": "g", "arguments": '{"b": "é"}'}}]}
@@ -136,7 +137,8 @@ def test_formatted_replies_validate_against_the_response_models(chat):
     fmt = ResponseFormat(req, "id-1", "tiny", tokenizer())
     choice = Choice(0, 0, text=["Hel", "lo"], logprobs=[Lp(5, -0.5, [(5, -0.5), (6, -2.0)])], finish_reason="stop")
     calls = [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 0}}
     full, chunk = (ChatCompletion, ChatCompletionChunk) if chat else (Completion, Completion)
     full.model_validate(fmt.response([choice], usage), strict=True)
     chunk.model_validate(fmt.chunk(choice, "Hel", None, logprobs=choice.logprobs), strict=True)

@@ -149,10 +149,12 @@ def chat(**extra) -> dict:
 
 
 def test_chat_template_kwargs_are_validated():
-    assert parse_chat(chat(chat_template_kwargs={"enable_thinking": False})).template_kwargs == {"enable_thinking": False}
+    assert (parse_chat(chat(chat_template_kwargs={"enable_thinking": False})).template_kwargs
+            == {"enable_thinking": False})
     assert parse_chat(chat()).template_kwargs == {}
-    for bad, param in [("yes", "chat_template_kwargs"), ({"add_generation_prompt": False},
-                       "chat_template_kwargs.add_generation_prompt"), ({"messages": []}, "chat_template_kwargs.messages"),
+    for bad, param in [("yes", "chat_template_kwargs"),
+                       ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                       ({"messages": []}, "chat_template_kwargs.messages"),
                        ({"tools": []}, "chat_template_kwargs.tools"), ({"not a name": 1}, "chat_template_kwargs"),
                        ({f"k{i}": i for i in range(33)}, "chat_template_kwargs"),
                        ({"big": "x" * 20000}, "chat_template_kwargs")]:

@@ -211,9 +211,10 @@ def dechunk(body: bytes) -> bytes:
 
 
 async def steady_reader(port: int) -> None:
-    """The heavy request read at a steady 8 KB every 20 ms, straight from a socket with a small window: a few
+    """The heavy request read at a steady 8 KB every 10 ms, straight from a socket with a small window: many
     times slower than the engine writes it, so the server's buffer for it passes --max-stream-buffer, but never
-    a pause near --stream-write-timeout (the server's writes wait for ~80 KB to drain: 0.2 s at this pace)."""
+    a pause near --stream-write-timeout (the server's writes wait for ~80 KB to drain: 0.1 s at this pace, a
+    tenth of the timeout, so a loaded machine stretching this reader's sleeps does not reach it)."""
     loop = asyncio.get_running_loop()
     sock = stuck_client(port)
     sock.setblocking(False)
@@ -223,7 +224,7 @@ async def steady_reader(port: int) -> None:
             raw += chunk
             if raw.endswith(b"\r\n0\r\n\r\n"):
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
     finally:
         sock.close()
     head, _, body = raw.partition(b"\r\n\r\n")

@@ -82,7 +82,8 @@ async def test_smollm2_json_schema_replies_validate(smol):
         return out.content, out.finish
 
     async with client(smol) as c:  # greedy and sampled, streamed and not, side by side: one batch
-        for text, finish in await asyncio.gather(*(reply(c, t, stream) for t in (0.0, 0.7) for stream in (False, True))):
+        for text, finish in await asyncio.gather(
+                *(reply(c, t, stream) for t in (0.0, 0.7) for stream in (False, True))):
             assert finish == "stop", text
             jsonschema.validate(json.loads(text), SCHEMA)
 

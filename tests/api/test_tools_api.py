@@ -227,8 +227,10 @@ LANGCHAIN_BODIES = [
              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
              "type": "object"}}}]},
     {"model": "tiny", "stream": False, "messages": [{"content": "Forecast for Paris?", "role": "user"}],
-     "parallel_tool_calls": False, "temperature": 0.0, "tool_choice": {"type": "function", "function": {"name": "Forecast"}},
-     "tools": [{"type": "function", "function": {"name": "Forecast", "description": "A weather forecast.", "parameters": {
+     "parallel_tool_calls": False, "temperature": 0.0,
+     "tool_choice": {"type": "function", "function": {"name": "Forecast"}},
+     "tools": [{"type": "function", "function": {
+         "name": "Forecast", "description": "A weather forecast.", "parameters": {
          "properties": {"city": {"maxLength": 10, "type": "string"},
                         "unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}},
          "required": ["city", "unit"], "type": "object"}}}]},
@@ -272,7 +274,8 @@ def smol(smol_server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tool_choice,allowed", [
-    ("required", ("get_weather", "add")), ({"type": "function", "function": {"name": "get_weather"}}, ("get_weather",))])
+    ("required", ("get_weather", "add")),
+    ({"type": "function", "function": {"name": "get_weather"}}, ("get_weather",))])
 async def test_smollm2_forced_calls_validate(smol, tool_choice, allowed):
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=200)
     async with client(smol) as c:  # sampled, greedy and greedy streamed at once: one batch
@@ -383,7 +386,8 @@ async def test_streamed_calls_arrive_name_first_and_the_client_reassembles_them(
             final = await stream.get_final_completion()
     expected = [(t.function.name, json.loads(t.function.arguments)) for t in reply.choices[0].message.tool_calls]
     assert calls == expected and finish == "tool_calls"
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in final.choices[0].message.tool_calls] == expected
+    assert [(t.function.name, json.loads(t.function.arguments))
+            for t in final.choices[0].message.tool_calls] == expected
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])

@@ -264,7 +264,8 @@ def test_shape_configs_keep_the_size_and_change_only_the_layer_layout():
     from sluice.service.bench.shapes import ARCHS, config_of
 
     configs = {arch: config_of(arch, "360m") for arch in ARCHS}
-    assert {c.hidden_size for c in configs.values()} == {960} and {c.num_hidden_layers for c in configs.values()} == {32}
+    assert ({c.hidden_size for c in configs.values()} == {960}
+            and {c.num_hidden_layers for c in configs.values()} == {32})
     assert type(configs["qwen3"]).__name__ == "Qwen3Config" and configs["qwen3"].head_dim == 64
     with pytest.raises(ValueError, match="unknown architecture"):
         config_of("gpt2", "135m")

@@ -266,8 +266,10 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
                "360m llama.cpp F32": line(100, 20, 4000, e=5000, rss_e=600),
                "360m Sluice bf16": line(300, 10, 500, 1200), "360m llama.cpp BF16": line(150, 10, 4000, 1000),
                "360m llama.cpp Q4_1": line(60, 15, 9000, 800),
-               "135m Sluice bf16": line(400, 12, 900, d=12.0, tpf=1.0), "135m llama.cpp BF16": line(300, 12, 4000, d=11.0),
-               "135m Sluice bf16 ngram": line(b=12.6, d=5.0, tpf=2.5), "135m llama.cpp BF16 ngram k4": line(b=12, d=6.0),
+               "135m Sluice bf16": line(400, 12, 900, d=12.0, tpf=1.0),
+               "135m llama.cpp BF16": line(300, 12, 4000, d=11.0),
+               "135m Sluice bf16 ngram": line(b=12.6, d=5.0, tpf=2.5),
+               "135m llama.cpp BF16 ngram k4": line(b=12, d=6.0),
                "135m llama.cpp BF16 ngram": line(b=12, d=8.0),
                "135m Sluice@0123abcd bf16": line(200, 24, 900, 1100)}
     r = ratios(servers, ["135m", "360m"])
@@ -340,7 +342,8 @@ def test_random_checkpoint_of_a_tiny_shape_is_seeded_bf16_with_sharper_attention
     shape = Shape(64, 128, 2, 4, 2)
     first = random_checkpoint("llama", shape, tmp_path / "a", name="tiny")
     again = random_checkpoint("llama", shape, tmp_path / "b", name="tiny")
-    assert first.name == "llama-tiny-r2" and (first / "tokenizer.json").is_file() and (first / "chat_template.jinja").is_file()
+    assert (first.name == "llama-tiny-r2" and (first / "tokenizer.json").is_file()
+            and (first / "chat_template.jinja").is_file())
     with safe_open(first / "model.safetensors", "pt") as a, safe_open(again / "model.safetensors", "pt") as b:
         assert "lm_head.weight" not in a.keys()  # tied to the embeddings
         for key in a.keys():

@@ -22,8 +22,8 @@ def test_short_soak(model_dir, tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     duration = pick(6, 30, "SLUICE_SOAK_SECONDS")  # RSS samples in each third (one per 0.5 s), 429s and swaps
-    args = p.parse_args(["--model", model_dir, "--serve-flags", FLAGS, "--duration", str(duration), "--concurrency", "24",
-                         "--max-rss-growth-mib", "48", "--output", str(tmp_path / "soak.json")])
+    args = p.parse_args(["--model", model_dir, "--serve-flags", FLAGS, "--duration", str(duration),
+                         "--concurrency", "24", "--max-rss-growth-mib", "48", "--output", str(tmp_path / "soak.json")])
     result = run(args)
     print(json.dumps(result, indent=1))
     assert result["ok"], result["problems"]

@@ -250,7 +250,8 @@ def test_the_cache_is_bounded_by_bytes(tok):
         assert c.cache_bytes <= limit
     assert 2 <= len(c._cache) <= 3  # the newest kept, the oldest dropped
     with pytest.raises(GrammarError) as info:
-        compiler_for(tok, grammar_max_bytes=100).compile(StructuredOutput("json", json.dumps({"a": "x" * 200}), "tools"))
+        compiler_for(tok, grammar_max_bytes=100).compile(
+            StructuredOutput("json", json.dumps({"a": "x" * 200}), "tools"))
     assert info.value.code == TOO_COMPLEX and info.value.param == "tools"
 
 

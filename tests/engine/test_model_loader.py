@@ -26,7 +26,8 @@ from sluice.service.engine.models.llama import LlamaForCausalLM
 def test_resolve_device_dtype(monkeypatch):
     from sluice.service.engine import model_loader
 
-    monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: [])  # a CPU without bf16 (tests/engine/test_dtype_auto.py)
+    # a CPU without bf16 (tests/engine/test_dtype_auto.py)
+    monkeypatch.setattr(model_loader, "native_bf16_flags", lambda: [])
     expected_auto = (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (
         torch.device("cpu"), torch.float32)
     assert resolve_device_dtype() == expected_auto

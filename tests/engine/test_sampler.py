@@ -169,7 +169,8 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     assert math.isclose(first.logprob, expected[0, first.token_id].item(), rel_tol=1e-5)
     top = expected[0].topk(3)
     assert [t for t, _ in first.top] == top.indices.tolist()
-    assert all(math.isclose(lp, want, rel_tol=1e-5) for (_, lp), want in zip(first.top, top.values.tolist(), strict=True))
+    assert all(math.isclose(lp, want, rel_tol=1e-5)
+               for (_, lp), want in zip(first.top, top.values.tolist(), strict=True))
     assert out.logprobs[1] is None
     third = out.logprobs[2]
     assert third.top == [] and math.isclose(third.logprob, expected[2, out.token_ids[2]].item(), rel_tol=1e-5)

@@ -130,7 +130,8 @@ def test_rendered_overlays_validate(rendered, overlay):
         for key in ("labels",):
             for k, v in doc["metadata"].get(key, {}).items():
                 assert LABEL_VALUE.match(v) and len(v) <= 63, f"bad label {k}={v!r}"
-    assert {"Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule", "ConfigMap"} <= set(kinds)
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule",
+            "ConfigMap"} <= set(kinds)
     if overlay.endswith("keda"):
         assert "ScaledObject" in kinds and "HorizontalPodAutoscaler" not in kinds  # never two autoscalers
     else:
@@ -222,7 +223,8 @@ def test_service_pdb_monitor_and_autoscaler_point_at_the_deployment(rendered):
     # job label = the Service's value of jobLabel; the SluiceTargetDown alert matches on it
     assert "sluice" in svc["metadata"]["labels"][mon["spec"]["jobLabel"]]
     hpa = by_kind(docs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
     so = by_kind(rendered["gpu+keda"], "ScaledObject")
     assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
 

@@ -37,7 +37,8 @@ def test_each_row_matches_dense_attention(block_size, heads, kv_heads, head_dim,
     q, k, v, kc, vc, args, expected = paged_attention_case(DECODES, block_size, DEVICE, dtype, 3, window, softcap,
                                                            heads, kv_heads, head_dim)
     write_kv(k, v, kc, vc, args[3])
-    out = triton_decode.paged_decode(q, kc, vc, args[2], torch.tensor(args[1], device=DEVICE), head_dim ** -0.5, window, softcap)
+    out = triton_decode.paged_decode(q, kc, vc, args[2], torch.tensor(args[1], device=DEVICE), head_dim ** -0.5,
+                                     window, softcap)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert (out.double() - expected).abs().max().item() < tolerance
 
@@ -45,7 +46,8 @@ def test_each_row_matches_dense_attention(block_size, heads, kv_heads, head_dim,
 def test_metadata_on_the_buffers_routes_decodes_to_the_kernel_and_stores_the_new_kv():
     q, k, v, kc, vc, args, expected = paged_attention_case(DECODES, 16, DEVICE, torch.float32, 5)
     query_lens, seq_lens, tables, slots, block_size = args
-    meta = AttentionMetadata.for_decode_tables(tables.long(), torch.tensor(seq_lens, device=DEVICE), slots, block_size, 4096)
+    meta = AttentionMetadata.for_decode_tables(
+        tables.long(), torch.tensor(seq_lens, device=DEVICE), slots, block_size, 4096)
     assert meta.cu_seqlens_k.tolist() == [0, *torch.tensor(seq_lens, device=DEVICE).cumsum(0).tolist()]
     out = paged_attention(q, k, v, kc, vc, meta, q.shape[-1] ** -0.5)
     assert meta.backend == "triton"

@@ -6,15 +6,8 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.metrics.prometheus import (
-    FINISH_REASONS,
-    PREEMPTION_MODES,
-    REJECT_REASONS,
-    SluiceMetrics,
-    record_rejection,
-    reject_reason,
-    render_latest,
-)
+from sluice.metrics.families import FINISH_REASONS, PREEMPTION_MODES, REJECT_REASONS
+from sluice.metrics.prometheus import SluiceMetrics, record_rejection, reject_reason, render_latest
 from sluice.scheduling.output import SchedulerStats
 from sluice.scheduling.request import Request
 from sluice.scheduling.sampling_params import SamplingParams
@@ -138,7 +131,8 @@ def test_step_histograms_count_only_steps_that_computed(reg):
     assert value(reg, "sluice_engine_step_tokens_count") == len(worked)
     assert value(reg, "sluice_engine_step_tokens_sum") == sum(s.num_batched_tokens for s in worked)
     assert value(reg, "sluice_engine_step_requests_sum") == sum(s.num_scheduled_requests for s in worked)
-    assert value(reg, "sluice_engine_step_duration_seconds_sum") == pytest.approx(sum(s.step_duration_s for s in worked))
+    assert value(reg, "sluice_engine_step_duration_seconds_sum") == pytest.approx(
+        sum(s.step_duration_s for s in worked))
     assert value(reg, "sluice_engine_step_tokens_bucket", le="1.0") == 2  # the two decode-only steps
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sluice.metrics.prometheus import ITL_OUTCOMES, SluiceMetrics
+from sluice.metrics.families import ITL_OUTCOMES
+from sluice.metrics.prometheus import SluiceMetrics
 from sluice.metrics.tenant_labels import OTHER, TenantLabels
 from sluice.metrics.tracing import Timelines
 from sluice.scheduling.output import SchedulerStats

@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from sluice.kvcache.kv_tensors import KVTensors
 from sluice.kvcache.manager import KVCacheManager
-from sluice.metrics.prometheus import MEMORY_KINDS, SluiceMetrics, process_resident_bytes, render_latest
+from sluice.metrics.families import MEMORY_KINDS
+from sluice.metrics.prometheus import SluiceMetrics, process_resident_bytes, render_latest
 from sluice.scheduling.sampling_params import SamplingParams
 
 MODEL = "mem"

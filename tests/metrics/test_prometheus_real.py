@@ -130,7 +130,8 @@ def test_dashboard_and_alerts_against_real_prometheus(server, prometheus_binary,
 
         wait_until(idle, 30, "the engine to go idle")
         idle_at = time.time()  # scrapes come each second: a last one past idle_at + 1 s is the second since idle
-        wait_until(lambda: scalar(url, 'timestamp(up{job="sluice"})') > idle_at + 1, 20, "two scrapes of the idle engine")
+        wait_until(lambda: scalar(url, 'timestamp(up{job="sluice"})') > idle_at + 1, 20,
+                   "two scrapes of the idle engine")
         at = time.time()
         rate_interval = f"{math.ceil(at - load_start) + 5}s"  # one window spanning the whole load
 
@@ -141,7 +142,8 @@ def test_dashboard_and_alerts_against_real_prometheus(server, prometheus_binary,
         sel = f'model_name="{MODEL_NAME}"'
         assert scalar(url, f"sum(sluice_preemptions_total{{{sel}}})") >= 1
         assert scalar(url, f'sluice_requests_finished_total{{{sel}, finish_reason="abort"}}') >= 1
-        assert scalar(url, f'sluice_requests_finished_total{{{sel}, finish_reason="length"}}') >= 9  # 1 + 8 ignore_eos runs
+        # 1 + 8 ignore_eos runs
+        assert scalar(url, f'sluice_requests_finished_total{{{sel}, finish_reason="length"}}') >= 9
         assert scalar(url, f'sluice_requests_rejected_total{{{sel}, reason="invalid"}}') >= 1
         assert scalar(url, f"sluice_prefix_cache_hit_tokens_total{{{sel}}}") > 0
         assert scalar(url, f"sluice_kv_cache_total_blocks{{{sel}}}") == NUM_KV_BLOCKS

@@ -34,7 +34,8 @@ workload = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=examples(150, 1500, "SLUICE_HYPOTHESIS_EXAMPLES"), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150, 1500, "SLUICE_HYPOTHESIS_EXAMPLES"), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(workload)
 def test_random_workloads_keep_invariants_and_outputs(w):
     bs = w["block_size"]

@@ -6,7 +6,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sluice.metrics.prometheus import FINISH_REASONS, SluiceMetrics
+from sluice.metrics.families import FINISH_REASONS
+from sluice.metrics.prometheus import SluiceMetrics
 from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.service.engine.outputs import EngineOutput
 from tests.support.sched_helpers import make_request, make_scheduler

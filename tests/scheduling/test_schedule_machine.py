@@ -250,6 +250,6 @@ def test_machine_keeps_exact_books_and_reaches_the_hard_paths():
     if path := os.environ.get("SLUICE_FUZZ_STATS"):
         with open(path, "w") as f:
             json.dump(dict(STATS), f, indent=2, sort_keys=True)
-    for key in ("steps_with_swaps_both_ways", "steps_resumed_but_not_scheduled", "failed_steps_swap_in", "failed_steps_swap_out",
-                "failed_steps_forward", "aborts_mid_step", "ids_reused"):
+    for key in ("steps_with_swaps_both_ways", "steps_resumed_but_not_scheduled", "failed_steps_swap_in",
+                "failed_steps_swap_out", "failed_steps_forward", "aborts_mid_step", "ids_reused"):
         assert STATS[key] > 0, f"no run reached {key}: {dict(STATS)}"

@@ -11,7 +11,8 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "properties": {"city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
             "required": ["city", "zip"], "additionalProperties": False,
         },
     },

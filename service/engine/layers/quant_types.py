@@ -4,8 +4,8 @@ its GGML id, block size and bytes, its torch dequantizer, its regrouping for csr
 
 csrc/gguf_linear.cpp's `kQuantTypes` mirrors this table row for row, by the same ids (each row there names the type's
 kernels: the GEMV and dequantizer on blocks as stored, the packed kernel); the extension's `quant_types()` lists it
-and tests/engine/test_quant_types.py checks that the two agree. Adding a type is its row here, its block unpacker and
-row there, and its test.
+and tests/engine/layers/test_quant_types.py checks that the two agree. Adding a type is its row here, its block
+unpacker and row there, and its test.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return
     half = dim // 2
     _kernels()[1][(tokens,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-                             sin.stride(0), HEADS=heads, KV_HEADS=k.shape[1], HEADS_P=pow2(heads + k.shape[1], 1), HALF=half,
-                             HALF_P=pow2(half, 1))
+                             sin.stride(0), HEADS=heads, KV_HEADS=k.shape[1], HEADS_P=pow2(heads + k.shape[1], 1),
+                             HALF=half, HALF_P=pow2(half, 1))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

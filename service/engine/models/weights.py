@@ -84,8 +84,8 @@ def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device,
             _sliding_window(config, i),
         )
         mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
-        layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn, norm(f"{p}post_attention_layernorm.weight"),
-                                   mlp))
+        layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn,
+                                   norm(f"{p}post_attention_layernorm.weight"), mlp))
     embed = formats.embedding(tensors("model.embed_tokens.weight"), device, dtype)
     tied = config.tie_word_embeddings or tensors("lm_head.weight") is None
     head = formats.tied_head(embed) if tied else linear("", ["lm_head"])

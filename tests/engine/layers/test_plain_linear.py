@@ -57,7 +57,7 @@ def test_bf16_kernel_matches_a_float32_reference_to_bf16_rounding(native, rows, 
 
 
 def _recording_ops(monkeypatch, kernel, calls):
-    """native.load() as seen by decode_linear, recording the row count of each kernel call."""
+    """native.load() as seen by layers/linear.py, recording the row count of each kernel call."""
     def wrap(fn):
         return staticmethod(lambda x, w: calls.append((fn.__name__, x.shape[0])) or fn(x, w))
     fake = type("Ops", (), {"f32_linear": wrap(kernel.f32_linear), "bf16_linear": wrap(kernel.bf16_linear)})

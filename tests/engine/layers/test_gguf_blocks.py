@@ -253,13 +253,15 @@ def test_the_tensor_directory_reads_as_the_gguf_package_does(tmp_path):
     writer.add_tensor("a.weight", rng.standard_normal((3, 5)).astype(np.float32))
     writer.add_tensor("b.weight", rng.standard_normal(7).astype(np.float16))
     for i, qtype in enumerate(("Q8_0", "Q4_K", "Q6_K")):
-        writer.add_tensor(f"q{i}.weight", random_blocks(qtype, 4, 256, seed=i), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        writer.add_tensor(f"q{i}.weight", random_blocks(qtype, 4, 256, seed=i),
+                          raw_dtype=gguf.GGMLQuantizationType[qtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     metadata, tensors = read_gguf(path)
-    assert (metadata["test.f"], metadata["test.b"], metadata["test.s"], metadata["test.u"]) == (0.25, True, "héllo", 2**40)
+    assert (metadata["test.f"], metadata["test.b"], metadata["test.s"], metadata["test.u"]) == (
+        0.25, True, "héllo", 2**40)
     assert metadata["general.architecture"] == "llama" and metadata["general.alignment"] == 64
     assert "tokenizer.ggml.tokens" not in metadata and "test.nested" not in metadata  # arrays: stepped over
     reader = gguf.GGUFReader(str(path))
