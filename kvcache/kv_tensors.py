@@ -20,14 +20,8 @@ def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes)
-    # Huge pages where the kernel offers them (THP "madvise"): a first touch costs one fault per 2 MB instead of
-    # one per 4 KB, which in a VM (each fault a trip to the hypervisor) cost a burst of new requests ~0.6 s of
-    # prefill on a fresh cache; residency still follows use, 2 MB at a time.
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
     # The tensor keeps the mapping alive (frombuffer holds a reference to it).
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVTensors:
