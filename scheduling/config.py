@@ -63,10 +63,9 @@ class SchedulerConfig:
         "engine's measured cost model says keeps it within this (at least one KV block's worth, so prompts always "
         "progress); with nothing decoding, prompts take the whole step budget. 0: auto, twice a decode-only step "
         "of the current batch (a running stream keeps at least half its idle rate while a long prompt is "
-        "prefilled), or the decoding clients' equal share of the step when more than two clients have work per "
-        "decoding client (a burst from many clients keeps its speed); -1: off (prompts take every step's leftover "
-        "budget). Only prompt work of clients served at least as much as the decoding ones is held to it: a burst "
-        "queued before the streams began goes at full speed.",
+        "prefilled); -1: off (prompts take every step's leftover budget). Only prompt work of clients served at "
+        "least as much as the decoding ones is held to it: a burst queued before the streams began goes at full "
+        "speed.",
     )
     tenant_header: str = knob(
         "",

@@ -250,8 +250,6 @@ class Scheduler(StepResults, ServiceAccounting):
             flow_seats=self.config.flow_seats, chunk_cap=self.config.long_prefill_token_threshold,
             admit=bool(self.waiting) and self._may_admit_waiting(), free_blocks=self.kv.num_free_blocks - decode_blocks,
             block_size=self.block_size, held_blocks=self.kv.num_held_blocks, prefix=self._prefix_blocks)
-        prompting = {r.client_id for r in partials} | {q.peek().client_id for _, q in self.waiting.flows()}
-        self.latency.share(decision, len(clients), len(clients | prompting))
         if inputs.token_room <= 0 or self.latency.probe_due(decision):
             return PrefillPlan(decision=decision, held=held)
         plan = plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency, clients)

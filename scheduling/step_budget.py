@@ -1,25 +1,23 @@
 """The latency budget of a step (Sarathi-Serve's stall-free batching): how much prompt work a step may carry.
 
 While requests are decoding, every one of them waits for the whole step before its next token, so a step takes
-prompt tokens only up to what keeps it within a time-between-tokens target, measured by the online cost model. The
-target is `--max-itl-ms`, or by default twice what a decode-only step of the current batch costs: a running stream
-then keeps at least half its idle token rate while a long prompt is prefilled beside it, and the prompt goes on at
-about half its solo rate. When more clients have work than two per decoding client, the auto target is the decoding
-clients' equal share of the step instead (`share`): a burst from many clients keeps its speed. Whose prompt work the
-target holds back is fairness's call (prefill_plan.py): that of clients served at least as much as the streams; a
-burst queued before the streams began is not held. With nothing decoding there is no one to stall: prompt work takes
-the whole token budget, as before.
+prompt tokens only up to what keeps it within a time-between-tokens target, measured by the online cost model.
+The target is `--max-itl-ms`, or by default twice what a decode-only step of the current batch costs: a running
+stream then keeps at least half its idle token rate while a long prompt is prefilled beside it, and the prompt
+goes on at about half its solo rate. Whose prompt work the target holds back is fairness's call (prefill_plan.py):
+that of clients served at least as much as the streams; a burst queued before the streams began is not held.
+With nothing decoding there is no one to stall: prompt work takes the whole token budget, as before.
 
 The planner aims a little under the target (AIM), and the measured steps feed back: a time credit (each step the
 target limited adds the aim less its measured time, the past fading) moves what the planner aims at, so that steps
-average the aim even where the model errs. With the auto target, one step in PROBE_EVERY decodes alone during a long
-prefill, so that the target's base stays measured (the machine may speed up or slow down meanwhile).
+average the aim even where the model errs. With the auto target, one step in PROBE_EVERY decodes alone during a
+long prefill, so that the target's base stays measured (the machine may speed up or slow down meanwhile).
 
 Prompts always progress, however tight the target or wrong the model: a step carries at least one KV block's worth
 of prompt work while the streams are within their target on average (the credit is not negative). When even one
-block does not fit in the target (a small batch on a slow machine), smaller chunks go in, the minimum as the credit
-allows, and never fewer than once in STARVE_STEPS steps. The model is not trusted beyond twice the most prompt
-tokens it has seen in one step: a cold one learns by doubling, never by one long stall.
+block does not fit in the target (a small batch on a slow machine), smaller chunks go in, the minimum as the
+credit allows, and never fewer than once in STARVE_STEPS steps. The model is not trusted beyond twice the most
+prompt tokens it has seen in one step: a cold one learns by doubling, never by one long stall.
 """
 
 from __future__ import annotations
@@ -78,17 +76,6 @@ class LatencyBudget:
         if self.fixed_target_s:
             return self.fixed_target_s
         return AUTO_ITL_FACTOR * self.model.predict_decode(decode_shape)
-
-    def share(self, decision: StepDecision, decoding_clients: int, clients: int) -> None:
-        """Widen the auto target to the decoding clients' share of the step when more clients want it: of the
-        `clients` with work (decoding or prompt), `decoding_clients` decode, and each client is owed an equal share
-        (VTC's unit). One large request beside a stream leaves the factor at AUTO_ITL_FACTOR; a burst of requests
-        from many clients arriving while its first ones already stream is prefilled at nearly full speed."""
-        if self.fixed_target_s or not decision.itl_target_s or not decoding_clients:
-            return
-        factor = clients / decoding_clients
-        if factor > AUTO_ITL_FACTOR:
-            decision.itl_target_s *= factor / AUTO_ITL_FACTOR
 
     def probe_due(self, decision: StepDecision) -> bool:
         """Whether this step should decode alone, prompt work pending or not: the auto target is made of what a
