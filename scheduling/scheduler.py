@@ -19,7 +19,7 @@ from sluice.scheduling.prefill_plan import PlanInputs, PrefillPlan, plan_prefill
 from sluice.scheduling.request import Request, RequestStatus
 from sluice.scheduling.request_queue import fcfs_key, priority_key
 from sluice.scheduling.speculation import Speculation
-from sluice.scheduling.step_budget import LatencyBudget, StepDecision
+from sluice.scheduling.step_budget import ESTABLISHED_TOKENS, LatencyBudget, StepDecision
 from sluice.scheduling.step_results import StepResults
 
 
@@ -237,13 +237,14 @@ class Scheduler(StepResults, ServiceAccounting):
             self.counters.refresh_backlog(set())
             return PrefillPlan(decision=decision, held=held)
         partials, seats, decode_blocks = [], {}, 0
-        clients = set()  # those with a row decoding this step
+        clients = set()  # those with an established stream decoding this step: the ones the target guards
         for r in self.running:
             if not _decoding(r):
                 partials.append(r)
             elif r.request_id not in held:
                 decode_blocks += r.num_computed_tokens % self.block_size == 0  # its new token opens a block
-                clients.add(r.client_id)
+                if r.num_output_tokens >= ESTABLISHED_TOKENS:
+                    clients.add(r.client_id)
             seats[r.flow_id] = seats.get(r.flow_id, 0) + 1
         inputs = PlanInputs(
             token_room=token_budget - decision.decode_rows, seats_free=self.config.max_num_seqs - len(self.running),

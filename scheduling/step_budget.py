@@ -31,6 +31,10 @@ AUTO_ITL_FACTOR = 2.0  # target = this x a decode-only step: a stream keeps at l
 STARVE_STEPS = 4  # steps in a row without prompt tokens after which the minimum goes in whatever it costs
 CREDIT_LEAK, CREDIT_GAIN = 0.9, 0.3  # the credit's memory per step, and how much of it moves the planning target
 AIM = 0.9  # the planner aims this far under the target: a step a little slower than predicted still keeps it
+# A stream is guarded once it has produced this many tokens; before, it is still part of the burst it arrived with:
+# over HTTP a burst's requests arrive over a few hundred ms, and those queued after its first ones began to stream
+# would otherwise start level with them and be held to the target (workload A's time to first token, +0.7 s).
+ESTABLISHED_TOKENS = 16
 PROBE_EVERY = 32  # with the auto target, one step in this many during a long prefill decodes alone (see probe_due)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from sluice.scheduling.cost_model import StepShape
-from sluice.scheduling.step_budget import AUTO_ITL_FACTOR, STARVE_STEPS
-from tests.support.fair_sim import BUDGET, Sim, decoding_stream, request, sim, step_cost
+from sluice.scheduling.step_budget import AUTO_ITL_FACTOR, ESTABLISHED_TOKENS, STARVE_STEPS
+from tests.support.fair_sim import BUDGET, STREAM_STEPS, Sim, decoding_stream, request, sim, step_cost
 from tests.support.sched_helpers import make_scheduler
 
 
@@ -26,7 +26,7 @@ def test_with_a_stream_decoding_a_long_prompt_is_chunked_to_the_target():
     s.sched.add_request(request("long", 3000, 1, seed=1))
     s.run(400, until=lambda: "long" in s.tokens)
     assert "long" in s.tokens, "the long prompt never finished"
-    mixed = [out for out in s.steps[6:] if s.scheduled(out, "long") and s.scheduled(out, "stream")]
+    mixed = [out for out in s.steps[STREAM_STEPS:] if s.scheduled(out, "long") and s.scheduled(out, "stream")]
     assert len(mixed) > 20
     chunks = [s.scheduled(out, "long") for out in mixed]
     assert max(chunks) < BUDGET - 1 and min(chunks[:-1]) >= 4  # chunked, and never below one block
@@ -35,7 +35,7 @@ def test_with_a_stream_decoding_a_long_prompt_is_chunked_to_the_target():
         assert out.decision.itl_target_s == pytest.approx(target, rel=0.05)
         assert step_cost(out.decision.shape) <= target * 1.05, out.decision
     # The stream got its token in every one of those steps, each within twice its idle step time.
-    assert all(s.scheduled(out, "stream") == 1 for out in s.steps[6:] if s.scheduled(out, "long"))
+    assert all(s.scheduled(out, "stream") == 1 for out in s.steps[STREAM_STEPS:] if s.scheduled(out, "long"))
     assert sum(s.kept) >= 0.9 * len(s.kept)
     # Later chunks sit deeper in the prompt (attention reads more): they get smaller, within the same time.
     assert chunks[-2] < chunks[5]
@@ -56,7 +56,7 @@ def test_prompts_progress_however_tight_the_target():
     decoding_stream(s)
     s.sched.add_request(request("long", 100, 1, seed=1))
     s.run(200, until=lambda: "long" in s.tokens)
-    chunks = [s.scheduled(out, "long") for out in s.steps[6:]]
+    chunks = [s.scheduled(out, "long") for out in s.steps[STREAM_STEPS:]]
     # A block at a time (or the few tokens that keep its client level with the stream's service), till done.
     assert max(chunks) == 4 and 0 in chunks and sum(chunks) == 100
     done = [i for i, n in enumerate(chunks) if n]
@@ -73,7 +73,7 @@ def test_when_one_block_costs_more_than_the_target_allows_the_streams_keep_it_on
     decoding_stream(s)
     s.sched.add_request(request("long", 400, 1, seed=1))
     s.run(400, until=lambda: "long" in s.tokens)
-    steps = [out for out in s.steps[16:] if out.decision.itl_target_s]
+    steps = [out for out in s.steps[STREAM_STEPS + 10:] if out.decision.itl_target_s]
     chunks = [s.scheduled(out, "long") for out in steps]
     assert max(chunks) == 4 and min(chunks) < 4
     mean_step = sum(step_cost(out.decision.shape, dear) for out in steps) / len(steps)
@@ -95,7 +95,7 @@ def test_a_fixed_target_bounds_the_step():
     decoding_stream(s)
     s.sched.add_request(request("long", 3000, 1, seed=1))
     s.run(60)
-    mixed = [out for out in s.steps[10:] if s.scheduled(out, "long")]
+    mixed = [out for out in s.steps[STREAM_STEPS + 4:] if s.scheduled(out, "long")]
     assert mixed and all(out.decision.itl_target_s == 0.02 for out in mixed)
     assert all(step_cost(out.decision.shape) <= 0.02 * 1.05 for out in mixed)
     assert max(s.scheduled(out, "long") for out in mixed) > 4  # the budget is real, not only the minimum
@@ -104,10 +104,36 @@ def test_a_fixed_target_bounds_the_step():
 def test_before_any_prompt_step_was_measured_only_the_minimum_goes_beside_decodes():
     """A cold model knows nothing of what prompt tokens cost: it takes one block, measures, then sizes."""
     s = sim()
-    s.sched.add_request(request("a", 1, 50))  # a one-token prompt, then decoding
-    s.step()
-    s.sched.latency.model.__init__()  # forget the prefill step it just measured
+    s.sched.add_request(request("a", 1, 50))  # a one-token prompt, then decoding (an established stream)
+    s.run(ESTABLISHED_TOKENS + 1)
+    s.sched.latency.model.__init__()  # forget the prefill step it measured
     s.step()  # decode only
     s.sched.add_request(request("long", 2000, 1, seed=1))
     first, second = s.step(), s.step()
     assert s.scheduled(first, "long") == 4 and s.scheduled(second, "long") > 4
+
+
+def test_a_burst_arriving_beside_its_own_first_streams_is_not_held_but_beside_an_established_one_it_is():
+    """Requests of one burst reach the server over a few hundred ms: those queued after its first ones began to
+    stream are prefilled at the full budget while those streams are young (fewer than ESTABLISHED_TOKENS tokens);
+    the same requests beside an established stream are held to the target."""
+    dear = (4e-3, 5e-4, 2e-3, 8e-4, 2e-4, 5e-3, 1e-3)  # prompt tokens that the target would hold back
+
+    def late_burst(established: bool) -> int:
+        sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_batched_tokens=BUDGET)
+        s = Sim(sched, runner, cost=lambda shape: step_cost(shape, dear))
+        if established:
+            decoding_stream(s)
+        first = [f"a{i}" for i in range(4)]
+        for i, rid in enumerate(first):
+            s.sched.add_request(request(rid, 60, 40, seed=200 + i))
+        s.run(100, until=lambda: all(rid in s.tokens for rid in first))  # noqa: B023
+        assert all(len(s.tokens[rid]) < ESTABLISHED_TOKENS for rid in first)  # streaming, still young
+        for i in range(40):
+            s.sched.add_request(request(f"b{i}", 60, 40, seed=300 + i))
+        out = s.step()
+        return sum(row.num_tokens for row in out.scheduled if row.request_id.startswith("b"))
+
+    young, beside_stream = late_burst(False), late_burst(True)
+    assert young == BUDGET - 4  # every token the burst's four decode rows left
+    assert beside_stream < young / 4

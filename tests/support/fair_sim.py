@@ -9,6 +9,7 @@ from sluice.scheduling.output import SchedulerOutput
 from sluice.scheduling.request import Request
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
+from sluice.scheduling.step_budget import ESTABLISHED_TOKENS
 from tests.support.fake_runner import FakeRunner
 from tests.support.sched_helpers import make_scheduler
 
@@ -68,6 +69,7 @@ class Sim:
 
 
 BUDGET = 256  # max_num_batched_tokens of sim()
+STREAM_STEPS = ESTABLISHED_TOKENS + 2  # the steps decoding_stream() runs
 
 
 def sim(**kw) -> Sim:
@@ -77,7 +79,7 @@ def sim(**kw) -> Sim:
 
 
 def decoding_stream(s: Sim, rid: str = "stream") -> None:
-    """A stream that has produced a few tokens (so the model saw its prefill and decode-only steps)."""
+    """A stream established (ESTABLISHED_TOKENS produced: the target guards it; the model saw its decode steps)."""
     s.sched.add_request(request(rid, 8, 400))
-    s.run(6)
-    assert len(s.tokens[rid]) >= 5
+    s.run(STREAM_STEPS)
+    assert len(s.tokens[rid]) >= ESTABLISHED_TOKENS
