@@ -38,14 +38,14 @@ def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget:
                      decision: StepDecision, priority_policy: bool) -> set[str]:
     """Add the rows that decode this step to `decision.shape`, set its time target; return the ids held back."""
     shape = decision.shape
-    if not crowded(decoding):
+    by_client: dict[str, list[Request]] = {}
+    for r in decoding:
+        by_client.setdefault(r.client_id, []).append(r)
+    if not 1 < len(by_client) < len(decoding):  # not crowded(): every row goes in
         for r in decoding:
             shape.add_decode(r.num_computed_tokens, constrained=constrained(r))
         decision.decode_rows, decision.itl_target_s = shape.decode_rows, budget.target(shape)
         return set()
-    by_client: dict[str, list[Request]] = {}
-    for r in decoding:
-        by_client.setdefault(r.client_id, []).append(r)
     extras: list[tuple[int, float, int, Request]] = []
     base = StepShape()  # one plain row per client (a grammar's cost is its own client's, not a share of the step)
     for client, rows in by_client.items():

@@ -88,13 +88,12 @@ class VirtualCounters:
         if clients:
             self.floor = max(self.floor, min(self._values[c] for c in clients))
 
-    def charge(self, client: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
-        """Add service received: prompt tokens computed (first time only) and tokens generated."""
-        if prompt_tokens or output_tokens:
-            self._values[client] = (self._values.get(client, self.floor) + self.prompt_weight * prompt_tokens
-                                    + self.output_weight * output_tokens)
+    def charge(self, client: str, prompt_tokens: int) -> None:
+        """Add service received: prompt tokens computed (the first time only)."""
+        if prompt_tokens:
+            self._values[client] = self._values.get(client, self.floor) + self.prompt_weight * prompt_tokens
 
     def charge_output(self, client: str, tokens: int) -> None:
-        """charge() for generated tokens alone (every decode step calls it for every row)."""
+        """Add service received: tokens generated (every decode step calls it for every row)."""
         values = self._values
         values[client] = values.get(client, self.floor) + self.output_weight * tokens

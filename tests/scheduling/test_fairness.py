@@ -20,7 +20,8 @@ def test_a_newly_backlogged_client_is_lifted_to_the_least_backlogged_counter():
     c = VirtualCounters(prompt_weight=1.0, output_weight=2.0)
     c.refresh_backlog({"a", "b"})
     c.charge("a", prompt_tokens=100)
-    c.charge("b", prompt_tokens=40, output_tokens=5)
+    c.charge("b", prompt_tokens=40)
+    c.charge_output("b", 5)
     assert c.value("a") == 100 and c.value("b") == 50
     c.refresh_backlog({"a", "b", "new"})
     assert c.value("new") == 50  # no credit for the time it was away
