@@ -24,6 +24,7 @@ class ConstrainedDecoding:
             if self._grammar is None:
                 compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self._eos_ids, self.config.grammar)
                 self._grammar = GrammarState(compiler, self.config.scheduler.max_num_seqs)
+                self.runner.logits_preparers.append(self._grammar.start_masks)
                 self.runner.logits_processors.append(self._grammar.mask_logits)
             return self._grammar
 

@@ -8,6 +8,11 @@ Every bound is in GrammarConfig: compiles run in child processes under a time li
 compiled grammars are cached by bytes, and a row whose grammar work per token passes its budget is ended.
 When a row's grammar can only end, its end wins over `min_tokens`: the stop token is let through.
 
+A row's mask depends only on the tokens its matcher has accepted, so it is known before the step's forward:
+`start_masks` fills the bitmask on a worker thread (xgrammar releases the GIL) while the model runs, and
+`mask_logits` waits for it. A grammar whose mask takes milliseconds a row then costs the step the part of its fill
+that the forward does not cover, not the whole of it.
+
 A reasoning model's constraint (`StructuredOutput.after_reasoning`) waits for the end of the thinking: its
 matcher is neither applied nor advanced until the end tag's tokens have been generated, then starts fresh.
 """
@@ -20,6 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -192,6 +198,8 @@ class GrammarState:
         self._mask_seconds: dict[str, float] = {}  # this step's mask fill per row, until its token is accepted
         self._strikes: dict[str, int] = {}
         self.last_cost_ms: dict[str, float] = {}  # the latest token's grammar work per row, for error messages
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar-mask")
+        self._filling: tuple[list[ScheduledRequest], Future] | None = None  # the rows start_masks is filling
 
     def add(self, request_id: str, constraint: StructuredOutput) -> None:
         """Start a request's matcher (the compile is a cache hit when the API compiled it first)."""
@@ -205,23 +213,33 @@ class GrammarState:
         for d in (self.matchers, self.constraints, self.thinking, self._mask_seconds, self._strikes, self.last_cost_ms):
             d.pop(request_id, None)
 
+    def start_masks(self, to_sample: list[ScheduledRequest]) -> None:
+        """Begin filling the bitmask rows of this step's constrained rows on the worker thread (called before the
+        forward; mask_logits waits for it)."""
+        self._wait()  # a step that failed after starting its fill: its rows are not this step's
+        rows = self._rows(to_sample)
+        if rows:
+            bitmask = self._bitmask_for(len(to_sample))
+            matchers = [(i, to_sample[i].request_id, self.matchers[to_sample[i].request_id]) for i in rows]
+            self._filling = (to_sample, self._filler.submit(_fill, matchers, bitmask))
+
     def mask_logits(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> None:
         """Set the logits of every token the grammar forbids to -inf, for the constrained rows only."""
-        if not self.matchers:
+        if not self.matchers and self._filling is None:
             return
-        thinking = self.thinking
-        rows = [i for i, r in enumerate(to_sample) if r.request_id in self.matchers
-                and (r.request_id not in thinking or thinking[r.request_id].offers_start)]
+        started = self._filling is not None and self._filling[0] is to_sample
+        seconds = self._wait()
+        rows = self._rows(to_sample)
         if not rows:
             return
-        bitmask = self._bitmask
-        if bitmask.shape[0] < len(to_sample):
-            bitmask = self._bitmask = self._xgr.allocate_token_bitmask(len(to_sample), self.compiler.vocab_size)
+        bitmask = self._bitmask_for(len(to_sample))
+        if not started:
+            seconds = _fill([(i, to_sample[i].request_id, self.matchers[to_sample[i].request_id]) for i in rows],
+                            bitmask)
+        thinking = self.thinking
         for i in rows:
             rid = to_sample[i].request_id
-            started = time.perf_counter()
-            self.matchers[rid].fill_next_token_bitmask(bitmask, i)
-            self._mask_seconds[rid] = time.perf_counter() - started
+            self._mask_seconds[rid] = seconds.get(rid, 0.0)
             if rid in thinking:  # the first token may also open the thinking
                 _set_bit(bitmask[i], thinking[rid].span.start, True)
             if to_sample[i].min_tokens_pending and self._only_stops(bitmask[i], rid):
@@ -233,6 +251,24 @@ class GrammarState:
         self._xgr.apply_token_bitmask_inplace(logits[:, :width], mask, indices=rows)
         if logits.shape[-1] > width:  # padded vocabulary rows past the tokenizer's: never grammatical
             logits[rows, width:] = float("-inf")
+
+    def _rows(self, to_sample: list[ScheduledRequest]) -> list[int]:
+        """Indices of the rows a matcher constrains now (a reasoning row only once its thinking may start)."""
+        thinking = self.thinking
+        return [i for i, r in enumerate(to_sample) if r.request_id in self.matchers
+                and (r.request_id not in thinking or thinking[r.request_id].offers_start)]
+
+    def _bitmask_for(self, rows: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = self._xgr.allocate_token_bitmask(rows, self.compiler.vocab_size)
+        return self._bitmask
+
+    def _wait(self) -> dict[str, float]:
+        """Wait for a fill in flight; its CPU seconds per request."""
+        if self._filling is None:
+            return {}
+        future, self._filling = self._filling[1], None
+        return future.result()
 
     def _only_stops(self, row: torch.Tensor, request_id: str) -> bool:
         """Whether a filled bitmask row allows stop tokens and nothing else (read only for completed grammars)."""
@@ -267,6 +303,17 @@ class GrammarState:
             return GrammarStep.COMPLETE
         strikes = self._strikes[request_id] = self._strikes.get(request_id, 0) + 1 if cost > self._budget else 0
         return GrammarStep.OVER_BUDGET if strikes >= STRIKES else GrammarStep.CONTINUE
+
+
+def _fill(matchers: list[tuple[int, str, object]], bitmask: torch.Tensor) -> dict[str, float]:
+    """Fill bitmask row i from each matcher; the CPU seconds each took (the thread's own time: the budget is the
+    grammar's cost, not the forward's contention for the cores)."""
+    seconds = {}
+    for i, rid, matcher in matchers:
+        started = time.thread_time()
+        matcher.fill_next_token_bitmask(bitmask, i)
+        seconds[rid] = time.thread_time() - started
+    return seconds
 
 
 def _set_bit(row: torch.Tensor, token_id: int, on: bool) -> None:

@@ -87,6 +87,8 @@ class ModelRunner:
         self.kernel_rows_max = self._kernel_rows_max(model, dtype)
         # Called as process(logits [rows, vocab] float32, requests sampled from those rows) before sampling.
         self.logits_processors: list[Callable[[torch.Tensor, list[ScheduledRequest]], None]] = []
+        # Called with the same rows before the forward, so that their host work (grammar masks) overlaps it.
+        self.logits_preparers: list[Callable[[list[ScheduledRequest]], None]] = []
         self.no_allowed_token: list[str] = []  # the last step's rows whose constraints left no token to sample
         self.lora_slots = None  # LoRASlots where the engine serves adapters (lora/manager.py)
         self.pooler = Pooler()  # embedding requests: pooled final hidden states, partial sums across chunks
@@ -121,6 +123,11 @@ class ModelRunner:
         decode = all(r.num_tokens == 1 for r in out.scheduled) and self.decode_buffers.size_for(len(out.scheduled))
         lora = None if self.lora_slots is None else self.lora_slots.batch(
             [r.sampling_params.lora_request for r in out.scheduled], [r.num_tokens for r in out.scheduled])
+        to_sample = [r for r in out.scheduled if r.sample]
+        speculating = any(r.draft_token_ids for r in to_sample)
+        rows = expand_rows(to_sample) if speculating else to_sample  # a request with d drafts: 1 + d rows
+        for prepare in self.logits_preparers:
+            prepare(rows)
         pooled = {}
         if decode and lora is None and self.graphs is not None and decode in self.graphs:
             logits = self._replay_decode(out.scheduled)
@@ -132,12 +139,9 @@ class ModelRunner:
                     logits, pooled = self._forward_pooling(input_ids, positions, sample_rows, out.scheduled)
                 else:
                     logits = self._forward(input_ids, positions, sample_rows)
-        to_sample = [r for r in out.scheduled if r.sample]
         if not to_sample:
             return ModelRunnerOutput(pooled=pooled)
         logits = logits.float()
-        speculating = any(r.draft_token_ids for r in to_sample)
-        rows = expand_rows(to_sample) if speculating else to_sample  # a request with d drafts: 1 + d rows
         for process in self.logits_processors:  # penalties, biases, grammar masks: in place, batched
             process(logits, rows)
         constrained, dead = _rows_without_token(logits, rows)

@@ -305,3 +305,35 @@ def test_a_row_over_its_grammar_budget_ends_and_its_neighbour_goes_on(engine):
     assert outs[-1].error_code == "constraint_error" and "per token" in outs[-1].error and "re" in outs[-1].error
     assert sum(len(o.token_ids) for o in outs) == 2  # the third token over budget ends it
     assert free[-1].finish_reason == "length" and sum(len(o.token_ids) for o in free) == 12
+
+
+# ---- masks ---------------------------------------------------------------------------------------------------
+
+def test_masks_started_before_the_forward_fill_on_the_worker_and_match_the_inline_fill(compiler, tok, monkeypatch):
+    import threading
+
+    import torch
+
+    from sluice.scheduling.output import ScheduledRequest
+    from sluice.service.engine import grammar as grammar_module
+    from sluice.service.engine.grammar import GrammarState
+
+    threads = []
+    fill = grammar_module._fill
+    monkeypatch.setattr(grammar_module, "_fill", lambda *a: threads.append(threading.current_thread().name) or fill(*a))
+    state = GrammarState(compiler, 4)
+    params = SamplingParams(max_tokens=8)
+    for rid, spec in (("a", "[0-9]+"), ("b", "(yes|no)")):
+        state.add(rid, StructuredOutput("regex", spec, "re"))
+    rows = [ScheduledRequest(rid, [1], 3, [0], True, params, 0) for rid in ("a", "free", "b")]
+    state.start_masks(rows)
+    early = torch.zeros(3, len(tok))
+    state.mask_logits(early, rows)
+    assert threads == ["sluice-grammar-mask_0"]  # the fill ran beside the forward, and mask_logits waited for it
+    inline = torch.zeros(3, len(tok))
+    state.mask_logits(inline, rows)  # no fill started for these rows: it fills in place
+    assert threads[-1] == threading.current_thread().name
+    assert torch.equal(early, inline) and torch.isinf(early[0]).any() and not torch.isinf(early[1]).any()
+    digits = {i for i in range(len(tok)) if early[0, i] == 0}
+    assert digits and all(tok.decode([i]).strip().isdigit() for i in digits)
+    assert set(state._mask_seconds) == {"a", "b"}  # each row's fill is charged to its own grammar budget
