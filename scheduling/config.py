@@ -61,9 +61,9 @@ class SchedulerConfig:
         0.0,
         "Time-between-tokens target while requests decode, in ms: a step takes prompt tokens only up to what the "
         "engine's measured cost model says keeps it within this (at least one KV block's worth, so prompts always "
-        "progress); with nothing decoding, prompts take the whole step budget. 0: auto, twice a decode-only step "
-        "of the current batch (a running stream keeps at least half its idle rate while a long prompt is "
-        "prefilled); -1: off (prompts take every step's leftover budget). Only prompt work of clients served at "
+        "progress); with nothing decoding, prompts take the whole step budget. 0: auto, twice a step of the "
+        "decoding rows alone, measured (a running stream keeps at least half its idle rate while a long prompt "
+        "is prefilled); -1: off (prompts take every step's leftover budget). Only prompt work of clients served at "
         "least as much as the decoding ones is held to it: a burst queued before the streams began goes at full "
         "speed.",
     )

@@ -3,15 +3,19 @@
 A client decoding many rows at once (a prompt list, `n` samples, 64 rows of a grammar) beside a client with one
 stream would otherwise make every step as long as its whole batch: the stream's time between tokens grows with rows
 that are not its own. While two or more clients decode and one of them has several rows, the step's time target is
-made of one plain row per decoding client (each client's own row is its share of the step; the auto target lets the
-step take twice that; what a grammar adds to a row is its own client's cost), and the further rows go in least-
-served client first (VTC's counters, plus the output weight per row already taken this step; priorities first under
-the priority policy) while the cost model says the step stays within the target (and the model is not trusted past
-twice the most rows it has measured in one step: a cold one learns by doubling, not by one step of the whole crowd).
-A row that sits a step out keeps its KV cache and goes first among its client's rows next time (rows behind in
-output go first), so a client's rows advance together.
+made of one row per client decoding without a grammar (a client's own row is its share of the step, and the auto
+target lets the step take twice that; what a grammar adds to a row, milliseconds for some, is its own client's cost
+and comes out of the target like its further rows; where every client decodes under a grammar, one row per client).
+The further rows go in least-served client first (VTC's counters, plus the output weight per row already taken this
+step; priorities first under the priority policy) while the cost model says the step stays within the target (and
+the model is not trusted past twice the most rows it has measured in one step: a cold one learns by doubling, not by
+one step of the whole crowd). A row that sits a step out keeps its KV cache and goes first among its client's rows
+next time (rows behind in output go first), so a client's rows advance together.
 
-Every client's first row always goes in, so every client progresses. With one client decoding, or one row per client
+Every client progresses: a client's first row goes in every step, but where it decodes under a grammar and the
+step would pass the target with it, every other step (a row that costs more than the stream's whole step then
+costs it at most half of that a step on average); and the step that measures the target's base (step_budget.py's
+probe, one in 32) runs the base rows alone. With one client decoding, or one row per client
 (a burst of single streams), nothing is held: nobody else's step is at stake, and throughput is untouched.
 """
 
@@ -35,8 +39,10 @@ def crowded(decoding: list[Request]) -> bool:
 
 
 def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget: LatencyBudget,
-                     decision: StepDecision, priority_policy: bool) -> set[str]:
-    """Add the rows that decode this step to `decision.shape`, set its time target; return the ids held back."""
+                     decision: StepDecision, priority_policy: bool,
+                     sat_out: set[str]) -> tuple[set[str], set[str]]:
+    """Add the rows that decode this step to `decision.shape`, set its time target; return the ids of the rows
+    held back, and the clients none of whose rows go in (`sat_out`: those of the step before)."""
     shape = decision.shape
     by_client: dict[str, list[Request]] = {}
     for r in decoding:
@@ -45,26 +51,48 @@ def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget:
         for r in decoding:
             shape.add_decode(r.num_computed_tokens, constrained=constrained(r))
         decision.decode_rows, decision.itl_target_s = shape.decode_rows, budget.target(shape)
-        return set()
+        decision.base_rows = shape.decode_rows
+        decision.probe = budget.probe_due(decision)
+        return set(), set()
     extras: list[tuple[int, float, int, Request]] = []
-    base = StepShape()  # one plain row per client (a grammar's cost is its own client's, not a share of the step)
+    firsts = []
     for client, rows in by_client.items():
         rows.sort(key=lambda r: (r.num_output_tokens, r.arrival_seq))  # the rows behind go first
-        base.add_decode(rows[0].num_computed_tokens)
-        shape.add_decode(rows[0].num_computed_tokens, constrained=constrained(rows[0]))
+        firsts.append(rows[0])
         served = counters.value(client)
         extras += [(r.priority if priority_policy else 0, served + i * counters.output_weight, r.arrival_seq, r)
                    for i, r in enumerate(rows[1:], 1)]
-    decision.decode_rows, decision.itl_target_s = shape.decode_rows, budget.target(base)
-    extras.sort(key=lambda e: e[:3])
+    plain = [r for r in firsts if not constrained(r)] or firsts
+    base = StepShape()
+    for r in plain:
+        base.add_decode(r.num_computed_tokens)
+    decision.itl_target_s, decision.base_rows = budget.target(base), base.decode_rows
+    decision.probe = budget.probe_due(decision)
     held: set[str] = set()
-    for k, (*_, r) in enumerate(extras):
+    waiting: set[str] = set()
+    for r in plain:
+        shape.add_decode(r.num_computed_tokens, constrained=constrained(r))
+    decision.decode_rows = shape.decode_rows
+    for r in firsts:  # a grammar's first row: in where the step stays within the target, and every other step
+        if r not in plain:
+            grown = shape.copy()
+            grown.add_decode(r.num_computed_tokens, constrained=True)
+            if decision.probe or not (r.client_id in sat_out or budget.fits(decision, grown)):
+                held.add(r.request_id)
+                waiting.add(r.client_id)
+            else:
+                shape = grown
+    decision.decode_rows = shape.decode_rows
+    extras.sort(key=lambda e: e[:3])
+    if decision.probe:
+        held |= {e[3].request_id for e in extras}
+    for k, (*_, r) in enumerate([] if decision.probe else extras):
         grown = shape.copy()
         grown.add_decode(r.num_computed_tokens, constrained=constrained(r))
         if grown.decode_rows > budget.trusted_rows() or not budget.fits(decision, grown):
-            held = {e[3].request_id for e in extras[k:]}
+            held |= {e[3].request_id for e in extras[k:]}
             decision.time_bound = True
             break
         shape = grown
     decision.shape, decision.decode_rows = shape, shape.decode_rows
-    return held
+    return held, waiting

@@ -48,6 +48,7 @@ class Scheduler(StepResults, ServiceAccounting):
         self.counters = VirtualCounters(config.fair_prompt_weight, config.fair_output_weight)
         self.waiting = FlowQueue(self.policy, self.counters)  # by flow: least-served first within a priority
         self.latency = LatencyBudget(config, self.block_size)
+        self._sat_out: set[str] = set()  # clients none of whose decoding rows the last step ran (decode_rows.py)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -229,10 +230,12 @@ class Scheduler(StepResults, ServiceAccounting):
         decoding = [r for r in self.running if _decoding(r)]
         only_decodes = not self.waiting and len(decoding) == len(self.running)
         if only_decodes and not crowded(decoding):  # every row goes in, no prompt work: nothing to plan
-            decision.decode_rows = len(decoding)
+            decision.decode_rows = decision.base_rows = len(decoding)
+            self._sat_out = set()
             self.counters.refresh_backlog(set())
             return PrefillPlan(decision=decision)
-        held = plan_decode_rows(decoding, self.counters, self.latency, decision, self.policy == "priority")
+        held, self._sat_out = plan_decode_rows(decoding, self.counters, self.latency, decision,
+                                               self.policy == "priority", self._sat_out)
         if only_decodes:
             self.counters.refresh_backlog(set())
             return PrefillPlan(decision=decision, held=held)
@@ -251,7 +254,7 @@ class Scheduler(StepResults, ServiceAccounting):
             flow_seats=self.config.flow_seats, chunk_cap=self.config.long_prefill_token_threshold,
             admit=bool(self.waiting) and self._may_admit_waiting(), free_blocks=self.kv.num_free_blocks - decode_blocks,
             block_size=self.block_size, held_blocks=self.kv.num_held_blocks, prefix=self._prefix_blocks)
-        if inputs.token_room <= 0 or self.latency.probe_due(decision):
+        if inputs.token_room <= 0 or decision.probe:
             return PrefillPlan(decision=decision, held=held)
         plan = plan_prefill(inputs, decision, partials, seats, self.waiting, self.counters, self.latency, clients)
         plan.held = held

@@ -8,10 +8,17 @@ goes on at about half its solo rate. Whose prompt work the target holds back is 
 that of clients served at least as much as the streams; a burst queued before the streams began is not held.
 With nothing decoding there is no one to stall: prompt work takes the whole token budget, as before.
 
+The auto target's base is measured, not only extrapolated: a step that runs just the rows the target is made of
+(every decoding row; one per client while a crowd's extra rows may wait, decode_rows.py) is timed, and the target
+is twice the lesser of that time and the cost model's prediction. The model alone would extrapolate from the
+steps it sees, and a crowd's steps (many rows, many of them under a grammar, their contexts growing together)
+leave it unable to tell a row's cost from a step's. With the auto target, one step in PROBE_EVERY runs only those
+rows (no prompt work, no extra rows) while prompts or a crowd wait, and sooner (after PROBE_SOON steps) when the
+base has not been measured at its present number of rows: the machine may speed up or slow down meanwhile.
+
 The planner aims a little under the target (AIM), and the measured steps feed back: a time credit (each step the
 target limited adds the aim less its measured time, the past fading) moves what the planner aims at, so that steps
-average the aim even where the model errs. With the auto target, one step in PROBE_EVERY decodes alone during a
-long prefill, so that the target's base stays measured (the machine may speed up or slow down meanwhile).
+average the aim even where the model errs.
 
 Prompts always progress, however tight the target or wrong the model: a step carries at least one KV block's worth
 of prompt work while the streams are within their target on average (the credit is not negative). When even one
@@ -35,7 +42,9 @@ AIM = 0.9  # the planner aims this far under the target: a step a little slower 
 # over HTTP a burst's requests arrive over a few hundred ms, and those queued after its first ones began to stream
 # would otherwise start level with them and be held to the target (workload A's time to first token, +0.7 s).
 ESTABLISHED_TOKENS = 16
-PROBE_EVERY = 32  # with the auto target, one step in this many during a long prefill decodes alone (see probe_due)
+PROBE_EVERY = 32  # with the auto target, one step in this many runs only the target's base rows (see probe_due)
+PROBE_SOON = 8  # ... or one in this many while the base is unmeasured at its present number of rows
+BASE_MEMORY = 0.5  # weight of the past in the measured base step (per base-shaped step measured)
 
 
 @dataclass(slots=True)
@@ -44,6 +53,8 @@ class StepDecision:
 
     token_budget: int = 0  # max_num_batched_tokens
     decode_rows: int = 0  # requests decoding in this step
+    base_rows: int = 0  # the decoding rows the time target is made of (one per client while a crowd's rows wait)
+    probe: bool = False  # this step runs only the base rows, to measure what the target is made of
     itl_target_s: float = 0.0  # the time this step should stay within (0: nothing decoding, no target)
     prefill_budget: int = 0  # prompt tokens the target allowed (at least the minimum progress)
     prefill_tokens: int = 0  # prompt tokens granted
@@ -71,7 +82,8 @@ class LatencyBudget:
         self.largest_rows = 0  # most decoding rows of a measured step: likewise
         self.credit = 0.0  # seconds the decoding steps stayed under their targets, recently (leaky sum)
         self.starved = 0  # steps in a row that had prompt work pending and granted none
-        self.mixed_run = 0  # steps with decoding rows since the last decode-only one
+        self.mixed_run = 0  # steps with decoding rows since the last one that ran only the base rows
+        self.base_step: tuple[int, float] | None = None  # (rows, seconds) of the latest steps of only the base rows
 
     def target(self, decode_shape: StepShape) -> float:
         """Seconds a step with this decoding batch should stay within (0 where nothing decodes or it is off)."""
@@ -79,17 +91,21 @@ class LatencyBudget:
             return 0.0
         if self.fixed_target_s:
             return self.fixed_target_s
-        return AUTO_ITL_FACTOR * self.model.predict_decode(decode_shape)
+        base = self.model.predict_decode(decode_shape)
+        if self.base_step is not None and self.base_step[0] == decode_shape.decode_rows:
+            base = min(base, self.base_step[1])
+        return AUTO_ITL_FACTOR * base
 
     def probe_due(self, decision: StepDecision) -> bool:
-        """Whether this step should decode alone, prompt work pending or not: the auto target is made of what a
-        decode-only step costs, and a long prefill would otherwise leave that measurement stale (the machine may
-        have slowed down or sped up since) for as long as it lasts. One step in PROBE_EVERY, ~3% of the prompt
-        work's steps."""
+        """Whether this step should run only its base rows, prompt work or a crowd's rows waiting: the auto target
+        is made of what such a step costs, and a long prefill or a crowd would otherwise leave that measurement
+        stale or missing for as long as it lasts. One step in PROBE_EVERY (~3% of a prompt's steps), or in
+        PROBE_SOON while the base is unmeasured at its present number of rows."""
         if self.fixed_target_s or not decision.itl_target_s:
             return False
         self.mixed_run += 1
-        if self.mixed_run < PROBE_EVERY:
+        measured = self.base_step is not None and self.base_step[0] == decision.base_rows
+        if self.mixed_run < (PROBE_EVERY if measured else PROBE_SOON):
             return False
         self.mixed_run = 0
         return True
@@ -129,8 +145,15 @@ class LatencyBudget:
     def observe(self, decision: StepDecision, seconds: float) -> bool | None:
         """Feed a measured step to the cost model; whether it kept its target (None: it had none)."""
         self.model.observe(decision.shape, seconds)
-        if decision.decode_rows and not decision.shape.prefill_tokens:
+        shape = decision.shape
+        if shape.decode_rows and not shape.prefill_tokens and shape.decode_rows <= decision.base_rows:
             self.mixed_run = 0
+            last = self.base_step
+            if last is not None and last[0] == shape.decode_rows:
+                seconds_base = BASE_MEMORY * last[1] + (1 - BASE_MEMORY) * seconds
+            else:
+                seconds_base = seconds
+            self.base_step = (shape.decode_rows, seconds_base)
         self.largest_prefill = max(self.largest_prefill, decision.shape.prefill_tokens)
         self.largest_rows = max(self.largest_rows, decision.shape.decode_rows)
         if not decision.itl_target_s:

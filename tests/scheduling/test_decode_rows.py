@@ -3,17 +3,25 @@ time target, every client's first row goes in, and a crowd alone (or a burst of 
 
 from __future__ import annotations
 
+import dataclasses
+
+from sluice.scheduling.cost_model import StepShape
 from sluice.scheduling.decode_rows import crowded
+from sluice.scheduling.sampling_params import StructuredOutput
 from sluice.scheduling.step_budget import AUTO_ITL_FACTOR
-from tests.support.fair_sim import Sim, decoding_stream, request, sim, step_cost
+from tests.support.fair_sim import COST, STREAM_STEPS, Sim, decoding_stream, request, sim, step_cost
 
 CROWD, CROWD_TOKENS = 40, 30
 
 
-def add_crowd(s: Sim, flow: str | None = "crowd", prefix: str = "c") -> list[str]:
+def add_crowd(s: Sim, flow: str | None = "crowd", prefix: str = "c", grammar: bool = False) -> list[str]:
     ids = [f"{prefix}{i}" for i in range(CROWD)]
     for i, rid in enumerate(ids):
-        s.sched.add_request(request(rid, 8, CROWD_TOKENS, flow=flow, seed=100 + i))
+        r = request(rid, 8, CROWD_TOKENS, flow=flow, seed=100 + i)
+        if grammar:
+            r.sampling_params = dataclasses.replace(r.sampling_params,
+                                                    structured_output=StructuredOutput("regex", "[a-z]+", "re"))
+        s.sched.add_request(r)
     return ids
 
 
@@ -52,8 +60,6 @@ def test_a_crowd_of_rows_beside_a_stream_keeps_the_streams_steps_within_the_targ
 
 def two_rows(out):
     """The decode-only shape of the stream's row and the crowd's first: what the step's target is made of."""
-    from sluice.scheduling.cost_model import StepShape
-
     shape = StepShape()
     rows = sorted(out.scheduled, key=lambda row: row.request_id != "stream")[:2]
     for row in rows:
@@ -85,3 +91,30 @@ def test_a_held_row_resumes_with_its_kv_and_its_output_is_the_same():
         s.run(3000, until=lambda: all(len(s.tokens.get(rid, ())) == CROWD_TOKENS for rid in crowd))  # noqa: B023
         outs[with_stream] = {rid: s.tokens[rid] for rid in crowd}
     assert outs[True] == outs[False]
+
+
+def test_a_grammar_crowds_rows_are_its_own_cost_not_a_share_of_the_streams_target():
+    """Rows under a costly grammar (10 ms a row here, twice the stream's whole step) beside a stream: the target is
+    twice the stream's own step, measured in the steps that run its row alone; the grammar's first row goes in every
+    other step, so the stream's steps average within the target."""
+    grammar_cost = (*COST[:-1], 10e-3)
+    s = sim()
+    s.cost = lambda shape: step_cost(shape, grammar_cost)
+    decoding_stream(s)
+    crowd = add_crowd(s, grammar=True)
+    s.run(3000, until=lambda: all(len(s.tokens.get(rid, ())) == CROWD_TOKENS for rid in crowd))
+    assert all(len(s.tokens[rid]) == CROWD_TOKENS for rid in crowd), "the grammar's crowd never finished"
+    both = [out for out in s.steps[STREAM_STEPS:] if out.decision.base_rows == 1 and out.decision.itl_target_s]
+    assert len(both) > 100
+    assert all("stream" in {row.request_id for row in out.scheduled} for out in both)
+    stream = StepShape()
+    stream.add_decode(400)
+    late = [out for out in both[20:] if not out.decision.probe]
+    for out in late:  # the stream's own step, measured, not the grammar row's 10 ms: at most 2 x 5 ms
+        assert out.decision.itl_target_s <= AUTO_ITL_FACTOR * step_cost(stream) * 1.05
+    crowd_rows = [sum(row.request_id in crowd and row.num_tokens == 1 and row.start_pos >= 8 for row in out.scheduled)
+                  for out in late]
+    assert max(crowd_rows) == 1 and 0.45 <= sum(crowd_rows) / len(crowd_rows) <= 0.55  # every other step
+    mean = sum(s.cost(out.decision.shape) for out in late) / len(late)
+    # Twice the stream's step on average, and a little more: the crowd's last prompts still get their block a step.
+    assert mean <= AUTO_ITL_FACTOR * step_cost(stream) * 1.1

@@ -137,3 +137,46 @@ def test_a_burst_arriving_beside_its_own_first_streams_is_not_held_but_beside_an
     young, beside_stream = late_burst(False), late_burst(True)
     assert young == BUDGET - 4  # every token the burst's four decode rows left
     assert beside_stream < young / 4
+
+
+def test_the_target_is_made_of_the_measured_base_step_where_the_model_runs_high():
+    from sluice.scheduling.config import SchedulerConfig
+    from sluice.scheduling.step_budget import LatencyBudget, StepDecision
+
+    budget = LatencyBudget(SchedulerConfig(), 16)
+    crowd, one = StepShape(), StepShape()
+    for i in range(10):
+        crowd.add_decode(100 + 50 * i, constrained=i > 0)
+    one.add_decode(100)
+    for _ in range(20):  # a crowd's steps only: the model extrapolates to one row
+        budget.observe(StepDecision(decode_rows=10, base_rows=1, itl_target_s=1.0, shape=crowd), 0.060)
+    predicted = budget.model.predict_decode(one)
+    assert budget.target(one) == pytest.approx(AUTO_ITL_FACTOR * predicted)  # unmeasured: the model's
+    budget.observe(StepDecision(decode_rows=1, base_rows=1, itl_target_s=1.0, shape=one), 0.5 * predicted)
+    assert budget.base_step == (1, pytest.approx(0.5 * predicted))
+    assert 0.5 * predicted < budget.model.predict_decode(one)  # the model still runs high
+    assert budget.target(one) == pytest.approx(AUTO_ITL_FACTOR * 0.5 * predicted)  # the measured step
+    budget.observe(StepDecision(decode_rows=1, base_rows=1, itl_target_s=1.0, shape=one), 10.0)  # a stall
+    assert budget.target(one) == pytest.approx(AUTO_ITL_FACTOR * budget.model.predict_decode(one))  # the lesser
+    two = StepShape()
+    two.add_decode(100)
+    two.add_decode(100)
+    assert budget.base_step[0] == 1 and budget.target(two) == pytest.approx(
+        AUTO_ITL_FACTOR * budget.model.predict_decode(two))  # measured at another number of rows: not used
+
+
+def test_a_probe_comes_sooner_while_the_base_is_unmeasured():
+    from sluice.scheduling.config import SchedulerConfig
+    from sluice.scheduling.step_budget import PROBE_EVERY, PROBE_SOON, LatencyBudget, StepDecision
+
+    budget = LatencyBudget(SchedulerConfig(), 16)
+    decision = StepDecision(decode_rows=3, base_rows=2, itl_target_s=0.02)
+    due = [budget.probe_due(decision) for _ in range(3 * PROBE_SOON)]
+    assert [i for i, d in enumerate(due) if d] == [PROBE_SOON - 1, 2 * PROBE_SOON - 1, 3 * PROBE_SOON - 1]
+    base = StepShape()
+    base.add_decode(100)
+    base.add_decode(100)
+    budget.observe(StepDecision(decode_rows=2, base_rows=2, itl_target_s=0.02, shape=base), 0.01)  # measured
+    due = [budget.probe_due(decision) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert not any(budget.probe_due(StepDecision(decode_rows=3, base_rows=2)) for _ in range(2 * PROBE_EVERY))
