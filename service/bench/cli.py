@@ -141,6 +141,8 @@ def _add_mixed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-long-output", type=int, default=1, help="Tokens generated per long prompt.")
     g.add_argument("--mixed-alone", action="store_true", help="First time the long prompts alone (the slowdown).")
     g.add_argument("--mixed-idle", type=float, default=3.0, help="Seconds the streams decode alone first.")
+    g.add_argument("--mixed-tenant-header", default="", help="Send the large request as tenant 'bulk' and the streams "
+                   "and the chat as tenant 'interactive' in this header (the server's --tenant-header): two tenants.")
 
 
 def _workload(args):
@@ -191,7 +193,8 @@ def _mixed(args):
 
     w = MixedWorkload(streams=args.mixed_streams, long_prompts=args.mixed_long_prompts,
                       long_input_len=args.mixed_long_len, long_output_len=args.mixed_long_output,
-                      large=args.mixed_large, idle_s=args.mixed_idle, alone=args.mixed_alone, seed=args.seed)
+                      large=args.mixed_large, idle_s=args.mixed_idle, alone=args.mixed_alone, seed=args.seed,
+                      tenant_header=args.mixed_tenant_header)
     w.validate()
     return w
 

@@ -2,13 +2,14 @@
 
 A few streams start first and decode alone for `idle_s`; then one large piece of work is sent (`large`): a
 /v1/completions call with a list of long prompts (Sluice's fan-out case), the same prompts as separate requests
-(which any OpenAI-compatible server takes), one /v1/embeddings call with them as inputs, or a prompt list whose
-rows are held to a small grammar; `probe_delay_s` later, a one-line chat. Reported: the streams' inter-token
-latency p50/p99 and token rate, idle and while the long prompts are in flight; the long prompts' time to first
-token and the batch's completion time (and, with `alone`, the same batch timed alone first); the chat's time to
-first token. The idle rate is the mean of the streams' rate alone before the long prompts and again for `idle_s`
-after them: a stream's step grows with its context, which grows while the long prompts run. Works against Sluice,
-vLLM or llama.cpp's server alike.
+(which any OpenAI-compatible server takes), one /v1/embeddings call with them as inputs, or a prompt list whose rows
+are held to a small grammar; `probe_delay_s` later, a one-line chat. With `tenant_header`, the large request is one
+tenant and the streams and the chat another (the server's --tenant-header: fair shares by tenant). Reported: the
+streams' inter-token latency p50/p99 and token rate, idle and while the long prompts are in flight; the long
+prompts' time to first token and the batch's completion time (and, with `alone`, the same batch timed alone first);
+the chat's time to first token. The idle rate is the mean of the streams' rate alone before the long prompts and
+again for `idle_s` after them: a stream's step grows with its context, which grows while the long prompts run. Works
+against Sluice, vLLM or llama.cpp's server alike.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class MixedWorkload:
     probe_delay_s: float = 2.0  # the one-line chat, this long after the long prompts were sent
     alone: bool = False  # first time the long prompts alone, for the slowdown
     seed: int = 0
+    tenant_header: str = ""  # where set: the large request is tenant "bulk", the streams and the chat "interactive"
 
     def validate(self) -> None:
         """Raise ValueError on impossible settings."""
@@ -170,14 +172,19 @@ async def run_mixed(cfg: ServeConfig, w: MixedWorkload) -> MixedResult:
     long_prompts = prompts(w.long_prompts, w.long_input_len, w.seed)
     stream_prompts = prompts(w.streams, w.stream_input_len, w.seed + 7)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    bulk = headers | ({w.tenant_header: "bulk"} if w.tenant_header else {})
+    if w.tenant_header:
+        headers[w.tenant_header] = "interactive"
     result = MixedResult()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.timeout_s), headers=headers,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0)) as \
+            session, aiohttp.ClientSession(timeout=timeout, headers=bulk,
+                                           connector=aiohttp.TCPConnector(limit=0)) as bulk_session:
         model = cfg.model = cfg.model or await first_model_id(session, cfg.base_url)
         if w.alone:
             # Other prompts of the same lengths: the mixed run must not find these in the prefix cache.
             alone = prompts(w.long_prompts, w.long_input_len, w.seed + 13)
-            result.long_alone_s, _, errors = await _send_long(session, cfg, model, w, alone)
+            result.long_alone_s, _, errors = await _send_long(bulk_session, cfg, model, w, alone)
             result.errors += errors
         records = [RequestRecord(w.stream_input_len) for _ in stream_prompts]
         url = cfg.base_url.rstrip("/") + cfg.endpoint
@@ -188,7 +195,7 @@ async def run_mixed(cfg: ServeConfig, w: MixedWorkload) -> MixedResult:
         idle_from = time.perf_counter()
         await asyncio.sleep(w.idle_s)
         sent = time.perf_counter()
-        long_task = asyncio.create_task(_send_long(session, cfg, model, w, long_prompts))
+        long_task = asyncio.create_task(_send_long(bulk_session, cfg, model, w, long_prompts))
         probe = RequestRecord(0, 8)
         await asyncio.sleep(w.probe_delay_s)
         chat = dataclasses.replace(cfg, endpoint="/v1/chat/completions")

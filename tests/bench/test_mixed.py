@@ -47,7 +47,7 @@ def fake_app(seen: list[dict]) -> web.Application:
 
     async def completions(request):
         body = await request.json()
-        seen.append(body)
+        seen.append(body | {"tenant": request.headers.get("x-tenant")})
         prompt = body["prompt"]
         if isinstance(prompt, list):
             return await sse(request, long_prompts(prompt))
@@ -57,7 +57,7 @@ def fake_app(seen: list[dict]) -> web.Application:
 
     async def chat(request):
         body = await request.json()
-        seen.append(body)
+        seen.append(body | {"tenant": request.headers.get("x-tenant")})
         return await sse(request, stream(body["max_tokens"], chat=True))
 
     async def embeddings(request):
@@ -117,6 +117,18 @@ def test_mixed_can_send_the_long_prompts_as_separate_requests():
                           large="separate"), seen)
     assert not r.errors and r.long_ttft_ms.count == 3
     assert sum(1 for b in seen if b.get("max_tokens") == 1 and isinstance(b.get("prompt"), str)) == 3
+
+
+def test_mixed_can_send_the_large_request_and_the_streams_as_two_tenants():
+    seen: list[dict] = []
+    r = run(MixedWorkload(streams=1, long_prompts=3, long_input_len=10, idle_s=0.3, probe_delay_s=0.0,
+                          large="separate", tenant_header="x-tenant"), seen)
+    assert not r.errors
+    assert {b["tenant"] for b in seen if b.get("max_tokens") == 1} == {"bulk"}
+    assert {b["tenant"] for b in seen if b.get("max_tokens") != 1} == {"interactive"}  # the stream and the chat
+    seen.clear()
+    run(MixedWorkload(streams=1, long_prompts=3, long_input_len=10, idle_s=0.3, probe_delay_s=0.0), seen)
+    assert {b["tenant"] for b in seen} == {None}
 
 
 def test_mixed_can_send_embedding_inputs_or_a_prompt_list_under_a_grammar():
