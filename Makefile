@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 model: install  ## fetch and cache the default model (SmolLM2-135M-Instruct)
-	$(BIN)/python -c "from sluice.service.engine.model_loader import ensure_default_model; print(ensure_default_model())"
+	$(BIN)/python -c "from sluice.service.executor.model_loader import ensure_default_model; print(ensure_default_model())"
 
 serve: model
 	$(BIN)/sluice serve $(ARGS)

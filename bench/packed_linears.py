@@ -13,9 +13,9 @@ import time
 import torch
 
 from sluice import native
-from sluice.service.engine.layers.gguf_blocks import GgufBlocks
-from sluice.service.engine.layers.gguf_linear import GgufLinear
-from sluice.service.engine.layers.quant_types import BY_NAME
+from sluice.service.executor.layers.gguf_blocks import GgufBlocks
+from sluice.service.executor.layers.gguf_linear import GgufLinear
+from sluice.service.executor.layers.quant_types import BY_NAME
 
 HIDDEN, INNER, LAYERS, VOCAB = 2048, 8192, 24, 49152
 SHAPES = {"qkv": (3 * HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INNER, HIDDEN), "down": (HIDDEN, INNER)}

@@ -40,7 +40,7 @@ class StructuredOutput:
 @dataclass(slots=True, frozen=True)
 class LoRARequest:
     """The LoRA adapter a request runs with (vLLM's LoRARequest): its name, an id unique to this load of it, and
-    its weights (opaque here: service/engine/lora owns them)."""
+    its weights (opaque here: service/executor/lora owns them)."""
 
     name: str
     uid: int
@@ -88,15 +88,15 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; N >= 0: sampled token plus top-N alternatives
     include_stop_str_in_output: bool = False
-    structured_output: StructuredOutput | None = None  # grammar-constrained decoding (service/engine/grammar.py)
-    # Logit controls (service/engine/logits_controls.py); each is neutral at its default.
+    structured_output: StructuredOutput | None = None  # grammar-constrained decoding (service/structured/grammar.py)
+    # Logit controls (service/executor/logits_controls.py); each is neutral at its default.
     presence_penalty: float = 0.0  # OpenAI: minus this for every token already generated
     frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
     repetition_penalty: float = 1.0  # transformers/vLLM: over prompt and output, logit / p if > 0 else logit * p
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     # allowed_token_ids as a [vocab] bool device tensor, True where a token is NOT allowed: built once by the engine
-    # at admission (service/engine/logits_controls.py: AllowedMasks) and shared by the requests of one list.
+    # at admission (service/executor/logits_controls.py: AllowedMasks) and shared by the requests of one list.
     disallowed_token_mask: object | None = field(default=None, repr=False, compare=False)
     bad_words: list[str] = field(default_factory=list)  # never generate these (as text)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # their tokenizations (the engine fills)

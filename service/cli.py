@@ -68,7 +68,7 @@ def _start_compile_zygote() -> None:
     if importlib.util.find_spec("xgrammar") is None:
         return
     import sluice.service.engine.async_engine  # noqa: F401  torch and the engine's modules, shared with the fork
-    from sluice.service.engine.grammar_compile import start_zygote
+    from sluice.service.structured.grammar_compile import start_zygote
 
     start_zygote()
 

@@ -1,12 +1,12 @@
 """The one native extension: every C/C++ kernel in csrc/ (paged decode attention, the few-row linears, RMSNorm,
 rotary, a quantized layer's ops), built on first use into one torch extension.
 
-It lives in the root package because two layers call it: the KV cache (decode attention) and the engine (linears,
-layer ops); both may import the root, neither may import the other's way. Built with ninja and the system C++
-compiler into $SLUICE_CACHE_DIR/kernels (default ~/.cache/sluice/kernels), keyed by the sources, flags, torch
-version and CPU flags: -march=native code runs only on the CPU it was built for. Optional by design: without a
-compiler, or when the build fails, `load()` returns None after one warning, and every caller takes its pure-torch
-path (correct, slower).
+It lives in the root package because two rooms call it: the attention (decode attention) and the executor (linears,
+layer ops, greedy sampling); every room may import the root, and the kernels belong to neither. Built with ninja
+and the system C++ compiler into $SLUICE_CACHE_DIR/kernels (default ~/.cache/sluice/kernels), keyed by the
+sources, flags, torch version and CPU flags: -march=native code runs only on the CPU it was built for. Optional by
+design: without a compiler, or when the build fails, `load()` returns None after one warning, and every caller
+takes its pure-torch path (correct, slower).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ profiles.register()  # before any test module builds its @settings (the hypothes
 SMOLLM2_GROUPS = {
     "smol_server": ("tests/api/test_api_server.py", "tests/api/test_hostile.py", "tests/api/test_structured_api.py",
                     "tests/api/test_tools_api.py"),
-    "smollm2": ("tests/engine/test_detokenizer.py", "tests/engine/test_memory_sizing.py", "tests/test_parity.py"),
+    "smollm2": ("tests/engine/test_detokenizer.py", "tests/executor/test_memory_sizing.py", "tests/test_parity.py"),
 }
 GROUP_OF = {module: group for group, modules in SMOLLM2_GROUPS.items() for module in modules}
 
@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """Path of the cached SmolLM2-135M-Instruct safetensors directory (built from the PyPI GGUF on first use)."""
-    from sluice.service.engine.model_loader import ensure_default_model
+    from sluice.service.executor.model_loader import ensure_default_model
 
     return ensure_default_model()
 

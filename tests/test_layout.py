@@ -1,5 +1,7 @@
-"""The layout holds: one installed package `sluice` mapped from the top-level folders, dependencies pointing one
-way (api → engine → scheduling → kvcache), no import cycles, no test tooling in the product, no oversized module."""
+"""The layout holds: one installed package `sluice` mapped from the top-level folders, packages by role (rooms) whose
+dependencies point one way (cli → bench → api → engine → executor → structured → attention → config → metrics →
+scheduling → kvcache → root: ROOMS), no import cycles, no test tooling in the product, no oversized module, and test
+folders that mirror the packages."""
 
 from __future__ import annotations
 
@@ -19,17 +21,25 @@ FOLDERS = {"sluice": "sluice", "kvcache": "sluice.kvcache", "scheduling": "sluic
 OLD_TOP_LEVEL = ("service", "kvcache", "scheduling", "metrics")
 MAX_LINES = 450
 
-# Each room may import itself and the rooms listed (and nothing else of sluice); the lowest come first.
+# The rooms, the lowest first: each may import itself and the rooms listed (and nothing else of sluice). A room is
+# a folder of the package (sluice.kvcache, sluice.service.engine, ...; `room` below): root < kvcache < scheduling <
+# metrics < config < attention < structured < executor < engine < api < bench < cli, where metrics and config, side
+# by side, do not import each other.
 ROOMS = {
-    "root": set(),  # sluice/__init__.py, sluice/knobs.py
-    "kvcache": {"root"},
+    "root": set(),  # sluice/*.py: knobs, the machine's facts (machine.py, cpu.py), the native extension
+    "kvcache": {"root"},  # the KV cache's memory: blocks, pool, manager, tensors, swap, events
     "scheduling": {"root", "kvcache"},
     "metrics": {"root", "kvcache", "scheduling"},
     "config": {"root", "kvcache", "scheduling"},  # sluice.service.config: the one configuration object
-    "engine": {"root", "kvcache", "scheduling", "metrics", "config"},
-    "api": {"root", "kvcache", "scheduling", "metrics", "config", "engine"},
-    "bench": {"root", "kvcache", "scheduling", "metrics", "config", "engine", "api"},
-    "cli": {"root", "kvcache", "scheduling", "metrics", "config", "engine", "api", "bench", "service"},
+    "attention": {"root", "kvcache", "scheduling", "metrics", "config"},  # attention compute on the paged cache
+    "structured": {"root", "kvcache", "scheduling", "metrics", "config", "attention"},  # grammars
+    "executor": {"root", "kvcache", "scheduling", "metrics", "config", "attention", "structured"},  # the model
+    "engine": {"root", "kvcache", "scheduling", "metrics", "config", "attention", "structured", "executor"},
+    "api": {"root", "kvcache", "scheduling", "metrics", "config", "attention", "structured", "executor", "engine"},
+    "bench": {"root", "kvcache", "scheduling", "metrics", "config", "attention", "structured", "executor", "engine",
+              "api"},
+    "cli": {"root", "kvcache", "scheduling", "metrics", "config", "attention", "structured", "executor", "engine",
+            "api", "bench", "service"},
     "service": set(),  # sluice/service/__init__.py
 }
 # Benchmarks and development tools (docs and manifest generators, the PromQL checker, the scaling probe): in a
@@ -201,15 +211,17 @@ def test_test_modules_import_only_the_support_helpers():
 
 
 # The package folder whose subpackages a test folder's subfolders mirror (the other test folders have none).
-MIRRORED = {"kvcache": "kvcache", "scheduling": "scheduling", "metrics": "metrics", "engine": "service/engine",
+MIRRORED = {"kvcache": "kvcache", "scheduling": "scheduling", "metrics": "metrics", "attention": "service/attention",
+            "structured": "service/structured", "executor": "service/executor", "engine": "service/engine",
             "api": "service/api", "bench": "service/bench"}
 
 
 def test_test_folders_mirror_the_packages():
     """tests/<folder>/ exists for a package folder or a repository folder (bench, k8s), tests/<folder>/<sub>/ for
-    each subpackage of the package it mirrors (tests/engine/layers/ for service/engine/layers/), so a subpackage's
+    each subpackage of the package it mirrors (tests/executor/layers/ for service/executor/layers/), so a subpackage's
     tests sit where its code does; and each holds an __init__.py so every test module has a unique dotted name."""
-    known = {"kvcache", "scheduling", "engine", "api", "metrics", "bench", "k8s", "native", "support"}
+    known = {"kvcache", "scheduling", "attention", "structured", "executor", "engine", "api", "metrics", "bench", "k8s",
+             "native", "support"}
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders <= known, f"test folders that mirror no package: {sorted(folders - known)}"
     assert all((REPO / "tests" / f / "__init__.py").exists() for f in folders)

@@ -8,9 +8,9 @@ import torch
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.layers.linear import PlainLinear, decode_kernel_wins
-from sluice.service.engine.layers.packed_linear import PackedLinear
-from sluice.service.engine.models.llama import LlamaForCausalLM
+from sluice.service.executor.layers.linear import PlainLinear, decode_kernel_wins
+from sluice.service.executor.layers.packed_linear import PackedLinear
+from sluice.service.executor.models.llama import LlamaForCausalLM
 from tests.support import tiny
 from tests.support.parity import (
     MAX_NEW,
@@ -26,7 +26,7 @@ from tests.support.parity import (
 def instrument(engine) -> dict:
     """Record which paths a run really took: preemptions by mode and phase, cross-request prefix hits, chunked
     prefills, and how many decode-attention calls went to the C kernel or to the torch path."""
-    import sluice.kvcache.paged_attention as pa
+    import sluice.service.attention.paged_attention as pa
 
     seen = {"swap": 0, "recompute": 0, "preempted_in_decode": 0, "cross_request_hits": 0, "chunks": 0,
             "kernel_calls": 0, "torch_decode_calls": 0}

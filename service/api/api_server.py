@@ -44,7 +44,7 @@ from sluice.service.engine.async_engine import (
     EngineDrainingError,
     QueueFullError,
 )
-from sluice.service.engine.grammar import GrammarError
+from sluice.service.structured.grammar import GrammarError
 
 logger = logging.getLogger("sluice.api")
 

@@ -3,7 +3,7 @@
 Any served model answers it with its pooled final hidden state (vLLM serves a generative model the same way
 with its pooling runner): an embedding model (Qwen3-Embedding, a sentence-transformers decoder) gives its
 trained vectors, a chat model a usable but untrained one. Each input is one prompt-only engine request, batched
-with whatever else runs; how the model pools is resolved once at load (service/engine/pooling.py). A `model`
+with whatever else runs; how the model pools is resolved once at load (service/executor/pooling.py). A `model`
 naming a LoRA adapter gives that adapter's vectors (its deltas apply to the pooled forward as to generation), and
 `cache_salt` isolates the prefix cache as on the completion routes: both enter the request's SamplingParams and
 so the first block's hash.

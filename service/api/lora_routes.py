@@ -22,8 +22,8 @@ from sluice.service.api.middlewares import STATE
 from sluice.service.api.preprocess import load_body
 from sluice.service.config import lora_name_problem
 from sluice.service.engine.async_engine import ModelInfo
-from sluice.service.engine.lora.adapter import LoRAError
-from sluice.service.engine.lora.manager import LoRANotFound
+from sluice.service.executor.lora.adapter import LoRAError
+from sluice.service.executor.lora.manager import LoRANotFound
 
 logger = logging.getLogger(__name__)
 DISABLED = ("runtime LoRA loading is off on this server: the operator turns it on with --allow-runtime-lora and "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TypeVar
 
+from sluice.cpu import BACKGROUND_NICENESS, lower_priority
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api import json_codec
 from sluice.service.api.errors import ApiErrorCode, RequestError, context_length_error, param_path
@@ -37,7 +38,6 @@ from sluice.service.api.reasoning import constrain_after, plan_reasoning
 from sluice.service.api.tool_parsers import ToolOutput
 from sluice.service.api.tools import ToolPlan, plan_tools, template_args
 from sluice.service.engine.async_engine import ModelInfo
-from sluice.service.engine.cpu import BACKGROUND_NICENESS, lower_priority
 
 MAX_BODY_DEPTH = 256  # JSON nesting of a whole body, far below Python's recursion limit; schemas have a lower one
 _PARAM_DEPTH = 4  # path components an error's `param` names: `tools[0].function.parameters`

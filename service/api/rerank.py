@@ -4,7 +4,7 @@ A decoder reranker (Qwen3-Reranker) is a causal LM that answers "yes" or "no": s
 (`--runner pooling --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
 ["no", "yes"], "is_original_qwen3_reranker": true}'`) Sluice runs its own forward and scores each (query, document)
 pair by the model card's formula: the prompt in Qwen3-Reranker's format, and softmax([z_no, z_yes])[yes] of the
-last position's logits (service/engine/pooling.py). Each pair is one prompt-only engine request, all of a call in
+last position's logits (service/executor/pooling.py). Each pair is one prompt-only engine request, all of a call in
 one add_requests (one flow); the query's prompt prefix is the same for every document, so the prefix cache
 computes it once.
 
@@ -35,7 +35,7 @@ from sluice.service.api.protocol import DEFAULT_CAPS, RequestCaps, invalid
 from sluice.service.api.protocol_rerank import RerankRequest, ScoreRequest
 from sluice.service.engine.async_engine import ModelInfo
 from sluice.service.engine.outputs import EngineOutput
-from sluice.service.engine.pooling import ClassifierSpec, ClassifyParams
+from sluice.service.executor.pooling import ClassifierSpec, ClassifyParams
 
 # Qwen3-Reranker's prompt, as its model card builds it
 QWEN3_PREFIX = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '

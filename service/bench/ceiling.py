@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from sluice.service.bench.offline import OfflineRun
-from sluice.service.engine.models.llama import LlamaForCausalLM
-from sluice.service.engine.models.weights import attention_shape
+from sluice.service.executor.models.llama import LlamaForCausalLM
+from sluice.service.executor.models.weights import attention_shape
 
 
 @dataclass(slots=True)
@@ -38,8 +38,8 @@ class Ceiling:
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
     """A linear's weight [N, K] as plain values, whatever its format."""
-    from sluice.service.engine.layers.gguf_linear import GgufLinear, MergedLinear
-    from sluice.service.engine.layers.packed_linear import PackedLinear
+    from sluice.service.executor.layers.gguf_linear import GgufLinear, MergedLinear
+    from sluice.service.executor.layers.packed_linear import PackedLinear
 
     if isinstance(linear, MergedLinear):
         return torch.cat([dense_weight(part) for part in linear.parts])

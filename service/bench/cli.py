@@ -299,7 +299,7 @@ def _quant_command(args) -> int:
 
     from sluice.service.bench.quant_quality import quant_quality
     from sluice.service.config import ModelConfig
-    from sluice.service.engine.model_loader import ensure_default_model, load_model
+    from sluice.service.executor.model_loader import ensure_default_model, load_model
 
     model, tokenizer = load_model(str(ensure_default_model()), torch.device("cpu"), torch.float32,
                                   settings=ModelConfig(owned_model=False))  # transformers' model: its generate

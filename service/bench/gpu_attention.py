@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kvcache import triton_decode
+from sluice.service.attention import triton_decode
 
 
 def backends_here(device: torch.device) -> list[str]:
     """The paged-attention backends that run on `device`."""
-    from sluice.kvcache.paged_attention import resolve_backend
+    from sluice.service.attention.paged_attention import resolve_backend
 
     names = []
     for name in ("torch", "flex", "flash", "triton"):
@@ -33,8 +33,8 @@ def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
     """Each backend here against a dense float64 reference: mixes of decodes and chunks over shuffled block
     tables in a cache full of garbage, block sizes 16 and 64, with and without a sliding window and softcap.
     `flex`: FlexAttention alone (it compiles per case: a stage of its own), else every other backend.
-    `tiny`: each mix, block size and mask once (the CPU self-test; tests/kvcache cover the kernels' cases)."""
-    from sluice.kvcache.paged_attention import AttentionMetadata, paged_attention
+    `tiny`: each mix, block size and mask once (the CPU self-test; tests/attention cover the kernels' cases)."""
+    from sluice.service.attention.paged_attention import AttentionMetadata, paged_attention
 
     report: dict = {}
     masks = ((None, None), (8, None), (None, 5.0))
@@ -69,7 +69,7 @@ def check_attention(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
 
 def triton_decode_error(seqs, block_size, device, dtype, seed, window=None, softcap=None, **shape) -> float:
     """The Triton decode kernel on one case of decodes (q_len 1 each) against the dense reference."""
-    from sluice.kvcache.paged_attention import write_kv
+    from sluice.service.attention.paged_attention import write_kv
 
     q, k, v, kc, vc, args, expected = paged_attention_case(seqs, block_size, device, dtype, seed, window, softcap,
                                                            **shape)

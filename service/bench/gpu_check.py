@@ -167,7 +167,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def check_sampler_syncs(device: torch.device) -> dict:
     """The sampler on a mixed batch with CUDA's sync debug mode 'error' outside its one read-back."""
     from sluice.scheduling.output import ScheduledRequest
-    from sluice.service.engine import sampler
+    from sluice.service.executor import sampler
 
     if device.type != "cuda":
         return {"skipped": "no CUDA"}

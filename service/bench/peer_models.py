@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sluice.service.bench.llama_cpp import CONVERTED, convert, quantize
 from sluice.service.bench.shapes import RECIPE, SIZES, random_checkpoint
-from sluice.service.engine.model_loader import ensure_default_model, fetch_default_gguf
+from sluice.service.executor.model_loader import ensure_default_model, fetch_default_gguf
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K_M")
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.cpu import native_bf16_flags
 from sluice.service.bench.shapes import ARCHS, SIZES, Shape
 from sluice.service.bench.workloads import Workload
-from sluice.service.engine.cpu import native_bf16_flags
 
 # (Sluice, llama.cpp) weight formats, compared line for line (Sluice's fp32 against both of llama.cpp's F32 and F16).
 PAIRS = (("fp32", "F32"), ("fp32", "F16"), ("bf16", "BF16"), ("int4", "Q4_1"), ("Q4_K", "Q4_K_M"), ("Q4_0", "Q4_0"))

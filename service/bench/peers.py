@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from sluice.cpu import native_bf16_flags
 from sluice.machine import cache_root
 from sluice.service.bench.llama_cpp import ISA, build_llama_server, cpu_flags
 from sluice.service.bench.peer_models import disk_mib, prepare
@@ -45,7 +46,6 @@ from sluice.service.bench.peers_report import PEAK_DTYPES, ratios, table
 from sluice.service.bench.serve import ServeConfig, run_serve
 from sluice.service.bench.server_process import ServerProcess
 from sluice.service.bench.shapes import random_checkpoint
-from sluice.service.engine.cpu import native_bf16_flags
 
 NO_SPEC_FLAG = "this sluice serve has no --speculative-method (n-gram speculation not built yet)"
 

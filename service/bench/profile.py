@@ -39,10 +39,10 @@ class StepProfile:
 
 
 def _patches(engine, timers: Timers) -> list:
-    import sluice.service.engine.attention_backend as attention_backend
+    import sluice.service.attention.attention_backend as attention_backend
     import sluice.service.engine.detokenizer as detokenizer
-    import sluice.service.engine.layers.attention as attention_layer
-    import sluice.service.engine.model_runner as model_runner
+    import sluice.service.executor.layers.attention as attention_layer
+    import sluice.service.executor.model_runner as model_runner
 
     runner = engine.runner
     return [

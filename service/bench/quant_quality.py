@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from sluice import native
-from sluice.service.engine.layers.gguf_linear import GgufMethod, QuantizeFormat
-from sluice.service.engine.layers.linear import Linear
+from sluice.service.executor.layers.gguf_linear import GgufMethod, QuantizeFormat
+from sluice.service.executor.layers.linear import Linear
 
 TEXT = (
     "When in the Course of human events, it becomes necessary for one people to dissolve the political bands which "

@@ -129,7 +129,7 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name in ("default", "SmolLM2-135M-Instruct"):
-        from sluice.service.engine.model_loader import ensure_default_model
+        from sluice.service.executor.model_loader import ensure_default_model
 
         name = str(ensure_default_model())
     return AutoTokenizer.from_pretrained(name)

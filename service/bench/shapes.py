@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from sluice.machine import cache_root
-from sluice.service.engine.model_loader import ensure_default_model
+from sluice.service.executor.model_loader import ensure_default_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.engine.grammar import GrammarBusyError
 from sluice.service.engine.outputs import EngineOutput
-from sluice.service.engine.pooling import ClassifierSpec, EmbeddingSpec
+from sluice.service.executor.pooling import ClassifierSpec, EmbeddingSpec
+from sluice.service.structured.grammar import GrammarBusyError
 
 logger = logging.getLogger("sluice.async_engine")
 READER_LAG_FACTOR = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sluice.scheduling.outcomes import ErrorCode, FinishReason
 from sluice.scheduling.request import RequestStatus
 from sluice.scheduling.sampling_params import StructuredOutput
-from sluice.service.engine.grammar import (
+from sluice.service.structured.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarState,

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from sluice.cpu import configure_torch_threads
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.prometheus import SluiceMetrics
 from sluice.metrics.tracing import Timelines
@@ -21,13 +22,12 @@ from sluice.scheduling.sampling_params import SamplingParams
 from sluice.scheduling.scheduler import Scheduler
 from sluice.service.config import SluiceConfig, parse_hf_overrides
 from sluice.service.engine.constrained import ConstrainedDecoding
-from sluice.service.engine.cpu import configure_torch_threads
 from sluice.service.engine.detokenizer import IncrementalDetokenizer
-from sluice.service.engine.grammar import GrammarState
 from sluice.service.engine.kv_events import KVEventPublisher, KVEventsConfig
-from sluice.service.engine.logits_controls import AllowedMasks, apply_logit_controls
 from sluice.service.engine.outputs import Completion, EngineOutput
-from sluice.service.engine.pooling import resolve_embedding, resolve_runner
+from sluice.service.executor.logits_controls import AllowedMasks, apply_logit_controls
+from sluice.service.executor.pooling import resolve_embedding, resolve_runner
+from sluice.service.structured.grammar import GrammarState
 
 logger = logging.getLogger("sluice.engine")
 
@@ -40,16 +40,16 @@ class LLMEngine(ConstrainedDecoding):
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
         import torch
 
-        from sluice.service.engine.kv_sizing import format_bytes, model_context_length, model_weight_bytes
-        from sluice.service.engine.model_loader import (
+        from sluice.service.executor.kv_sizing import format_bytes, model_context_length, model_weight_bytes
+        from sluice.service.executor.model_loader import (
             apply_hf_overrides,
             auto_dtype,
             eos_token_ids,
             load_model,
             resolve_device_dtype,
         )
-        from sluice.service.engine.model_runner import ModelRunner
-        from sluice.service.engine.weight_prep import prepare_weights
+        from sluice.service.executor.model_runner import ModelRunner
+        from sluice.service.executor.weight_prep import prepare_weights
 
         config = config or SluiceConfig()
         config.validate()
@@ -88,7 +88,7 @@ class LLMEngine(ConstrainedDecoding):
         self.served_model_name = config.model.served_model_name or _default_served_name(config.model.model)
         self.loras, lora_slots = None, None  # the adapter registry, where LoRA is on (lora/manager.py)
         if config.lora.enabled:  # before the runner sizes the KV cache: the adapter slots take memory too
-            from sluice.service.engine.lora.manager import enable_lora
+            from sluice.service.executor.lora.manager import enable_lora
 
             self.loras, lora_slots = enable_lora(model, config.lora, self.device, self.dtype, self.served_model_name)
         self.vocab_size = int(model.config.vocab_size)

@@ -1,5 +1,5 @@
 // Linears on GGUF's own blocks, read in place, and the table of the quant types (kQuantTypes, at the end: one row per
-// type naming its kernels, the C++ mirror of service/engine/layers/quant_types.py). A weight is uint8 [N, row_bytes],
+// type naming its kernels, the C++ mirror of service/executor/layers/quant_types.py). A weight is uint8 [N, row_bytes],
 // each row its K / QK blocks exactly as the file stores them. Every block unpacks in registers to integer codes q
 // (int8), a scale per 16 inputs and an offset per 32, so that element i = scale[i / 16] * q[i] + offset[i / 32] for
 // every type (Q4_K: scale = d * sc, offset = -dmin * m; IQ4_NL: q a level of its table).

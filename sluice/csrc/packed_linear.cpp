@@ -1,5 +1,5 @@
 // Few-row linears that read oneDNN's own prepacked weight, so a weight has one copy that serves both the GEMV of
-// decoding and oneDNN's GEMM for larger batches. The layouts (checked at pack time, service/engine/packed_gemv.py):
+// decoding and oneDNN's GEMM for larger batches. The layouts (checked at pack time, service/executor/packed_gemv.py):
 //   fp32: blocks of B output columns; a block holds K rows of B floats: w[n, k] at (n / B) * B * K + k * B + n % B.
 //   bf16: the same blocks with inputs paired for vdpbf16ps: w[n, k] at (n / B) * B * Kp + (k / 2) * 2B + 2 (n % B)
 //         + k % 2, Kp = K rounded up to even.

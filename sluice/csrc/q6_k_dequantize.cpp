@@ -1,4 +1,4 @@
-// Q6_K weights packed for q6_k_linear (service/engine/layers/gguf_blocks.py pack_q6_k) back to float32 rows: the
+// Q6_K weights packed for q6_k_linear (service/executor/layers/gguf_blocks.py pack_q6_k) back to float32 rows: the
 // tiles of a prefill, which multiplies float activations (gguf_linear.py: int8-rounded ones moved SmolLM2's answers).
 // Layout, per block of 16 rows and group g of 32 inputs: nibbles [4 chunks][16 rows][4 bytes], byte 4c + t of a row
 // holding input 4c + t in its low nibble and input 16 + 4c + t in its high one; high_scales [160]: the bit-4 and

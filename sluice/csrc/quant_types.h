@@ -1,5 +1,5 @@
 // The GGUF quant types the kernels serve: one row each in gguf_linear.cpp's kQuantTypes, keyed by GGML type id as
-// service/engine/layers/quant_types.py's table is (tests/engine/layers/test_quant_types.py checks that they agree). A row
+// service/executor/layers/quant_types.py's table is (tests/executor/layers/test_quant_types.py checks that they agree). A row
 // names the type's kernels; the bindings, gguf_linear and llama_layer.cpp find them here by id.
 #pragma once
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sluice.scheduling.sampling_params import Pooling, PoolingParams, SamplingParams
-from sluice.service.engine.pooling import resolve_embedding
+from sluice.service.executor.pooling import resolve_embedding
 from tests.support import tiny as _tiny
 
 COSINE, MAX_ABS = 0.9999, 1e-4

@@ -11,16 +11,17 @@ import pytest
 
 from sluice.scheduling.outcomes import CodedEnum, ErrorCode
 from sluice.service.api.errors import ApiErrorCode, RequestError, code_named, context_length_error
-from sluice.service.engine import grammar_checks
-from sluice.service.engine.lora.adapter import LoRAError
+from sluice.service.executor.lora.adapter import LoRAError
+from sluice.service.structured import grammar_checks
 
 SERVICE = Path(__file__).resolve().parents[2] / "service"
+BELOW_THE_API = ("structured", "executor", "engine")  # the rooms whose errors name their codes as text
 ALL_CODES = [*ErrorCode, *ApiErrorCode]
 
 
-def _calls(root: Path, name: str):
-    """(file, call) for every call of `name` under `root`."""
-    for path in sorted(root.rglob("*.py")):
+def _calls(root: Path | tuple[Path, ...], name: str):
+    """(file, call) for every call of `name` under `root` (or each of several roots)."""
+    for path in sorted(p for r in (root if isinstance(root, tuple) else (root,)) for p in r.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
                 yield path.relative_to(SERVICE.parent), node
@@ -73,11 +74,13 @@ def test_no_raise_writes_a_status_type_or_code_by_hand():
 
 
 def test_every_code_the_engine_names_is_a_member_with_its_status():
-    """LoRAError and GrammarError (service/engine) name codes as text; the API turns them into members, whose status
-    then decides the answer: it must be the one the engine meant."""
+    """LoRAError (service/executor/lora) and GrammarError (service/structured, service/engine/constrained.py) name
+    codes as text; the API turns them into members, whose status then decides the answer: it must be the one the
+    engine meant."""
     lora_defaults = inspect.signature(LoRAError).parameters
     seen = set()
-    for path, call in _calls(SERVICE / "engine", "LoRAError"):
+    below = tuple(SERVICE / room for room in BELOW_THE_API)
+    for path, call in _calls(below, "LoRAError"):
         kw = {k.arg: k.value for k in call.keywords}
         code = kw["code"].value if "code" in kw else lora_defaults["code"].default
         status = kw["status"].value if "status" in kw else lora_defaults["status"].default
@@ -85,7 +88,7 @@ def test_every_code_the_engine_names_is_a_member_with_its_status():
         seen.add(code)
     assert {"runtime_lora_disabled", "lora_not_removable", "invalid_lora_adapter"} <= seen
     grammar = {grammar_checks.TOO_COMPLEX}
-    for _, call in _calls(SERVICE / "engine", "GrammarError"):
+    for _, call in _calls(below, "GrammarError"):
         args = [*call.args[2:3], *(k.value for k in call.keywords if k.arg == "code")]
         grammar.update(a.value for a in args if isinstance(a, ast.Constant))
     assert "grammar_unavailable" in grammar

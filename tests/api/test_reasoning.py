@@ -1,6 +1,6 @@
 """The reasoning parser (service/api/reasoning.py): every split of a reply across stream pieces reads as the whole
 reply does; the plan per template and prompt; chat_template_kwargs validation; the engine's constraint that
-waits for the end of the thinking (service/engine/grammar.py: Thinking)."""
+waits for the end of the thinking (service/structured/grammar.py: Thinking)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from sluice.service.api.reasoning import (
     plan_reasoning,
     split_output,
 )
-from sluice.service.engine.grammar import Thinking
+from sluice.service.structured.grammar import Thinking
 
 QWEN3 = (Phase.START, Phase.CONTENT)  # a reply may open with <think>
 R1 = (Phase.START, Phase.REASONING)  # a reply starts inside the thinking

@@ -243,7 +243,7 @@ def test_profile_and_ceiling_pieces(tiny_dir):
 
     config = SluiceConfig()
     config.model.device, config.cache.num_kv_blocks = "cpu", 64
-    from sluice.service.engine.model_loader import load_model
+    from sluice.service.executor.model_loader import load_model
 
     model, tok = load_model(tiny_dir, "cpu", "float32")
     engine = LLMEngine(config, model=model, tokenizer=tok)

@@ -9,7 +9,7 @@ import torch
 
 from sluice.scheduling.output import ScheduledRequest
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.engine.sampler import sample
+from sluice.service.executor.sampler import sample
 
 pytestmark = pytest.mark.timeout(60)
 VOCAB = 400

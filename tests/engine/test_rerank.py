@@ -15,7 +15,7 @@ import pytest
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.api.rerank import qwen3_reranker_ids
-from sluice.service.engine.pooling import ClassifyParams, resolve_runner
+from sluice.service.executor.pooling import ClassifyParams, resolve_runner
 from tests.support import reranker as R
 
 TOLERANCE = 1e-4
@@ -97,7 +97,7 @@ def test_scores_match_transformers_across_chunks_cache_hits_and_generation(reran
 def test_runner_resolves_as_vllms(reranker_dir):
     from transformers import AutoConfig
 
-    from sluice.service.engine.model_loader import apply_hf_overrides
+    from sluice.service.executor.model_loader import apply_hf_overrides
 
     tok = R.tokenizer(reranker_dir)
     plain = AutoConfig.from_pretrained(reranker_dir)
@@ -119,8 +119,8 @@ def test_hf_overrides_merge_into_the_config_and_keep_the_owned_forward(reranker_
     from transformers import AutoConfig
 
     from sluice.service.config import ModelConfig
-    from sluice.service.engine.model_loader import apply_hf_overrides, load_model
-    from sluice.service.engine.models.llama import LlamaForCausalLM
+    from sluice.service.executor.model_loader import apply_hf_overrides, load_model
+    from sluice.service.executor.models.llama import LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(reranker_dir)
     apply_hf_overrides(config, {"rms_norm_eps": 1e-5, "max_position_embeddings": 300, "new_field": {"a": 1}})

@@ -77,7 +77,7 @@ def test_kv_bytes_follow_the_blocks_ever_used_not_those_in_use():
 
 
 def test_a_served_engine_reports_its_resident_memory_on_metrics(model_dir):
-    from sluice.service.engine.kv_sizing import model_weight_bytes
+    from sluice.service.executor.kv_sizing import model_weight_bytes
     from tests.support.tiny import tiny_engine
 
     engine = tiny_engine(model_dir, 64)

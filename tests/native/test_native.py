@@ -74,7 +74,7 @@ def test_without_a_compiler_quantized_weights_serve_on_dequantized_tiles(model_d
     tile at a time in torch, and skip the C++ layer: the engine still serves."""
     from sluice.service.config import SluiceConfig
     from sluice.service.engine.engine import LLMEngine
-    from sluice.service.engine.layers.gguf_linear import GgufLinear
+    from sluice.service.executor.layers.gguf_linear import GgufLinear
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     config = SluiceConfig()

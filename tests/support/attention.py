@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kvcache.paged_attention import KERNEL_ROWS_MAX, AttentionMetadata, paged_attention
+from sluice.service.attention.paged_attention import KERNEL_ROWS_MAX, AttentionMetadata, paged_attention
 from sluice.service.bench.gpu_attention import paged_attention_case
 
 

@@ -12,9 +12,9 @@ from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.output import ScheduledRequest, SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import ModelConfig
-from sluice.service.engine.model_runner import ModelRunner
-from sluice.service.engine.models.llama import LlamaForCausalLM
-from sluice.service.engine.weight_prep import prepare_weights
+from sluice.service.executor.model_runner import ModelRunner
+from sluice.service.executor.models.llama import LlamaForCausalLM
+from sluice.service.executor.weight_prep import prepare_weights
 
 VOCAB = 512
 

@@ -26,9 +26,9 @@ MODEL = "tiny"  # the served name of the tiny test model
 # process that imported them once (multiprocessing's fork server), so each pays only its own model load. Not a fork
 # of the test process itself: that one has run torch's thread pool, which a forked child cannot use.
 PRELOAD = ["sluice.service.cli", "sluice.service.bench.soak", "sluice.service.api.api_server",
-           "sluice.service.engine.async_engine", "sluice.service.engine.model_runner",
-           "sluice.service.engine.kv_sizing", "sluice.service.engine.weight_prep",
-           "sluice.service.engine.grammar_worker", "transformers",
+           "sluice.service.engine.async_engine", "sluice.service.executor.model_runner",
+           "sluice.service.executor.kv_sizing", "sluice.service.executor.weight_prep",
+           "sluice.service.structured.grammar_worker", "transformers",
            "transformers.configuration_utils", "transformers.tokenization_utils_base",
            "transformers.utils.type_validators", "torch.utils.cpp_extension", "uvloop", "xgrammar",
            "tests.support.fault_serve"]

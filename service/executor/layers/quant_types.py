@@ -1,0 +1,177 @@
+"""The one table of the GGUF quant types Sluice serves, as llama.cpp keeps its `type_traits[]`: a row per type with
+its GGML id, block size and bytes, its torch dequantizer, its regrouping for csrc/int4_linear.cpp's packed kernel
+(if it has one), where calls past the kernel's row limit go, and that limit.
+
+csrc/gguf_linear.cpp's `kQuantTypes` mirrors this table row for row, by the same ids (each row there names the type's
+kernels: the GEMV and dequantizer on blocks as stored, the packed kernel); the extension's `quant_types()` lists it
+and tests/executor/layers/test_quant_types.py checks that the two agree. Adding a type is its row here, its block
+unpacker and row there, and its test.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from sluice.service.executor.layers.gguf_blocks import (
+    bits32,
+    half_at,
+    k4_scales,
+    pack_q4_0,
+    pack_q4_1,
+    pack_q4_k,
+    pack_q5_0,
+    pack_q5_1,
+    pack_q6_k,
+    pack_q8_0,
+    q8_0_rows,
+    split_nibbles,
+    unpack_q4_0,
+    unpack_q4_1,
+    unpack_q4_k,
+    unpack_q5_0,
+    unpack_q5_1,
+    unpack_q6_k,
+    unpack_q8_0,
+)
+
+# The row limits a type's kernel takes. The GEMV on blocks as stored unpacks every block once per few input rows,
+# dequantized tiles once per call, so past a few dozen rows the tiles + GEMM win; a packed kernel reads 16 output
+# rows' blocks together and takes whole prefill chunks.
+STORED_MAX_ROWS = 32
+PACKED_MAX_ROWS = 4096
+
+
+class Prefill(enum.Enum):
+    """Where a packed type's calls past its kernel's `max_rows` go."""
+
+    KERNEL = "kernel"  # nowhere: the packed kernel (int8-rounded activations) takes calls of every size
+    FLOAT = "float"  # dequantized float tiles times float activations (a head stays on the kernel)
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """A type's regrouping for csrc/int4_linear.cpp: its buffers (the codes first), the functions to them from rows
+    as stored and back, and `rows`: single rows read in place, where an embedding looks them up (None: each row's
+    whole pack of 16 is unpacked)."""
+
+    buffers: tuple[str, ...]
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    unpack: Callable[..., torch.Tensor]
+    rows: Callable[..., torch.Tensor] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QuantType:
+    """One GGUF quant type: `dequantize` turns blocks uint8 [nb, block_bytes] into float32 [nb, block_size];
+    `packing` None: the kernels read its blocks as stored, calls of up to STORED_MAX_ROWS rows on the GEMV."""
+
+    name: str
+    type_id: int  # gguf.GGMLQuantizationType's value
+    block_size: int
+    block_bytes: int
+    dequantize: Callable[[torch.Tensor], torch.Tensor]
+    packing: Packing | None = None
+    prefill: Prefill = Prefill.KERNEL
+    max_rows: int = STORED_MAX_ROWS  # the most rows a call may have on the packed kernel
+
+    def row_bytes(self, in_features: int) -> int:
+        """Bytes of one row of `in_features` inputs; ValueError where they are not whole blocks."""
+        if in_features % self.block_size:
+            raise ValueError(f"{self.name} blocks hold {self.block_size} inputs, not a divisor of {in_features}")
+        return in_features // self.block_size * self.block_bytes
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return half_at(b, 0) * (split_nibbles(b[:, 2:]).float() - 8)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return half_at(b, 0) * split_nibbles(b[:, 4:]).float() + half_at(b, 2)
+
+
+def _q5_codes(b: torch.Tensor, head: int) -> torch.Tensor:
+    """Q5_0 (head 2) or Q5_1 (head 4) blocks → the 5-bit codes: the nibbles, and bit j of qh as element j's fifth."""
+    return (split_nibbles(b[:, head + 4:]) | (bits32(b[:, head:head + 4]) << 4)).float()
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return half_at(b, 0) * (_q5_codes(b, 2) - 16)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return half_at(b, 0) * _q5_codes(b, 4) + half_at(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return half_at(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _k4(b: torch.Tensor, five: bool) -> torch.Tensor:
+    """Q4_K or Q5_K (`five`) blocks: eight sub-blocks of 32, each d * scale * q - dmin * minimum."""
+    scale, minimum = (t.float() for t in k4_scales(b[:, 4:16]))
+    qs = b[:, 48:] if five else b[:, 16:]
+    q = split_nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j+1 high
+    if five:
+        q = q | (((b[:, 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1).transpose(1, 2) << 4)
+    d = half_at(b, 0)[:, :, None] * scale[:, :, None]
+    return (d * q.float() - half_at(b, 2)[:, :, None] * minimum[:, :, None]).reshape(-1, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = split_nibbles(b[:, :128].reshape(-1, 2, 64))  # [nb, 2, 128]
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+    q = (ql | (qh.reshape(-1, 2, 128) << 4)).float() - 32
+    scale = b[:, 192:208].contiguous().view(torch.int8).float() * half_at(b, 208)
+    return (scale.repeat_interleave(16, dim=-1) * q.reshape(-1, 256)).reshape(-1, 256)
+
+
+# IQ4_NL's 16 levels (llama.cpp's kvalues_iq4nl): a nibble picks one, times the block's d.
+IQ4_NL_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                             dtype=torch.float32)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return half_at(b, 0) * IQ4_NL_VALUES[split_nibbles(b[:, 2:]).long()]
+
+
+QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
+    QuantType("Q4_0", 2, 32, 18, _q4_0, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0),
+              max_rows=PACKED_MAX_ROWS),
+    QuantType("Q4_1", 3, 32, 20, _q4_1, Packing(("blocks", "scale", "minimum"), pack_q4_1, unpack_q4_1),
+              max_rows=PACKED_MAX_ROWS),
+    QuantType("Q5_0", 6, 32, 22, _q5_0, Packing(("blocks", "fifth", "scale"), pack_q5_0, unpack_q5_0),
+              max_rows=PACKED_MAX_ROWS),
+    QuantType("Q5_1", 7, 32, 24, _q5_1, Packing(("blocks", "fifth", "scale_min"), pack_q5_1, unpack_q5_1),
+              max_rows=PACKED_MAX_ROWS),
+    QuantType("Q8_0", 8, 32, 34, _q8_0, Packing(("blocks", "scale"), pack_q8_0, unpack_q8_0, q8_0_rows),
+              max_rows=PACKED_MAX_ROWS),
+    QuantType("Q4_K", 12, 256, 144, lambda b: _k4(b, five=False),
+              Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k), max_rows=PACKED_MAX_ROWS),
+    QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True)),
+    # Prefill in float: SmolLM2's Q4_K_M file keeps its first layers' down projections in Q6_K, and a prefill of
+    # those on int8-rounded activations changed its greedy answers.
+    QuantType("Q6_K", 14, 256, 210, _q6_k, Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k),
+              Prefill.FLOAT),
+    QuantType("IQ4_NL", 20, 32, 18, _iq4_nl),
+)}
+BY_NAME: dict[str, QuantType] = {t.name: t for t in QUANT_TYPES.values()}
+
+
+def quant_type(name: str) -> QuantType:
+    """The table's row for a GGML type name; ValueError naming the types served where it has none."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"no GGUF quant type {name!r}: one of {', '.join(BY_NAME)}") from None
+
+
+def dequantize(data: torch.Tensor, qtype: str, in_features: int, kernel=None) -> torch.Tensor:
+    """Rows of blocks uint8 [N, row_bytes] → float32 [N, in_features]; in C++ where `kernel` is the built ops."""
+    t = quant_type(qtype)
+    if kernel is not None:
+        return kernel.gguf_dequantize(data, t.type_id, in_features)
+    return t.dequantize(data.reshape(-1, t.block_bytes)).reshape(data.shape[0], in_features)

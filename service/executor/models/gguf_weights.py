@@ -1,0 +1,87 @@
+"""The owned model straight from a .gguf file, its quantized weights kept in the file's own blocks.
+
+Tensors are read from the file's directory (gguf_file.py) and named as transformers names them (gguf's tensor name
+map); each quantized tensor is copied out of the file once as its raw uint8 rows (`GgufBlocks`), float tensors as
+float32. llama.cpp's converter permutes the rows of a llama q and k weight for its rotary layout: the rows are put
+back exactly as transformers' GGUF loader does (`reverse_permute`), which moves whole rows, so the blocks are
+untouched. Config, tokenizer and chat template still come from transformers' GGUF support.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sluice import native
+from sluice.service.executor.kv_sizing import format_bytes, model_weight_bytes
+from sluice.service.executor.layers.gguf_blocks import GgufBlocks
+from sluice.service.executor.layers.gguf_linear import GgufFormat
+from sluice.service.executor.layers.quant_types import BY_NAME
+from sluice.service.executor.models import weights
+from sluice.service.executor.models.gguf_file import read_gguf
+from sluice.service.executor.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("sluice.engine")
+
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # how numpy holds each
+
+
+def reverse_permute(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation for `heads` heads (transformers' reverse_permute on row
+    indices): checkpoint row h * D + j * D / 2 + i is GGUF row h * D + 2 * i + j."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(2, 1).reshape(rows)
+
+
+def read_tensors(path: Path, config) -> weights.Tensors:
+    """Access by transformers name to the file's tensors: `GgufBlocks` for quantized ones, float32 otherwise."""
+    import gguf
+
+    metadata, stored = read_gguf(path)
+    arch_name = metadata.get(gguf.KEY_GENERAL_ARCHITECTURE)
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
+    if arch is None:
+        raise ValueError(f"{path.name}: unknown GGUF architecture {arch_name!r}")
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    permuted = {"attn_q": config.num_attention_heads,
+                "attn_k": config.num_key_value_heads or config.num_attention_heads} if arch_name == "llama" else {}
+
+    def tensor(name: str):
+        base, _, suffix = name.rpartition(".")
+        gguf_name = names.get_name(base)
+        t = stored.get(f"{gguf_name}.{suffix}") if gguf_name else None
+        if t is None:
+            return None
+        qtype = t.type_name
+        if qtype not in BY_NAME and qtype not in FLOAT_TYPES:
+            raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which Sluice cannot serve as stored "
+                             f"(one of {', '.join([*BY_NAME, *FLOAT_TYPES])})")
+        data = t.rows(FLOAT_TYPES.get(qtype, np.uint8))
+        heads = permuted.get(gguf_name.rpartition(".")[2]) if suffix == "weight" else None
+        if heads:
+            data = data[reverse_permute(data.shape[0], heads)]
+        if qtype == "BF16":  # no numpy bfloat16: its bits, viewed by torch
+            return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
+        if qtype in FLOAT_TYPES:
+            return torch.from_numpy(np.array(data, dtype=np.float32))
+        return GgufBlocks(torch.from_numpy(np.array(data)), qtype, int(t.dims[0]))
+
+    return tensor
+
+
+def load(path: Path, config, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The owned model of `config` with the weights of the GGUF file `path`, quantized ones as stored."""
+    from transformers import GenerationConfig
+
+    if device.type != "cpu":
+        raise ValueError(f"GGUF blocks are served on CPU, not {device}")
+    formats = GgufFormat(dtype, native.load())
+    model = weights.build(config, read_tensors(path, config.get_text_config()), formats, device, dtype,
+                          GenerationConfig.from_model_config(config))
+    resident, size = model_weight_bytes(model), path.stat().st_size
+    logger.info("GGUF %s: %s resident weights for a %s file (%.2fx); linears %s", path.name, format_bytes(resident),
+                format_bytes(size), resident / size, formats.describe())
+    return model

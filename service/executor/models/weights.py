@@ -1,0 +1,132 @@
+"""Builds the owned Llama-family model straight from checkpoint tensors: a safetensors directory, or the state of a
+transformers model handed to the engine. q/k/v and gate/up are fused at load; each linear's format comes from the
+weight format (`layers/linear.py`). No transformers modeling module is built on the safetensors path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sluice.service.executor.layers.attention import PagedAttention
+from sluice.service.executor.layers.linear import WeightFormat
+from sluice.service.executor.layers.mlp import GatedMLP
+from sluice.service.executor.layers.norm import RMSNorm
+from sluice.service.executor.layers.rotary import STATIC_ROPE_TYPES, RotaryEmbedding, rope_parameters
+from sluice.service.executor.models.llama import DecoderLayer, LlamaForCausalLM
+
+# transformers model_type → the family member; all share this one forward.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+Tensors = Callable[[str], torch.Tensor | None]  # checkpoint name → tensor, None where absent
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the owned forward cannot run a model of this transformers config; None where it can."""
+    config = config.get_text_config()
+    if config.model_type not in MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r}"
+    return None
+
+
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a transformers text config: KV heads default to the query heads, the
+    head size to hidden_size / heads."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _sliding_window(config, layer: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type in ("qwen2", "qwen3"):  # a window only on layers marked so (use_sliding_window)
+        return window if layer_types and layer_types[layer] == "sliding_attention" else None
+    return window if config.model_type == "mistral" else None
+
+
+def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device, dtype: torch.dtype,
+          generation_config=None) -> LlamaForCausalLM:
+    """The owned model of `config` with the checkpoint's weights, each linear in the format `formats` gives it."""
+    config = config.get_text_config()
+
+    def take(name: str) -> torch.Tensor | None:
+        t = tensors(name)
+        return None if t is None else t.detach().to(device=device, dtype=dtype, copy=True)
+
+    def linear(prefix: str, parts: list[str]) -> nn.Module:
+        names = [f"{prefix}{p}" for p in parts]
+        return formats.make_parts([tensors(f"{n}.weight") for n in names], [tensors(f"{n}.bias") for n in names],
+                                 names, device, dtype)
+
+    def norm(name: str) -> RMSNorm:
+        return RMSNorm(take(name), config.rms_norm_eps)
+
+    heads, kv_heads, head_dim = attention_shape(config)
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        has_qk_norm = tensors(f"{p}self_attn.q_norm.weight") is not None
+        attn = PagedAttention(
+            linear(p + "self_attn.", ["q_proj", "k_proj", "v_proj"]), linear(p + "self_attn.", ["o_proj"]),
+            heads, kv_heads, head_dim, i,
+            norm(f"{p}self_attn.q_norm.weight") if has_qk_norm else None,
+            norm(f"{p}self_attn.k_norm.weight") if has_qk_norm else None,
+            _sliding_window(config, i),
+        )
+        mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
+        layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn,
+                                   norm(f"{p}post_attention_layernorm.weight"), mlp))
+    embed = formats.embedding(tensors("model.embed_tokens.weight"), device, dtype)
+    tied = config.tie_word_embeddings or tensors("lm_head.weight") is None
+    head = formats.tied_head(embed) if tied else linear("", ["lm_head"])
+    rotary = RotaryEmbedding(config, head_dim).to(device)
+    return LlamaForCausalLM(config, embed, layers, norm("model.norm.weight"), head, rotary, generation_config).eval()
+
+
+def safetensors_tensors(directory: Path) -> Tensors:
+    """Lazy access to a checkpoint directory's safetensors tensors by name (one or several files)."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {directory}")
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    # A checkpoint saved from the bare decoder (Qwen3-Embedding, sentence-transformers models) names its tensors
+    # without the "model." prefix of transformers' *ForCausalLM.
+    bare = not any(name.startswith("model.") for name in where)
+
+    def get(name: str) -> torch.Tensor | None:
+        key = name.removeprefix("model.") if bare else name
+        return where[key].get_tensor(key) if key in where else None
+
+    return get
+
+
+def load(directory: Path, config, formats: WeightFormat, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The owned model from a safetensors checkpoint directory (transformers' layout and names)."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() \
+        else GenerationConfig.from_model_config(config)
+    return build(config, safetensors_tensors(directory), formats, device, dtype, generation)
+
+
+def from_transformers(model: nn.Module, formats: WeightFormat, device: torch.device,
+                      dtype: torch.dtype) -> LlamaForCausalLM:
+    """The owned model with the weights of a transformers Llama-family model (copied: `model` is left as it is)."""
+    state = model.state_dict()
+    return build(model.config, state.get, formats, device, dtype, getattr(model, "generation_config", None))
+

@@ -1,0 +1,251 @@
+"""Q4_0, Q5_0, Q5_1, Q6_K and Q8_0 regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear, q5_1_linear,
+q6_k_linear, q8_0_packed_linear): every bit of the file kept, the kernel against the exact product of the
+int8-rounded activations and the file's weights, every instruction set the same, and the fused layer's linear on the
+same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1 and Q8_0 linears through the fused layer and
+the Python path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sluice.service.executor.layers.gguf_blocks import (
+    GgufBlocks,
+    pack_q4_0,
+    pack_q5_0,
+    pack_q5_1,
+    pack_q6_k,
+    pack_q8_0,
+    quantize,
+    unpack_q4_0,
+    unpack_q5_0,
+    unpack_q5_1,
+    unpack_q6_k,
+    unpack_q8_0,
+)
+from sluice.service.executor.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear
+from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
+from tests.support.int8_rounding import int8_rounded
+from tests.support.kernels import integer_kernels, variant_isas
+
+PACKS = {"Q4_0": (pack_q4_0, unpack_q4_0, "q4_0_linear"),
+         "Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
+         "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"), "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear")}
+SHAPES = {"Q4_0": [(3, 16, 4, 16, 4), (3, 16, 16)],  # codes (nibbles), scales
+          "Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
+          "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
+          "Q6_K": [(3, 16, 4, 16, 4), (3, 16, 160), (3, 2, 16)],  # nibbles, high bits and scales, d per 256
+          "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)]}  # codes (bytes), scales
+
+
+def rows_of(linear, *bounds) -> torch.Tensor:
+    """A GGUF linear's rows (bounds: start, stop) as the file stores them."""
+    return linear.method.stored_rows(linear, *bounds)
+
+
+def packs(linear) -> list[torch.Tensor]:
+    """A packed GGUF linear's buffers, in the order its kernel takes them."""
+    return linear.method.packs(linear)
+
+
+def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of `qtype` blocks that gguf's own quantizer made from random floats; Q6_K, which it cannot make: random
+    codes and scales with a small d (elements around 0.1)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    if qtype == "Q6_K":
+        blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
+        blocks[:, 208:] = (rng.random(len(blocks)) * 2e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return torch.from_numpy(blocks.reshape(n, -1))
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype]))
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+def test_packing_keeps_every_bit_in_the_files_size(qtype):
+    pack, unpack, _ = PACKS[qtype]
+    nbytes = BY_NAME[qtype].block_bytes
+    blocks = quantized(qtype, 40, 512, seed=1)  # 40 rows: the last block of 16 is padded
+    packed = pack(blocks)
+    assert [tuple(t.shape) for t in packed] == SHAPES[qtype] and packed[-1].dtype == torch.float16
+    assert torch.equal(unpack(*packed, 40), blocks)
+    raw = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (48, 16 * nbytes), dtype=np.uint8))
+    packed = pack(raw)  # any bytes, NaN scales too: a permutation
+    assert torch.equal(unpack(*packed, 48), raw)
+    assert sum(t.numel() * t.element_size() for t in packed) == raw.numel()
+
+
+def test_q8_0_codes_sit_where_the_kernel_reads_them():
+    """Chunk c, lane o of a group: bytes q + 128 of inputs 4c..4c+3 of row o."""
+    blocks = quantize(torch.arange(32.0).repeat(16, 1) - 16, "Q8_0")  # row o: -16..15, d = 16 / 127
+    codes, scale = pack_q8_0(blocks)
+    q = blocks[:, 2:].view(torch.int8)
+    assert torch.equal(codes[0, 0, 2, 5].view(torch.int8), q[5, 8:12] ^ -128)
+    assert torch.equal(scale[0, 0], blocks[:, :2].contiguous().view(torch.float16)[:, 0])
+
+
+def test_fifth_bits_sit_where_the_kernel_reads_them():
+    """Output o's byte t of a group holds in bit c the fifth bit of input 4c + t, in bit 4 + c that of 16 + 4c + t."""
+    blocks = torch.zeros(16, 22, dtype=torch.uint8)
+    blocks[3, 2:6] = torch.tensor([1 << 6, 0, 1 << 6, 0], dtype=torch.uint8)  # row 3: inputs 6 and 22
+    fifth = pack_q5_0(blocks)[1]
+    want = torch.zeros(16, 4, dtype=torch.uint8)
+    want[3, 2] = (1 << 1) | (1 << 5)  # 6 = 4 * 1 + 2 (low, chunk 1), 22 = 16 + 4 * 1 + 2 (high, chunk 1)
+    assert torch.equal(fifth[0, 0], want)
+
+
+WHOLE_CALLS = [q for q in PACKS if q != "Q6_K"]  # packed for calls of every size; Q6_K's prefill is float (below)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
+def test_q6_k_kernel_computes_the_int8_activation_linear(rows, kernel):
+    n, k = 40, 768
+    blocks = quantized("Q6_K", n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0
+    weight = dequantize(blocks, "Q6_K", k).double()
+    got, want = kernel.q6_k_linear(x, *pack_q6_k(blocks), n).double(), int8_rounded(x).double() @ weight.T
+    scale = (x.double().abs() @ weight.abs().T).amax()
+    assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
+
+
+def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
+    # Served packed, Q6_K keeps the numerics of its rows read as stored: int8 activations up to 32 rows (the
+    # GEMV's), float tiles past them (which SmolLM2's first layers' downs need, gguf_linear.py).
+    n, k = 40, 768  # 40 rows: the last pack of 16 is part padding
+    blocks = quantized("Q6_K", n, k, seed=11)
+    packed = GgufLinear(GgufBlocks(blocks, "Q6_K", k), torch.randn(n), kernel)
+    stored = GgufLinear(GgufBlocks(blocks, "Q6_K", k), packed.bias.data, kernel, repack=False)
+    assert packed.method.packed and not stored.method.packed
+    assert packed.method.max_rows == stored.method.max_rows == 32
+    assert torch.equal(kernel.q6_k_dequantize(*packs(packed))[:n], dequantize(blocks, "Q6_K", k, kernel))
+    assert torch.equal(packed.method.float_rows(packed, 16, 40), dequantize(blocks[16:], "Q6_K", k))
+    weight = dequantize(blocks, "Q6_K", k).double()
+    for rows in (1, 5, 32):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(packed(x), stored(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x).double(), int8_rounded(x).double() @ weight.T + packed.bias.double(),
+                                   rtol=1e-5, atol=1e-5)
+    packed.method.tile_rows = stored.method.tile_rows = 16  # several tiles, the last one partial
+    x = torch.randn(2, 17, k, generator=torch.Generator().manual_seed(2))  # 34 rows: prefill
+    torch.testing.assert_close(packed(x), stored(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(packed(x).double(), x.double() @ weight.T + packed.bias.double(), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(RuntimeError, match="high_scales uint8"):
+        nibbles, high_scales, supers = packs(packed)
+        kernel.q6_k_dequantize(nibbles, high_scales[:, :, :8].contiguous(), supers)
+    for isa in variant_isas():  # the portable loop and the AVX2 lanes unpack the same codes
+        assert torch.equal(integer_kernels(isa).q6_k_dequantize(*packs(packed)), kernel.q6_k_dequantize(
+            *packs(packed))), isa
+
+
+def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
+    # A head's rows are one per sequence: a step of 40 sequences gives each the logits it gets alone (a layer's
+    # Q6_K still multiplies float tiles past 32 rows: its prefill).
+    n, k = 40, 512
+    blocks = GgufBlocks(quantized("Q6_K", n, k, seed=4), "Q6_K", k)
+    method = GgufFormat(torch.float32, kernel)
+    cpu = torch.device("cpu")
+    tied = method.tied_head(method.embedding(blocks, cpu, torch.float32))
+    untied, layer = (method.make_parts([blocks], [None], [name], cpu, torch.float32)
+                     for name in ("lm_head", "down_proj"))
+    assert tied.method.max_rows == untied.method.max_rows == PACKED_MAX_ROWS
+    assert layer.method.max_rows == STORED_MAX_ROWS
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
+    logits = tied(x)
+    for row in (0, 17, 39):
+        assert torch.equal(logits[row], tied(x[row:row + 1])[0])
+    weight = dequantize(blocks.data, "Q6_K", k).double()
+    want, scale = int8_rounded(x).double() @ weight.T, (x.double().abs() @ weight.abs().T).amax()
+    assert ((logits.double() - want).abs() > 1e-6 * scale).sum() <= max(1, logits.numel() // 40)
+
+
+@pytest.mark.parametrize("qtype", WHOLE_CALLS)
+@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
+def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
+    n, k = 40, 768
+    blocks = quantized(qtype, n, k, seed=rows)
+    linear = GgufLinear(GgufBlocks(blocks, qtype, k), None, kernel)
+    assert linear.method.packed and linear.method.max_rows == PACKED_MAX_ROWS  # prefill chunks too
+    assert torch.equal(rows_of(linear), blocks) and torch.equal(rows_of(linear, 5, 21), blocks[5:21])
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero group: scale 0
+    weight = dequantize(blocks, qtype, k).double()
+    # Q4_0's (q - 8), Q5_0's (q - 16) and Q5_1's minimum all multiply the rounded activations: the exact product is
+    # the reference, only the float sums' order differs (and, rarely, an activation within an ulp of a rounding tie).
+    got, want = linear(x).double(), int8_rounded(x).double() @ weight.T
+    scale = (x.double().abs() @ weight.abs().T).amax()
+    assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
+    assert (got - x.double() @ weight.T).abs().max() <= 0.01 * scale  # the int8 rounding, no more
+    op = linear.kernel_facts().op  # the fused layer's linear: the same kernel
+    assert op is not None and torch.equal(getattr(kernel, PACKS[qtype][2])(x, *packs(linear), n), linear(x))
+
+
+def test_halfway_activations_round_to_even_in_every_instruction_set(kernel):
+    # Scale 1 (each group's largest is 127), so x.5 lands exactly halfway: half to even, as torch.round and
+    # llama.cpp's nearbyint; away from zero would move a code by one, a thousandth of the output.
+    k = 64
+    blocks = quantized("Q8_0", 16, k, seed=9)
+    x = torch.zeros(9, k)  # 9 rows: a pass of 8 and one of 1 on AVX-512
+    for g in (0, 32):
+        x[:, g] = 127.0
+        x[:, g + 1:g + 32] = torch.arange(31) - 15.5 + torch.arange(9)[:, None] % 2
+    want = int8_rounded(x).double() @ dequantize(blocks, "Q8_0", k).double().T
+    halfway = torch.tensor([[-16.0, -14, -14], [-14, -14, -12]])  # -15.5, -14.5, -13.5 and one more
+    assert torch.equal(int8_rounded(x)[:, 1:4], halfway.repeat(5, 1)[:9])
+    for isa in ("native", *variant_isas()):
+        ops = kernel if isa == "native" else integer_kernels(isa)
+        got = ops.q8_0_packed_linear(x, *pack_q8_0(blocks), 16).double()
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), isa
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+def test_every_instruction_set_computes_the_same(qtype, kernel):
+    pack, _, op = PACKS[qtype]
+    packed = pack(quantized(qtype, 48, 512, seed=6))
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(6))
+    want = getattr(kernel, op)(x, *packed, 48)
+    for isa in variant_isas():  # the same integer sums and the same float steps in the same order: the same bits
+        assert torch.equal(getattr(integer_kernels(isa), op)(x, *packed, 48), want), isa
+    with pytest.raises(RuntimeError, match="float16"):
+        getattr(kernel, op)(x, *packed[:-1], packed[-1].float(), 48)
+    with pytest.raises(RuntimeError, match="qs uint8"):  # the other layout's codes
+        getattr(kernel, op)(x, pack_q5_0(quantized("Q5_0", 48, 512, 6))[0] if qtype == "Q8_0" else
+                            pack_q8_0(quantized("Q8_0", 48, 512, 6))[0], *packed[1:], 48)
+    if len(packed) == 3:  # a middle buffer of the wrong shape
+        with pytest.raises(RuntimeError, match="high_scales uint8" if qtype == "Q6_K" else "fifth uint8"):
+            getattr(kernel, op)(x, packed[0], packed[1][:, :, :8].contiguous(), packed[2], 48)
+
+
+@pytest.mark.parametrize("qtype", list(PACKS))
+def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
+    blocks = quantized(qtype, 40, 256, seed=3)
+    embed = GgufEmbedding(GgufBlocks(blocks, qtype, 256), torch.float32, kernel)
+    assert embed.table.method.packed  # the one copy of the bytes, which a tied head runs
+    ids = torch.tensor([[39, 0, 17], [16, 39, 5]])
+    want = dequantize(blocks[ids.reshape(-1)], qtype, 256, kernel).view(2, 3, 256)
+    assert torch.equal(embed(ids), want)
+    with pytest.raises(IndexError):
+        embed(torch.tensor([40]))  # a padding row of the last block of 16 is no token
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_largest_five_bit_codes_against_the_largest_activations_sum_exactly(qtype, kernel):
+    # Every code 31 against every activation code +-127: the largest sums a group's products reach, exact in every
+    # instruction set (16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 such products).
+    n, k = 16, 256
+    head = 2 if qtype == "Q5_0" else 4
+    block = torch.full((BY_NAME[qtype].block_bytes,), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
+    block[:head] = torch.tensor([1.0, 0.0][:head // 2], dtype=torch.float16).view(torch.uint8)  # d = 1 (m = 0)
+    blocks = block.repeat(n, k // 32)
+    x = torch.full((3, k), 1.0)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    linear = GgufLinear(GgufBlocks(blocks, qtype, k), None, kernel)
+    want = int8_rounded(x).double() @ dequantize(blocks, qtype, k).double().T
+    assert torch.equal(linear(x).double(), want)
+    for isa in variant_isas():
+        op = getattr(integer_kernels(isa), PACKS[qtype][2])
+        assert torch.equal(op(x, *packs(linear), n).double(), want)
