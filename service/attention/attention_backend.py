@@ -1,7 +1,9 @@
 """Plugs Sluice's paged attention into transformers models as attn_implementation "sluice_paged".
 
 The model code stays transformers'; each attention layer calls `sluice_paged_attention`, which reads the step's
-metadata and the layer's KV cache from the forward context the model runner sets around the forward.
+metadata and the layer's KV cache from the forward context the model runner sets around the forward. That context
+belongs to the executor (`service/executor/forward_context.py`), which sits above this room: `register` is handed
+its getter, so nothing here imports the executor.
 No mask function is registered on purpose: for an implementation absent from `AttentionMaskInterface`,
 transformers' `create_causal_mask` / `create_sliding_window_causal_mask` return None without building anything
 (its path for "TGI/vLLM backends"), which is exactly what a paged backend wants: the mask lives in the metadata.
@@ -9,50 +11,18 @@ transformers' `create_causal_mask` / `create_sliding_window_causal_mask` return 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
 
 import torch
 
-from sluice.service.attention.paged_attention import AttentionMetadata, paged_attention
+from sluice.service.attention.paged_attention import paged_attention
 
 ATTN_IMPLEMENTATION = "sluice_paged"
 
 
-@dataclass(slots=True)
-class ForwardContext:
-    """What attention layers need during one forward: the step's metadata and every layer's KV cache."""
-
-    attn_metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
-    lora: object | None = None  # the step's adapter rows (lora/layers.py: LoRABatch); None: no adapter rows
-
-
-# A plain global, as in vLLM: one forward runs at a time (the engine's worker thread), and attention layers
-# must see the context whichever thread the runner uses.
-_forward_context: ForwardContext | None = None
-
-
-@contextmanager
-def set_forward_context(context: ForwardContext) -> Iterator[None]:
-    """Make `context` visible to the attention layers for the duration of one forward."""
-    global _forward_context
-    previous, _forward_context = _forward_context, context
-    try:
-        yield
-    finally:
-        _forward_context = previous
-
-
-def get_forward_context() -> ForwardContext:
-    """The context of the forward in progress; raises outside `set_forward_context`."""
-    if _forward_context is None:
-        raise RuntimeError("sluice_paged attention called outside set_forward_context (not driven by ModelRunner?)")
-    return _forward_context
-
-
 def sluice_paged_attention(
+    forward_context: Callable,
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -64,8 +34,10 @@ def sluice_paged_attention(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention hook: query [1, H, T, D], key/value [1, Hkv, T, D] → ([1, T, H, D], None)."""
-    context = get_forward_context()
+    """transformers attention hook (bound to `forward_context` by `register`): query [1, H, T, D], key/value
+    [1, Hkv, T, D] → ([1, T, H, D], None). `forward_context()`: the forward in progress's context, whose
+    `kv_caches[layer]` and `attn_metadata` it reads."""
+    context = forward_context()
     key_cache, value_cache = context.kv_caches[module.layer_idx]
     out = paged_attention(
         query[0].transpose(0, 1),
@@ -81,11 +53,12 @@ def sluice_paged_attention(
     return out.unsqueeze(0), None
 
 
-def register() -> str:
-    """Register the backend with transformers (idempotent); returns the attn_implementation name."""
+def register(forward_context: Callable) -> str:
+    """Register the backend with transformers, reading each forward's context from `forward_context()` (the
+    executor's `get_forward_context`); idempotent. Returns the attn_implementation name."""
     # Imported here: transformers' modeling stack takes ~2.5 s to import, and only a model on transformers'
     # forward (the fallback path) needs it; Sluice's own forward calls paged_attention itself.
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, sluice_paged_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, functools.partial(sluice_paged_attention, forward_context))
     return ATTN_IMPLEMENTATION

@@ -24,8 +24,8 @@ import torch
 from sluice.cpu import CGROUP_ROOT, MEMINFO, PROC_CGROUP, cgroup_memory_limit, mem_available
 from sluice.kvcache.config import AUTO, CPU_KV_CACHE_GIB, CacheConfig, gib_or_auto
 from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
-from sluice.service.attention.attention_backend import ForwardContext, set_forward_context
 from sluice.service.attention.paged_attention import AttentionMetadata
+from sluice.service.executor.forward_context import ForwardContext, set_forward_context
 from sluice.service.executor.models.packed import packed_logits
 from sluice.service.executor.models.weights import attention_shape
 

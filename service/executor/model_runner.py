@@ -11,15 +11,11 @@ from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.transfer import tensors_to_device, to_device
 from sluice.scheduling.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from sluice.service.attention import triton_decode
-from sluice.service.attention.attention_backend import (
-    ATTN_IMPLEMENTATION,
-    ForwardContext,
-    register,
-    set_forward_context,
-)
+from sluice.service.attention.attention_backend import ATTN_IMPLEMENTATION, register
 from sluice.service.attention.decode_kernel import load as load_decode_kernel
 from sluice.service.attention.paged_attention import KERNEL_ROWS_MAX, AttentionMetadata, resolve_backend
 from sluice.service.executor.decode_buffers import DecodeBuffers, DecodeStep
+from sluice.service.executor.forward_context import ForwardContext, get_forward_context, set_forward_context
 from sluice.service.executor.kv_sizing import KVShape, kv_cache_blocks
 from sluice.service.executor.layers.attention import PagedAttention
 from sluice.service.executor.models.llama import LlamaForCausalLM
@@ -49,7 +45,7 @@ class ModelRunner:
         # Sluice's own model calls the paged attention itself; a transformers one does through its
         # AttentionInterface (idempotent: a caller-built model may still be on sdpa/eager).
         if not isinstance(model, LlamaForCausalLM):
-            model.set_attn_implementation(register())
+            model.set_attn_implementation(register(get_forward_context))
             if model.config._attn_implementation != ATTN_IMPLEMENTATION:
                 raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
                                  "AttentionInterface, so it cannot use the paged KV cache")

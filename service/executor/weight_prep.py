@@ -13,6 +13,7 @@ from sluice import native
 from sluice.cpu import release_freed_memory
 from sluice.service.attention.attention_backend import register as register_attention
 from sluice.service.config import ModelConfig
+from sluice.service.executor.forward_context import get_forward_context
 from sluice.service.executor.layers.gguf_linear import QuantizeFormat
 from sluice.service.executor.layers.linear import PlainFormat, WeightFormat
 from sluice.service.executor.layers.packed_linear import PackedFormat, can_prepack
@@ -62,7 +63,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
     logger.info("model path: transformers' %s with the paged attention hook (%s)", type(model).__name__, reason)
     model.eval()
     model.to(device=device, dtype=dtype)
-    model.set_attn_implementation(register_attention())
+    model.set_attn_implementation(register_attention(get_forward_context))
     return model
 
 

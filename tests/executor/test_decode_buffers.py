@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from sluice.service.attention.attention_backend import get_forward_context
 from sluice.service.executor.decode_buffers import capture_sizes
+from sluice.service.executor.forward_context import get_forward_context
 from tests.support.parity import hf_greedy
 from tests.support.runner import Driver, make_runner, prompts, tiny_pair
 

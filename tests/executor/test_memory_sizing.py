@@ -18,6 +18,7 @@ GiB = 1 << 30
 
 def tiny_model():
     from sluice.service.attention.attention_backend import register
+    from sluice.service.executor.forward_context import get_forward_context
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -25,7 +26,8 @@ def tiny_model():
         num_key_value_heads=2, max_position_embeddings=256,
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(register())  # the paged attention, as ModelRunner sets it: profiles run it
+    # the paged attention, as ModelRunner sets it: profiles run it
+    model.set_attn_implementation(register(get_forward_context))
     return model
 
 

@@ -9,8 +9,9 @@ from sluice.kvcache.config import CacheConfig
 from sluice.kvcache.kv_tensors import kv_block_bytes
 from sluice.scheduling.output import SchedulerOutput
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.attention.attention_backend import ATTN_IMPLEMENTATION, get_forward_context
+from sluice.service.attention.attention_backend import ATTN_IMPLEMENTATION
 from sluice.service.attention.paged_attention import KERNEL_ROWS_MAX
+from sluice.service.executor.forward_context import get_forward_context
 from sluice.service.executor.model_runner import ModelRunner
 from tests.support.parity import hf_greedy
 from tests.support.runner import Driver, make_runner, prompts, tiny_pair

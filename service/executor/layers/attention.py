@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sluice.service.attention.attention_backend import get_forward_context
 from sluice.service.attention.paged_attention import paged_attention
+from sluice.service.executor.forward_context import get_forward_context
 from sluice.service.executor.layers.rotary import apply_rotary
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sluice.service.attention.attention_backend import get_forward_context
+from sluice.service.executor.forward_context import get_forward_context
 from sluice.service.executor.lora.adapter import FUSED_PARTS, LoRAWeights
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from sluice import native
-from sluice.service.attention.attention_backend import get_forward_context
+from sluice.service.executor.forward_context import get_forward_context
 from sluice.service.executor.layers.attention import PagedAttention
 from sluice.service.executor.layers.linear import Linear
 from sluice.service.executor.layers.mlp import GatedMLP

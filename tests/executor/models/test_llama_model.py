@@ -17,10 +17,10 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from sluice import native
 from sluice.kvcache.kv_tensors import KVTensors
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.attention.attention_backend import ForwardContext, set_forward_context
 from sluice.service.attention.paged_attention import AttentionMetadata
 from sluice.service.config import ModelConfig, SluiceConfig
 from sluice.service.engine.engine import LLMEngine
+from sluice.service.executor.forward_context import ForwardContext, set_forward_context
 from sluice.service.executor.layers.linear import PlainFormat
 from sluice.service.executor.layers.mlp import GatedMLP
 from sluice.service.executor.layers.norm import RMSNorm
