@@ -31,7 +31,7 @@ define suite
 	for rc in $$rest $$canary; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 endef
 
-.PHONY: install serve test test-fast test-deep lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
+.PHONY: install serve test test-slow test-fast test-deep lint bench bench-peers model clean prometheus-check k8s-manifests k8s-check scaling soak gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,14 +51,17 @@ serve: model
 	$(BIN)/sluice serve $(ARGS)
 
 # pytest exits 5 when it collects no tests: that must fail CI, never pass silently.
-test: install
-	$(call suite,,)
+test: install  ## every test but those marked deep (kernel builds per instruction set, long end-to-end runs)
+	$(call suite,not deep,)
 
-test-deep: install  ## the suite under the deep hypothesis profile: 20,000 random bodies, 1,500 scheduler machine runs, 10x the examples
+test-slow: install  ## the tests `make test` leaves out (marked deep); CI runs both
+	$(call suite,deep,)
+
+test-deep: install  ## everything, under the deep hypothesis profile: 20,000 random bodies, 1,500 scheduler machine runs, 10x the examples
 	$(call suite,,--hypothesis-profile=deep)
 
-test-fast: install  ## everything but the tests that need the real SmolLM2
-	$(call suite,not slow,)
+test-fast: install  ## everything but the tests that need the real SmolLM2 and the deep ones
+	$(call suite,not slow and not deep,)
 
 lint: install
 	$(BIN)/ruff check sluice service scheduling kvcache metrics tests

@@ -17,7 +17,7 @@ from sluice.service.bench.mixed import MixedWorkload, mixed_lines, run_mixed
 from sluice.service.bench.serve import ServeConfig
 from tests.support.server import Server
 
-pytestmark = [pytest.mark.slow, pytest.mark.canary, pytest.mark.anyio, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.canary, pytest.mark.deep, pytest.mark.anyio, pytest.mark.timeout(600)]
 MIN_RATE_RATIO = 0.4  # of the stream's idle rate, per try (the design gives >= 0.5)
 CHAT_TTFT_S = 5.0  # the bound on a one-line chat's first token
 MAX_SLOWDOWN = 2.5  # the batch beside the stream against alone (the bound)

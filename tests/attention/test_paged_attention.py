@@ -134,6 +134,7 @@ EDGES = [0.0, -0.0, 1.0, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 1.0 + 3 * 
          float("nan")]
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("isa", ["native", "portable"])
 def test_the_kernel_rounds_stored_keys_as_torch_does(isa, kv_dtype, request):
@@ -177,6 +178,7 @@ def test_c_kernel_matches_torch_across_head_shapes(shape, dtype, kv_dtype):
         torch.testing.assert_close(out_c.float(), out_t.float(), rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 4, 128), (16, 2, 32), (2, 1, 16), (4, 4, 80), (4, 2, 256)])
 @pytest.mark.parametrize("dtype,kv_dtype", DTYPE_PAIRS, ids=DTYPE_IDS)
 def test_avx2_build_matches_torch(shape, dtype, kv_dtype, avx2_kernel):

@@ -111,6 +111,7 @@ def test_tiles_cover_every_query_once_and_never_span_two_sequences():
         assert plan.q_start.tolist() == cu_q[:-1] and plan.seq_lens.tolist() == seq_lens
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # Llama with a window; per-head q/k norms
 def test_greedy_parity_with_generate_on_the_triton_backend(triton_backend, monkeypatch, arch):
     """The engine end to end as on CUDA (chunked prefill over cached context, prefix hits, preemption; Mistral's

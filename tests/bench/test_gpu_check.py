@@ -11,6 +11,7 @@ import pytest
 from tests.support import REPO as ROOT
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 @pytest.mark.timeout(300)
 def test_gpu_check_tiny_runs_on_cpu_and_writes_its_json(tmp_path):
     out = tmp_path / "gpu_check.json"

@@ -184,6 +184,7 @@ def test_last_level_cache_is_the_largest_sysfs_cache(tmp_path):
     assert crossover.last_level_cache_bytes() > 0
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 @pytest.mark.parametrize("isa", variant_isas())
 @pytest.mark.parametrize("block", [64, 128])
 def test_f32_gemv_of_every_instruction_set_reads_each_row(isa, block):

@@ -48,6 +48,7 @@ def test_greedy_ids_pick_the_first_maximum_as_argmax(dtype):
     assert greedy_ids(x)[5] == 0 and greedy_ids(x)[3] == 7
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 4), vocab=st.integers(1, 200), seed=st.integers(0, 2**16),
        specials=st.lists(st.sampled_from(["nan", "inf", "-inf", "tie"]), max_size=4))

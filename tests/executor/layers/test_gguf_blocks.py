@@ -77,6 +77,7 @@ def test_integer_gemv_matches_float_matmul(qtype, rows, kernel):
     assert (got - x @ weight.T).abs().max() <= 0.01 * scale
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 def test_every_instruction_set_unpacks_and_multiplies_the_same(kernel):
     # The AVX2 build (a Zen 3) runs the same vector code as an AVX-512 build, its integer sums through
     # maddubs instead of VNNI (no product pair reaches int16's limit): the same bits. The portable loops unpack

@@ -111,6 +111,7 @@ def test_q6_k_kernel_computes_the_int8_activation_linear(rows, kernel):
     assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
 
 
+@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
 def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
     # Served packed, Q6_K keeps the numerics of its rows read as stored: int8 activations up to 32 rows (the
     # GEMV's), float tiles past them (which SmolLM2's first layers' downs need, gguf_linear.py).
