@@ -40,6 +40,9 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e '.[test]'
+	@# The native kernels for this CPU, built now rather than by the first request (or test) that needs them;
+	@# without a compiler this warns and the pure-torch paths serve.
+	$(BIN)/python -c "import logging; logging.basicConfig(level=logging.INFO); from sluice.native import load; load()"
 	touch $@
 
 install: $(STAMP)
