@@ -82,7 +82,6 @@ def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget:
                 waiting.add(r.client_id)
             else:
                 shape = grown
-    decision.decode_rows = shape.decode_rows
     extras.sort(key=lambda e: e[:3])
     if decision.probe:
         held |= {e[3].request_id for e in extras}

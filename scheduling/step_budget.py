@@ -92,9 +92,12 @@ class LatencyBudget:
         if self.fixed_target_s:
             return self.fixed_target_s
         base = self.model.predict_decode(decode_shape)
-        if self.base_step is not None and self.base_step[0] == decode_shape.decode_rows:
-            base = min(base, self.base_step[1])
-        return AUTO_ITL_FACTOR * base
+        measured = self._measured_base(decode_shape.decode_rows)
+        return AUTO_ITL_FACTOR * (base if measured is None else min(base, measured))
+
+    def _measured_base(self, rows: int) -> float | None:
+        """Seconds the latest steps of only the base rows took, where they had `rows` rows (else None)."""
+        return self.base_step[1] if self.base_step is not None and self.base_step[0] == rows else None
 
     def probe_due(self, decision: StepDecision) -> bool:
         """Whether this step should run only its base rows, prompt work or a crowd's rows waiting: the auto target
@@ -104,7 +107,7 @@ class LatencyBudget:
         if self.fixed_target_s or not decision.itl_target_s:
             return False
         self.mixed_run += 1
-        measured = self.base_step is not None and self.base_step[0] == decision.base_rows
+        measured = self._measured_base(decision.base_rows) is not None
         if self.mixed_run < (PROBE_EVERY if measured else PROBE_SOON):
             return False
         self.mixed_run = 0
@@ -148,12 +151,9 @@ class LatencyBudget:
         shape = decision.shape
         if shape.decode_rows and not shape.prefill_tokens and shape.decode_rows <= decision.base_rows:
             self.mixed_run = 0
-            last = self.base_step
-            if last is not None and last[0] == shape.decode_rows:
-                seconds_base = BASE_MEMORY * last[1] + (1 - BASE_MEMORY) * seconds
-            else:
-                seconds_base = seconds
-            self.base_step = (shape.decode_rows, seconds_base)
+            last = self._measured_base(shape.decode_rows)
+            self.base_step = (shape.decode_rows,
+                              seconds if last is None else BASE_MEMORY * last + (1 - BASE_MEMORY) * seconds)
         self.largest_prefill = max(self.largest_prefill, decision.shape.prefill_tokens)
         self.largest_rows = max(self.largest_rows, decision.shape.decode_rows)
         if not decision.itl_target_s:

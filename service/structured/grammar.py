@@ -199,7 +199,8 @@ class GrammarState:
         self._strikes: dict[str, int] = {}
         self.last_cost_ms: dict[str, float] = {}  # the latest token's grammar work per row, for error messages
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar-mask")
-        self._filling: tuple[list[ScheduledRequest], Future] | None = None  # the rows start_masks is filling
+        # The step's rows start_masks is filling: (the rows sampled, the constrained ones among them, the fill).
+        self._filling: tuple[list[ScheduledRequest], list[int], Future] | None = None
 
     def add(self, request_id: str, constraint: StructuredOutput) -> None:
         """Start a request's matcher (the compile is a cache hit when the API compiled it first)."""
@@ -219,23 +220,20 @@ class GrammarState:
         self._wait()  # a step that failed after starting its fill: its rows are not this step's
         rows = self._rows(to_sample)
         if rows:
-            bitmask = self._bitmask_for(len(to_sample))
-            matchers = [(i, to_sample[i].request_id, self.matchers[to_sample[i].request_id]) for i in rows]
-            self._filling = (to_sample, self._filler.submit(_fill, matchers, bitmask))
+            fill = self._filler.submit(_fill, self._jobs(to_sample, rows), self._bitmask_for(len(to_sample)))
+            self._filling = (to_sample, rows, fill)
 
     def mask_logits(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> None:
         """Set the logits of every token the grammar forbids to -inf, for the constrained rows only."""
-        if not self.matchers and self._filling is None:
-            return
-        started = self._filling is not None and self._filling[0] is to_sample
-        seconds = self._wait()
-        rows = self._rows(to_sample)
-        if not rows:
-            return
-        bitmask = self._bitmask_for(len(to_sample))
-        if not started:
-            seconds = _fill([(i, to_sample[i].request_id, self.matchers[to_sample[i].request_id]) for i in rows],
-                            bitmask)
+        if self._filling is not None and self._filling[0] is to_sample:
+            rows, seconds = self._filling[1], self._wait()
+        else:
+            self._wait()
+            rows = self._rows(to_sample) if self.matchers else []
+            if not rows:
+                return
+            seconds = _fill(self._jobs(to_sample, rows), self._bitmask_for(len(to_sample)))
+        bitmask = self._bitmask
         thinking = self.thinking
         for i in rows:
             rid = to_sample[i].request_id
@@ -258,6 +256,10 @@ class GrammarState:
         return [i for i, r in enumerate(to_sample) if r.request_id in self.matchers
                 and (r.request_id not in thinking or thinking[r.request_id].offers_start)]
 
+    def _jobs(self, to_sample: list[ScheduledRequest], rows: list[int]) -> list[tuple[int, str, object]]:
+        """(bitmask row, request id, matcher) of each constrained row: what _fill fills."""
+        return [(i, to_sample[i].request_id, self.matchers[to_sample[i].request_id]) for i in rows]
+
     def _bitmask_for(self, rows: int) -> torch.Tensor:
         if self._bitmask.shape[0] < rows:
             self._bitmask = self._xgr.allocate_token_bitmask(rows, self.compiler.vocab_size)
@@ -267,7 +269,7 @@ class GrammarState:
         """Wait for a fill in flight; its CPU seconds per request."""
         if self._filling is None:
             return {}
-        future, self._filling = self._filling[1], None
+        future, self._filling = self._filling[2], None
         return future.result()
 
     def _only_stops(self, row: torch.Tensor, request_id: str) -> bool:
