@@ -39,10 +39,11 @@ def crowded(decoding: list[Request]) -> bool:
 
 
 def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget: LatencyBudget,
-                     decision: StepDecision, priority_policy: bool,
-                     sat_out: set[str]) -> tuple[set[str], set[str]]:
+                     decision: StepDecision, priority_policy: bool, sat_out: set[str],
+                     guarding: bool = True) -> tuple[set[str], set[str]]:
     """Add the rows that decode this step to `decision.shape`, set its time target; return the ids of the rows
-    held back, and the clients none of whose rows go in (`sat_out`: those of the step before)."""
+    held back, and the clients none of whose rows go in (`sat_out`: those of the step before). `guarding`: an
+    established stream decodes (without one, or a crowd, the target holds nothing back and is not probed)."""
     shape = decision.shape
     by_client: dict[str, list[Request]] = {}
     for r in decoding:
@@ -52,7 +53,7 @@ def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget:
             shape.add_decode(r.num_computed_tokens, constrained=constrained(r))
         decision.decode_rows, decision.itl_target_s = shape.decode_rows, budget.target(shape)
         decision.base_rows = shape.decode_rows
-        decision.probe = budget.probe_due(decision)
+        decision.probe = budget.probe_due(decision, shape, guarding)
         return set(), set()
     extras: list[tuple[int, float, int, Request]] = []
     firsts = []
@@ -67,7 +68,7 @@ def plan_decode_rows(decoding: list[Request], counters: VirtualCounters, budget:
     for r in plain:
         base.add_decode(r.num_computed_tokens)
     decision.itl_target_s, decision.base_rows = budget.target(base), base.decode_rows
-    decision.probe = budget.probe_due(decision)
+    decision.probe = budget.probe_due(decision, base)
     held: set[str] = set()
     waiting: set[str] = set()
     for r in plain:

@@ -234,8 +234,9 @@ class Scheduler(StepResults, ServiceAccounting):
             self._sat_out = set()
             self.counters.refresh_backlog(set())
             return PrefillPlan(decision=decision)
+        guarding = any(r.num_output_tokens >= ESTABLISHED_TOKENS for r in decoding)
         held, self._sat_out = plan_decode_rows(decoding, self.counters, self.latency, decision,
-                                               self.policy == "priority", self._sat_out)
+                                               self.policy == "priority", self._sat_out, guarding)
         if only_decodes:
             self.counters.refresh_backlog(set())
             return PrefillPlan(decision=decision, held=held)

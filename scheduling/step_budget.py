@@ -13,8 +13,12 @@ The auto target's base is measured, not only extrapolated: a step that runs just
 is twice the lesser of that time and the cost model's prediction. The model alone would extrapolate from the
 steps it sees, and a crowd's steps (many rows, many of them under a grammar, their contexts growing together)
 leave it unable to tell a row's cost from a step's. With the auto target, one step in PROBE_EVERY runs only those
-rows (no prompt work, no extra rows) while prompts or a crowd wait, and sooner (after PROBE_SOON steps) when the
-base has not been measured at its present number of rows: the machine may speed up or slow down meanwhile.
+rows (no prompt work, no extra rows) while prompts or a crowd wait, and sooner (after PROBE_SOON steps) when no
+base was measured within BASE_ROWS_SPAN times its present number of rows: the machine may speed up or slow down
+meanwhile. A base measured at another number of rows is carried to the present one by the model's ratio between
+the two (a burst's rows grow step by step: probing each count would delay its prompts by a step each time). Only
+a target that guards someone is measured: before any stream is established, prompt work is not held for it
+(prefill_plan.py), and a probe would only delay the prompts.
 
 The planner aims a little under the target (AIM), and the measured steps feed back: a time credit (each step the
 target limited adds the aim less its measured time, the past fading) moves what the planner aims at, so that steps
@@ -43,7 +47,8 @@ AIM = 0.9  # the planner aims this far under the target: a step a little slower 
 # would otherwise start level with them and be held to the target (workload A's time to first token, +0.7 s).
 ESTABLISHED_TOKENS = 16
 PROBE_EVERY = 32  # with the auto target, one step in this many runs only the target's base rows (see probe_due)
-PROBE_SOON = 8  # ... or one in this many while the base is unmeasured at its present number of rows
+PROBE_SOON = 8  # ... or one in this many while the base is unmeasured near its present number of rows
+BASE_ROWS_SPAN = 2  # a base measured at up to this factor more or fewer rows is carried to the present rows
 BASE_MEMORY = 0.5  # weight of the past in the measured base step (per base-shaped step measured)
 
 
@@ -83,7 +88,7 @@ class LatencyBudget:
         self.credit = 0.0  # seconds the decoding steps stayed under their targets, recently (leaky sum)
         self.starved = 0  # steps in a row that had prompt work pending and granted none
         self.mixed_run = 0  # steps with decoding rows since the last one that ran only the base rows
-        self.base_step: tuple[int, float] | None = None  # (rows, seconds) of the latest steps of only the base rows
+        self.base_step: tuple[StepShape, float] | None = None  # the latest steps of only the base rows, and seconds
 
     def target(self, decode_shape: StepShape) -> float:
         """Seconds a step with this decoding batch should stay within (0 where nothing decodes or it is off)."""
@@ -92,22 +97,33 @@ class LatencyBudget:
         if self.fixed_target_s:
             return self.fixed_target_s
         base = self.model.predict_decode(decode_shape)
-        measured = self._measured_base(decode_shape.decode_rows)
+        measured = self._measured_base(decode_shape)
         return AUTO_ITL_FACTOR * (base if measured is None else min(base, measured))
 
-    def _measured_base(self, rows: int) -> float | None:
-        """Seconds the latest steps of only the base rows took, where they had `rows` rows (else None)."""
-        return self.base_step[1] if self.base_step is not None and self.base_step[0] == rows else None
+    def _measured_base(self, shape: StepShape) -> float | None:
+        """Seconds the latest steps of only the base rows took: as measured at `shape`'s number of rows, or carried to
+        it by the model's ratio from up to BASE_ROWS_SPAN times more or fewer rows (else None)."""
+        if self.base_step is None:
+            return None
+        measured, seconds = self.base_step
+        rows, then = shape.decode_rows, measured.decode_rows
+        if rows == then:
+            return seconds
+        if not (then <= rows * BASE_ROWS_SPAN and rows <= then * BASE_ROWS_SPAN):
+            return None
+        before = self.model.predict_decode(measured)
+        return seconds * self.model.predict_decode(shape) / before if before > 0 else None
 
-    def probe_due(self, decision: StepDecision) -> bool:
-        """Whether this step should run only its base rows, prompt work or a crowd's rows waiting: the auto target
+    def probe_due(self, decision: StepDecision, base: StepShape, guarding: bool = True) -> bool:
+        """Whether this step should run only its `base` rows, prompt work or a crowd's rows waiting: the auto target
         is made of what such a step costs, and a long prefill or a crowd would otherwise leave that measurement
         stale or missing for as long as it lasts. One step in PROBE_EVERY (~3% of a prompt's steps), or in
-        PROBE_SOON while the base is unmeasured at its present number of rows."""
-        if self.fixed_target_s or not decision.itl_target_s:
+        PROBE_SOON while the base is unmeasured near its present number of rows; never while the target guards
+        no one (`guarding`: no established stream decodes and no crowd's rows wait)."""
+        if self.fixed_target_s or not decision.itl_target_s or not guarding:
             return False
         self.mixed_run += 1
-        measured = self._measured_base(decision.base_rows) is not None
+        measured = self._measured_base(base) is not None
         if self.mixed_run < (PROBE_EVERY if measured else PROBE_SOON):
             return False
         self.mixed_run = 0
@@ -151,9 +167,9 @@ class LatencyBudget:
         shape = decision.shape
         if shape.decode_rows and not shape.prefill_tokens and shape.decode_rows <= decision.base_rows:
             self.mixed_run = 0
-            last = self._measured_base(shape.decode_rows)
-            self.base_step = (shape.decode_rows,
-                              seconds if last is None else BASE_MEMORY * last + (1 - BASE_MEMORY) * seconds)
+            last = self._measured_base(shape)
+            seconds_now = seconds if last is None else BASE_MEMORY * last + (1 - BASE_MEMORY) * seconds
+            self.base_step = (shape.copy(), seconds_now)
         self.largest_prefill = max(self.largest_prefill, decision.shape.prefill_tokens)
         self.largest_rows = max(self.largest_rows, decision.shape.decode_rows)
         if not decision.itl_target_s:

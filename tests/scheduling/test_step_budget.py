@@ -153,30 +153,58 @@ def test_the_target_is_made_of_the_measured_base_step_where_the_model_runs_high(
     predicted = budget.model.predict_decode(one)
     assert budget.target(one) == pytest.approx(AUTO_ITL_FACTOR * predicted)  # unmeasured: the model's
     budget.observe(StepDecision(decode_rows=1, base_rows=1, itl_target_s=1.0, shape=one), 0.5 * predicted)
-    assert budget.base_step == (1, pytest.approx(0.5 * predicted))
+    assert budget.base_step == (one, pytest.approx(0.5 * predicted))
     assert 0.5 * predicted < budget.model.predict_decode(one)  # the model still runs high
     assert budget.target(one) == pytest.approx(AUTO_ITL_FACTOR * 0.5 * predicted)  # the measured step
     budget.observe(StepDecision(decode_rows=1, base_rows=1, itl_target_s=1.0, shape=one), 10.0)  # a stall
     assert budget.target(one) == pytest.approx(AUTO_ITL_FACTOR * budget.model.predict_decode(one))  # the lesser
-    two = StepShape()
-    two.add_decode(100)
-    two.add_decode(100)
-    assert budget.base_step[0] == 1 and budget.target(two) == pytest.approx(
-        AUTO_ITL_FACTOR * budget.model.predict_decode(two))  # measured at another number of rows: not used
+    budget.base_step = (one, 0.5 * predicted)
+    two, three = StepShape(), StepShape()
+    for i in range(3):
+        three.add_decode(100)
+        if i < 2:
+            two.add_decode(100)
+    carried = 0.5 * predicted * budget.model.predict_decode(two) / budget.model.predict_decode(one)
+    assert budget.target(two) == pytest.approx(AUTO_ITL_FACTOR * carried)  # carried by the model's ratio
+    assert budget.target(three) == pytest.approx(  # more than BASE_ROWS_SPAN times the rows measured: not used
+        AUTO_ITL_FACTOR * budget.model.predict_decode(three))
 
 
 def test_a_probe_comes_sooner_while_the_base_is_unmeasured():
     from sluice.scheduling.config import SchedulerConfig
-    from sluice.scheduling.step_budget import PROBE_EVERY, PROBE_SOON, LatencyBudget, StepDecision
+    from sluice.scheduling.step_budget import BASE_ROWS_SPAN, PROBE_EVERY, PROBE_SOON, LatencyBudget, StepDecision
 
     budget = LatencyBudget(SchedulerConfig(), 16)
     decision = StepDecision(decode_rows=3, base_rows=2, itl_target_s=0.02)
-    due = [budget.probe_due(decision) for _ in range(3 * PROBE_SOON)]
+    base, far = StepShape(), StepShape()
+    for _ in range(2):
+        base.add_decode(100)
+    for _ in range(2 * BASE_ROWS_SPAN + 1):
+        far.add_decode(100)
+    due = [budget.probe_due(decision, base) for _ in range(3 * PROBE_SOON)]
     assert [i for i, d in enumerate(due) if d] == [PROBE_SOON - 1, 2 * PROBE_SOON - 1, 3 * PROBE_SOON - 1]
-    base = StepShape()
-    base.add_decode(100)
-    base.add_decode(100)
     budget.observe(StepDecision(decode_rows=2, base_rows=2, itl_target_s=0.02, shape=base), 0.01)  # measured
-    due = [budget.probe_due(decision) for _ in range(2 * PROBE_EVERY)]
+    due = [budget.probe_due(decision, base) for _ in range(2 * PROBE_EVERY)]
     assert [i for i, d in enumerate(due) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
-    assert not any(budget.probe_due(StepDecision(decode_rows=3, base_rows=2)) for _ in range(2 * PROBE_EVERY))
+    due = [budget.probe_due(decision, far) for _ in range(PROBE_SOON)]  # measured at too few rows: sooner
+    assert [i for i, d in enumerate(due) if d] == [PROBE_SOON - 1]
+    assert not any(budget.probe_due(StepDecision(decode_rows=3, base_rows=2), base) for _ in range(2 * PROBE_EVERY))
+    assert not any(budget.probe_due(decision, base, guarding=False) for _ in range(2 * PROBE_EVERY))
+
+
+def test_a_burst_is_probed_only_once_its_streams_are_guarded_and_seldom_while_its_rows_grow():
+    """64 requests at once (workload A): a probe delays every prompt still waiting by a step. None while no stream is
+    established (the target holds nothing back then); after, the base measured at fewer rows is carried to the
+    growing row count, so probes come one in PROBE_EVERY, not one in PROBE_SOON."""
+    from sluice.scheduling.step_budget import PROBE_EVERY
+
+    s = sim(max_num_seqs=64)
+    for i in range(64):
+        s.sched.add_request(request(f"r{i}", 100, 64, seed=i))
+    s.run(400, until=lambda: len(s.first_token_step) == 64)
+    assert len(s.first_token_step) == 64
+    probes = [k for k, out in enumerate(s.steps) if out.decision.probe]
+    established = next(k for k, out in enumerate(s.steps)
+                       if any(row.num_output_tokens >= ESTABLISHED_TOKENS for row in out.scheduled))
+    assert probes and min(probes) >= established
+    assert len(probes) <= 1 + (len(s.steps) - established) // PROBE_EVERY, (probes, established, len(s.steps))
