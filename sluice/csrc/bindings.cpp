@@ -49,13 +49,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q6_k_dequantize", &q6_k_dequantize, "packed Q6_K blocks to float32 rows");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
   pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")
-      .def(pybind11::init<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t>())
-      .def(pybind11::init<at::Tensor, int64_t, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>())
+      .def(pybind11::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<at::Tensor>>())
       .def(pybind11::init<const std::vector<LlamaLayerOps::Linear>&>());
   pybind11::class_<LlamaLayerOps>(m, "LlamaLayerOps")
       .def(pybind11::init<at::Tensor, double, LlamaLayerOps::Linear, int64_t, int64_t, int64_t,
                           LlamaLayerOps::Linear, at::Tensor, double, LlamaLayerOps::Linear,
-                          LlamaLayerOps::Linear>())
+                          LlamaLayerOps::Linear, c10::optional<at::Tensor>, c10::optional<at::Tensor>, double>())
       .def("before_attention", &LlamaLayerOps::before_attention, "input norm, q/k/v projection, rotary")
       .def("after_attention", &LlamaLayerOps::after_attention, "o projection, residual, norm, MLP, residual");
   m.def("paged_decode_isa", &paged_decode_isa, "the decode attention kernel's instruction set");

@@ -73,20 +73,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // strided, the head dim contiguous), cos and sin [T, D]; float32 or bfloat16, bit for bit the eager result.
 void rotary_embedding_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 
-// A Llama decoder layer's work around its attention (llama_layer.cpp), on GGUF-block linears, float32:
+// A Llama-family decoder layer's work around its attention (llama_layer.cpp), on GGUF-block or packed float linears:
 // before_attention(hidden [1, T, E], cos, sin [1, T, D]) -> {q [T, H, D], k, v [T, Hkv, D]}, the input norm, the
-// fused q/k/v projection and rotary applied; after_attention(attention [T, H, D], hidden) -> the layer's output
-// [1, T, E]: o projection, residual, post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
+// fused q/k/v projection (its bias: Qwen2), the per-head q/k norms (Qwen3) and rotary applied;
+// after_attention(attention [T, H, D], hidden) -> the layer's output [1, T, E]: o projection, residual,
+// post-attention norm, fused gate/up, SiLU(gate) * up, down, residual.
 class LlamaLayerOps {
  public:
   // One linear: parts side by side (a GGUF may store q and v in different types), each a GGML type id (quant_types.h)
   // with its tensors: where b is not empty, a, b, c are the type's packed buffers for its packed kernel (c empty for a
   // type with two), else a holds its rows of blocks as stored; or a float weight in oneDNN's packed layout. n
-  // outputs in all.
+  // outputs in all; a part's bias (none: undefined) is added to its own outputs.
   struct Linear {
-    Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n);
+    Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n, c10::optional<at::Tensor> bias);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).
-    Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n);
+    Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n, c10::optional<at::Tensor> bias);
     explicit Linear(const std::vector<Linear>& parts);  // the parts' outputs concatenated
     at::Tensor operator()(const at::Tensor& x) const;
     struct Part {
@@ -94,12 +95,15 @@ class LlamaLayerOps {
       at::Tensor a, b, c;
       int64_t n;
       int64_t ptr = 0, block = 0, k_rows = 0;  // the packed float layout's
+      at::Tensor bias = at::Tensor();
     };
     std::vector<Part> parts;
     int64_t n;
   };
+  // q_norm and k_norm [D] (Qwen3's per-head RMSNorms, eps qk_eps) both given or neither.
   LlamaLayerOps(at::Tensor input_norm, double input_eps, Linear qkv, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, Linear o, at::Tensor post_norm, double post_eps, Linear gate_up, Linear down);
+                int64_t head_dim, Linear o, at::Tensor post_norm, double post_eps, Linear gate_up, Linear down,
+                c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, double qk_eps);
   std::vector<at::Tensor> before_attention(const at::Tensor& hidden, const at::Tensor& cos,
                                            const at::Tensor& sin) const;
   at::Tensor after_attention(const at::Tensor& attended, const at::Tensor& hidden) const;
@@ -113,6 +117,8 @@ class LlamaLayerOps {
   at::Tensor post_norm_;
   double post_eps_;
   Linear gate_up_, down_;
+  at::Tensor q_norm_, k_norm_;  // undefined: no per-head norms
+  double qk_eps_;
 };
 
 // Decode attention over the paged KV cache, one query token per sequence (paged_decode.cpp). A plan holds what

@@ -135,9 +135,10 @@ class GgufMethod(LinearMethod):
         return dequantize(self.stored_rows(layer), self.qtype, layer.in_features)
 
     def layer_op(self, layer):
-        if self.kernel is None or layer.bias is not None:
+        if self.kernel is None:
             return None
-        return self.kernel.LayerLinear(self.quant.type_id, *self._kernel_tensors(layer), layer.out_features)
+        return self.kernel.LayerLinear(self.quant.type_id, *self._kernel_tensors(layer), layer.out_features,
+                                       layer.bias)
 
     def describe(self, layer):
         kernel = (", packed kernel" if self.packed else ", GEMV on the blocks") if self.kernel is not None else ""

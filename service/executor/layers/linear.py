@@ -66,7 +66,7 @@ class LinearMethod(ABC):
         """The weight [N, K] as float values (a copy where the format is not plain)."""
 
     def layer_op(self, layer: Linear):
-        """csrc/llama_layer.cpp's LayerLinear for this layer's kernel, or None (no such kernel, or a bias)."""
+        """csrc/llama_layer.cpp's LayerLinear for this layer's kernel, its bias included, or None (no such kernel)."""
         return None
 
     def kernel_facts(self, layer: Linear) -> KernelFacts:

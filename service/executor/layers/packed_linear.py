@@ -68,9 +68,9 @@ class PackedMethod(LinearMethod):
 
     def layer_op(self, layer):
         ops = native.load()
-        if ops is None or not self.gemv_layout or layer.bias is not None:
+        if ops is None or not self.gemv_layout:
             return None
-        return ops.LayerLinear(layer.packed, self.packed_ptr, *self.gemv_layout, layer.out_features)
+        return ops.LayerLinear(layer.packed, self.packed_ptr, *self.gemv_layout, layer.out_features, layer.bias)
 
     def dense_weight(self, layer):
         return layer.packed.to_dense()

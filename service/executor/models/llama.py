@@ -4,9 +4,9 @@ One implementation for CPU and CUDA over the layers in `service/executor/layers`
 attention, gated MLP, a head tied to the embedding or its own. The runner packs every scheduled token of a step
 into one sequence [T] with explicit positions; the final norm and the head run on the sampled rows only
 (embedding requests read the normed hidden states of their own rows instead: service/executor/pooling.py). Where
-every linear of a layer has a C++ kernel (GGUF blocks, or float weights packed for oneDNN's GEMV; no bias, no q/k
-norms), its work before and after the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the same
-ops in the same order as the Python path, bit for bit) instead of a dozen Python calls between the kernels.
+every linear of a layer has a C++ kernel (GGUF blocks, or float weights packed for oneDNN's GEMV; biases and q/k
+norms included), its work before and after the attention runs as two C++ calls on CPU (csrc/llama_layer.cpp: the
+same ops in the same order as the Python path, bit for bit) instead of a dozen Python calls between the kernels.
 """
 
 from __future__ import annotations
@@ -54,20 +54,24 @@ class DecoderLayer(nn.Module):
 def _layer_ops(layer: DecoderLayer) -> tuple[object | None, int]:
     """csrc/llama_layer.cpp's object running this layer's work around its attention, and the most rows it takes;
     (None, 0) unless each of its four linears offers a layer op (`Linear.kernel_facts`: GGUF blocks, or float weights
-    packed for oneDNN's GEMV) and both norms are on the CPU in the dtype those compute in."""
+    packed for oneDNN's GEMV) and its norms (Qwen3's q/k norms too) are on the CPU in the dtype those compute in."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if attn.q_norm is not None or not all(isinstance(linear, Linear) for linear in linears):
+    head_norms = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else ()
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
+    if not all(isinstance(linear, Linear) for linear in linears) \
+            or head_norms and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
         return None, 0
     facts = [linear.kernel_facts() for linear in linears]
     if any(f.op is None for f in facts) \
             or any(n.weight.device.type != "cpu" or n.weight.dtype != facts[0].dtype for n in norms):
         return None, 0
+    q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if head_norms else (None, None)
     ops = native.load()  # loaded already: a linear with a layer op was built on it
     layer_ops = ops.LlamaLayerOps(norms[0].weight, norms[0].variance_epsilon, facts[0].op, attn.num_heads,
                                   attn.num_kv_heads, attn.head_dim, facts[1].op, norms[1].weight,
-                                  norms[1].variance_epsilon, facts[2].op, facts[3].op)
+                                  norms[1].variance_epsilon, facts[2].op, facts[3].op, q_norm, k_norm,
+                                  attn.q_norm.variance_epsilon if head_norms else 0.0)
     return layer_ops, min(f.max_rows for f in facts)
 
 

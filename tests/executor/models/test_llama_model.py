@@ -198,9 +198,14 @@ def test_weights_load_straight_from_safetensors(tmp_path, monkeypatch):
         assert torch.equal(state[name], tensor), name
 
 
-def twin_engines(quantization: str, dtype: str = "float32") -> list[LLMEngine]:
-    """Two engines on copies of one tiny Llama, chunked prefill mixing prefills and decodes in steps."""
-    _, model = build_pair("llama")
+def twin_engines(quantization: str, dtype: str = "float32", arch: str = "llama") -> list[LLMEngine]:
+    """Two engines on copies of one tiny model of `arch`, chunked prefill mixing prefills and decodes in steps."""
+    _, model = build_pair(arch)
+    torch.manual_seed(7)
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: values that would hide a missing term
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
     engines = []
     for _ in range(2):
         cfg = SluiceConfig()
@@ -210,11 +215,13 @@ def twin_engines(quantization: str, dtype: str = "float32") -> list[LLMEngine]:
     return engines
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, quantization):
+# qwen2: q/k/v biases; qwen3: per-head q/k norms (each in one format: the formats share the layer object's code)
+@pytest.mark.parametrize("quantization, arch", [("int4", "llama"), ("int8", "llama"), ("int4", "qwen2"),
+                                                ("int8", "qwen3")])
+def test_quantized_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, quantization, arch):
     # csrc/llama_layer.cpp runs a quantized layer's norms, projections, rotary and MLP in two calls; it must give
     # the Python path's results exactly: the second engine runs without the C++ object.
-    assert_cpp_layers_match_python(twin_engines(quantization))
+    assert_cpp_layers_match_python(twin_engines(quantization, arch=arch))
 
 
 def assert_cpp_layers_match_python(engines: list[LLMEngine]) -> None:
@@ -229,13 +236,14 @@ def assert_cpp_layers_match_python(engines: list[LLMEngine]) -> None:
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prepacked_float_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, dtype):
+@pytest.mark.parametrize("dtype, arch", [("float32", "llama"), ("bfloat16", "llama"), ("bfloat16", "qwen2"),
+                                         ("float32", "qwen3")])
+def test_prepacked_float_layers_run_in_cpp_around_the_attention_bit_for_bit(kernel, dtype, arch):
     # Float weights packed for oneDNN's GEMV take the same C++ layer object at decode sizes: same tokens, same
     # logprobs as the Python path.
     from sluice.service.executor.layers.packed_linear import PackedLinear
 
-    engines = twin_engines("none", dtype)
+    engines = twin_engines("none", dtype, arch)
     linears = [m for m in engines[0].model.layers.modules() if isinstance(m, PackedLinear)]
     if not linears or not all(m.method.gemv_layout for m in linears):
         pytest.skip(f"no prepacked {dtype} GEMV layout on this CPU")
