@@ -25,7 +25,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly-linked list of free blocks: pop from the front (least recently freed), append at the back."""
+    """Doubly-linked list of free blocks: pop from the front, append at the back (or the front: reused first)."""
 
     __slots__ = ("_head", "_tail", "num_free_blocks")
 
@@ -70,6 +70,18 @@ class FreeBlockQueue:
         block.prev_free = last
         block.next_free = self._tail
         self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put a block at the front: it is reused first."""
+        if block.prev_free is not None or block.next_free is not None or block.block_id < 0:
+            raise RuntimeError(f"{block} is already queued (or is a sentinel)")
+        first = self._head.next_free
+        assert first is not None  # the tail sentinel at worst
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
         self.num_free_blocks += 1
 
     def block_ids(self) -> list[int]:

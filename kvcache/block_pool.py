@@ -20,8 +20,10 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
-        # Blocks ever handed out. Freed blocks join the back of the queue, so never-used ones leave it first, in id
-        # order: the used ones are ids below this, and only their KV pages are resident (zeros_on_first_touch).
+        # Blocks ever handed out: never-used ones leave the queue in id order, so the used ones are ids below this,
+        # and only their KV pages are resident (zeros_on_first_touch). A freed block holding no cached prefix goes
+        # to the front and is reused before a never-used one: resident memory follows the most blocks held at once
+        # (plus what the prefix cache keeps), not every block a long-running server ever cycled through.
         self.num_touched = 0
 
     @property
@@ -60,13 +62,17 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; blocks reaching zero join the back of the free queue in order."""
+        """Drop one reference on each block; blocks reaching zero join the free queue in order: at the back where
+        they hold a cached prefix (evicted least recently freed first), else at the front (reused first)."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a full block under its prefix hash; an existing entry for the hash wins. True when the hash

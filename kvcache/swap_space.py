@@ -16,7 +16,9 @@ class SwapSpace:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._is_free = [True] * num_blocks
-        self.num_touched = 0  # slots ever handed out: as in BlockPool, the slots below it (freed ones go last)
+        # Slots ever handed out: never-used ones leave in id order and freed ones are reused first, so the used
+        # ones are the slots below it (as in BlockPool: host pages follow the most slots held at once).
+        self.num_touched = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -40,4 +42,4 @@ class SwapSpace:
             raise RuntimeError(f"host slot freed twice: {sorted(b for b in block_ids if self._is_free[b])}")
         for slot in block_ids:
             self._is_free[slot] = True
-        self._free.extend(block_ids)
+        self._free.extendleft(reversed(block_ids))

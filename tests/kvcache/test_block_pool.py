@@ -64,3 +64,21 @@ def test_hash_chain_is_stable_and_prefix_sensitive():
     # stable across processes: a fixed digest
     assert hash_block_tokens(None, [1, 2]).hex()[:16] == "bc46af79e96bc03a"
     assert hash_block_tokens(None, [1, 2], b"lora") != hash_block_tokens(None, [1, 2])
+
+
+def test_a_block_holding_no_cached_prefix_is_reused_before_a_never_used_one():
+    """Resident KV memory follows the most blocks held at once: freed blocks with nothing cached are taken again
+    before the pool reaches for a block it never handed out (whose pages are not resident yet); cached ones still
+    wait at the back, least recently freed first, so the prefix cache keeps its reach."""
+    pool = BlockPool(8)
+    for _ in range(20):  # a long-running server at one request of three blocks at a time, nothing cached
+        pool.free_blocks(reversed(pool.get_new_blocks(3)))
+    assert pool.num_touched == 3
+    held = pool.get_new_blocks(2)
+    pool.cache_block(held[0], b"prefix")
+    pool.free_blocks(reversed(held))
+    assert pool.free_queue.block_ids()[-1] == held[0].block_id  # cached: at the back
+    assert pool.get_new_blocks(2)[0] is held[1]  # the uncached one first
+    assert pool.get_cached_block(b"prefix") is held[0]
+    pool.get_new_blocks(pool.num_free_blocks)  # only when every free block is taken is the cached one evicted
+    assert pool.get_cached_block(b"prefix") is None and pool.num_touched == 8

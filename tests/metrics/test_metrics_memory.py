@@ -59,14 +59,14 @@ def test_kv_bytes_follow_the_blocks_ever_used_not_those_in_use():
     first = manager.pool.get_new_blocks(3)
     assert resident(reg, "kv_cache") == 3 * block
     manager.pool.free_blocks(first)
-    again = manager.pool.get_new_blocks(2)  # freed blocks wait at the back: never-used ones come first
-    assert sorted(b.block_id for b in again) == [3, 4] and resident(reg, "kv_cache") == 5 * block
+    again = manager.pool.get_new_blocks(4)  # freed blocks (nothing cached) are reused before never-used ones
+    assert sorted(b.block_id for b in again) == [0, 1, 2, 3] and resident(reg, "kv_cache") == 4 * block
     manager.pool.free_blocks(again)
     manager.pool.get_new_blocks(32)  # every block, in use at once
     assert resident(reg, "kv_cache") == 32 * block <= reserved(reg, "kv_cache")
     slots = manager.swap_space.allocate(2)
     manager.swap_space.free(slots)
-    manager.swap_space.allocate(1)
+    manager.swap_space.allocate(3)  # the two freed slots first, then one never used
     assert resident(reg, "kv_swap") == 3 * kv.host_num_bytes // 8
     # other: the process's resident set less what the kinds above hold in host memory (it moves between reads)
     rest = process_resident_bytes() - (1 << 20) - 32 * block - 3 * kv.host_num_bytes // 8
