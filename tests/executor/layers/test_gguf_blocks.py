@@ -178,14 +178,16 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-def tiny_config():
+def tiny_config(arch: str = "llama"):
     import transformers
 
     tok = tiny.tokenizer()
-    return transformers.LlamaConfig(
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "qwen3": transformers.Qwen3Config}[arch]
+    return config(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        tie_word_embeddings=True)
+        tie_word_embeddings=True, **({"head_dim": 64} if arch == "qwen3" else {}))
 
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -196,11 +198,16 @@ def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """(path, config, the float weights under transformers' names that the file's blocks stand for)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "llama")
+
+
+def write_tiny_gguf(path, arch: str):
+    """A tiny `arch` model's GGUF file (Qwen2: q/k/v biases; Qwen3: q/k norms, as llama.cpp's converter names
+    them; only Llama's q/k rows are permuted): (path, config, the float weights under transformers' names)."""
     import gguf
 
-    config = tiny_config()
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    config = tiny_config(arch)
+    writer = gguf.GGUFWriter(str(path), arch)
     floats: dict[str, torch.Tensor] = {}
     rng = np.random.default_rng(3)
 
@@ -210,19 +217,24 @@ def tiny_gguf(tmp_path_factory):
         writer.add_tensor(name, llama_cpp_permute(blocks, heads) if heads else blocks,
                           raw_dtype=gguf.GGMLQuantizationType[qtype])
 
-    def norm(hf: str, name: str) -> None:
-        floats[hf] = torch.from_numpy(1 + 0.1 * rng.standard_normal(config.hidden_size).astype(np.float32))
+    def norm(hf: str, name: str, size: int = config.hidden_size, scale: float = 0.1) -> None:
+        floats[hf] = torch.from_numpy(1 + scale * rng.standard_normal(size).astype(np.float32))
         writer.add_tensor(name, floats[hf].numpy())
 
     quantized("model.embed_tokens.weight", "token_embd.weight", "Q6_K", config.vocab_size, config.hidden_size)
     sizes = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
              "gate_proj": (512, 256), "up_proj": (512, 256), "down_proj": (256, 512)}
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} if arch == "llama" else {}
     for i, types in enumerate(LAYER_TYPES):
         for part, qtype in types.items():
             group = "self_attn" if part.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             quantized(f"model.layers.{i}.{group}.{part}.weight", f"blk.{i}.{GGUF_NAMES[part]}.weight", qtype,
                       *sizes[part], heads.get(part, 0))
+            if arch == "qwen2" and part in ("q_proj", "k_proj", "v_proj"):
+                norm(f"model.layers.{i}.self_attn.{part}.bias", f"blk.{i}.{GGUF_NAMES[part]}.bias", sizes[part][0], 1)
+        if arch == "qwen3":
+            for part in ("q", "k"):
+                norm(f"model.layers.{i}.self_attn.{part}_norm.weight", f"blk.{i}.attn_{part}_norm.weight", 64)
         norm(f"model.layers.{i}.input_layernorm.weight", f"blk.{i}.attn_norm.weight")
         norm(f"model.layers.{i}.post_attention_layernorm.weight", f"blk.{i}.ffn_norm.weight")
     norm("model.norm.weight", "output_norm.weight")
@@ -372,12 +384,17 @@ def _raw(path, name: str) -> np.ndarray:
     return _raw_rows(gguf.GGUFReader(str(path)), name)
 
 
-def test_tiny_llama_gguf_decodes_through_the_fused_layer_as_through_python(tiny_gguf, kernel):
-    """Every block type (K-quants, a q/k/v of mixed types side by side) in csrc/llama_layer.cpp's two calls per
-    layer: the same kernels in the same order as the Python path, so the same greedy tokens."""
-    path, config, _ = tiny_gguf
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_decodes_through_the_fused_layer_as_through_python(tmp_path, arch, kernel):
+    """Every block type (K-quants, a q/k/v of mixed types side by side; Qwen2's biases, Qwen3's q/k norms) in
+    csrc/llama_layer.cpp's two calls per layer: the same kernels in the same order as the Python path, so the same
+    greedy tokens."""
+    path, config, _ = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch)
     model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
     assert all(layer._layer_ops is not None for layer in model.layers)
+    biases = [name for name, _ in model.named_parameters() if name.endswith("bias")]
+    assert {name.split(".")[1] for name in biases} == ({"0", "1"} if arch == "qwen2" else set()), biases
+    assert all((layer.self_attn.q_norm is not None) == (arch == "qwen3") for layer in model.layers)
     # Layer 0 holds types read as stored (Q5_K) and Q6_K, whose prefill is float; layer 1's are all packed.
     assert [layer._layer_ops_rows for layer in model.layers] == [STORED_MAX_ROWS, PACKED_MAX_ROWS]
     fused = greedy(model, PROMPTS)
