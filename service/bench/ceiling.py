@@ -166,18 +166,24 @@ class RawForward:
 
 
 def matmul_gflop_s(dtype: torch.dtype, threads: int, n: int = 2048, reps: int = 5) -> float:
-    """The machine's matmul rate for `dtype` in GFLOP/s: the best of `reps` n x n x n torch.mm on `threads` threads
-    (on CPU; the rate a compute-bound prefill approaches, the reference `bench peers` sets E's prefill against)."""
+    """The machine's matmul rate for `dtype` in GFLOP/s (int8: GOP/s, int32 sums): the best of `reps` n x n x n
+    products on `threads` threads (torch.mm; torch._int_mm for int8) on CPU; the rate a compute-bound prefill
+    approaches, the reference `bench peers` sets E's prefill against."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-        torch.mm(a, b)  # the first call picks and caches the kernel
+        if dtype == torch.int8:
+            a, b = (torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8) for _ in range(2))
+            mm = torch._int_mm
+        else:
+            a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+            mm = torch.mm
+        mm(a, b)  # the first call picks and caches the kernel
         best = math.inf
         for _ in range(reps):
             start = time.perf_counter()
-            torch.mm(a, b)
+            mm(a, b)
             best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)

@@ -95,7 +95,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         log(text)
     log(f"float pair: {results['meta']['float_pair']}")
     dtypes = sorted({PEAK_DTYPES.get(line.fmt, "float32") for line in lines if "E" in _workloads_of(line)})
-    results["meta"]["peak_gflop_s"] = {d: machine_peak(d, int(threads), log) for d in dtypes}
+    peaks = {d: machine_peak(d, int(threads), log) for d in dtypes}
+    results["meta"]["peak_gflop_s"] = {d: rate for d, rate in peaks.items() if rate is not None}
     spec_ok = _has_spec_flag(sys.executable)
     measured: dict[str, list[dict]] = {}
     for line, turn in round_order(lines, rounds):
@@ -197,14 +198,19 @@ def _workloads_of(line: Line) -> set[str]:
     return {w for launch in line.launches for w in launch.workloads}
 
 
-def machine_peak(dtype: str, threads: int, log=print) -> float:
-    """GFLOP/s of a large torch matmul in `dtype` ("float32", "bfloat16") on `threads` threads: the machine's rate."""
+def machine_peak(dtype: str, threads: int, log=print) -> float | None:
+    """GFLOP/s (int8: GOP/s) of a large matmul in `dtype` ("float32", "bfloat16", "int8") on `threads` threads: the
+    machine's rate (None where this torch has no such product on CPU: the report then gives no share)."""
     import torch
 
     from sluice.service.bench.ceiling import matmul_gflop_s
 
-    rate = matmul_gflop_s(getattr(torch, dtype), threads)
-    log(f"matmul peak, {dtype} on {threads} threads: {rate:.0f} GFLOP/s")
+    try:
+        rate = matmul_gflop_s(getattr(torch, dtype), threads)
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # torch._int_mm absent or CUDA-only
+        log(f"matmul peak, {dtype}: not measured ({type(e).__name__}: {str(e)[:80]})")
+        return None
+    log(f"matmul peak, {dtype} on {threads} threads: {rate:.0f} {'GOP/s' if dtype == 'int8' else 'GFLOP/s'}")
     return rate
 
 

@@ -8,7 +8,11 @@ from sluice.service.bench.peer_plan import PAIRS
 FIELDS = {"A": ("A", "output_tok_s"), "B": ("B", "tpot_p50_ms"), "C": ("C", "ttft_p50_ms"), "E": ("E", "ttft_p50_ms")}
 # The matmul rate E's prefill is set against, per weight format: bf16 formats compute in bf16; fp32, F16 (widened
 # to fp32 on a CPU without fp16 arithmetic) and the quantized formats (Sluice multiplies in fp32) against fp32's.
-PEAK_DTYPES = {"bf16": "bfloat16", "BF16": "bfloat16"}
+# The matmul rate each format's prefill is set against: bf16 formats multiply in bf16; the quantized ones (both
+# servers) in int8 dot products, on activations rounded to int8 (Sluice's packed kernels, llama.cpp's q8 rows);
+# the rest in fp32.
+PEAK_DTYPES = {"bf16": "bfloat16", "BF16": "bfloat16", "int4": "int8", "Q4_1": "int8", "Q4_K": "int8",
+               "Q4_K_M": "int8", "Q4_0": "int8"}
 WORKLOADS = "ABCDE"
 
 
@@ -141,11 +145,13 @@ def _e_section(servers: dict, meta: dict, size: str) -> list[str]:
     if not lines:
         return []
     peaks = meta.get("peak_gflop_s") or {}
-    measured = ", ".join(f"{dtype} {rate:.0f} GFLOP/s" for dtype, rate in sorted(peaks.items())) or "not measured"
+    measured = ", ".join(f"{dtype} {rate:.0f} {'GOP/s' if dtype == 'int8' else 'GFLOP/s'}"
+                         for dtype, rate in sorted(peaks.items())) or "not measured"
     out = ["", f"Workload E (one prompt of about 2,000 tokens at a time, 16 output tokens): prefill rate = prompt "
            f"tokens / TTFT p50, FLOPs = 2 x weights x tokens + causal attention, against the machine's matmul rate "
-           f"(torch.mm 2048^3 on {meta.get('threads', '?')} threads: {measured}; bf16 formats against bf16's, "
-           "the rest against fp32's):", "",
+           f"(2048^3 products on {meta.get('threads', '?')} threads, torch.mm and for int8 torch._int_mm: "
+           f"{measured}; bf16 formats against bf16's, the quantized ones against int8's: both servers prefill them "
+           "on activations rounded to int8; the rest against fp32's):", "",
            "| server | E TTFT p50 ms | prompt tokens | prefill tok/s | GFLOP/s | share of peak |",
            "|---|---|---|---|---|---|"]
     for name, s in lines:

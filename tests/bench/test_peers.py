@@ -265,7 +265,7 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     servers = {"360m Sluice fp32": line(200, 30, 1000, 1500, e=4000, rss_e=900),
                "360m llama.cpp F32": line(100, 20, 4000, e=5000, rss_e=600),
                "360m Sluice bf16": line(300, 10, 500, 1200), "360m llama.cpp BF16": line(150, 10, 4000, 1000),
-               "360m llama.cpp Q4_1": line(60, 15, 9000, 800),
+               "360m llama.cpp Q4_1": line(60, 15, 9000, 800, e=10000, rss_e=500),
                "135m Sluice bf16": line(400, 12, 900, d=12.0, tpf=1.0),
                "135m llama.cpp BF16": line(300, 12, 4000, d=11.0),
                "135m Sluice bf16 ngram": line(b=12.6, d=5.0, tpf=2.5),
@@ -282,13 +282,15 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     assert d["D_tpot_on_over_llama_best_on"] == 5 / 6 and d["B_tpot_on_over_off"] == pytest.approx(1.05)
     servers["1.7b Sluice bf16 ngram"] = {"skipped": "no flag"}
     meta = {"cpu_flags": ["avx2"], "sizes": ["135m", "360m", "1.7b"], "threads": "2",
-            "peak_gflop_s": {"float32": 250.0, "bfloat16": 125.0}}
+            "peak_gflop_s": {"float32": 250.0, "bfloat16": 125.0, "int8": 1000.0}}
     text = table({"meta": meta, "servers": servers, "ratios": ratios(servers, ["135m", "360m", "1.7b"])})
     assert ("| fp32 / F32 | 200.0 / 100.0 | 2.00 | 30.0 / 20.0 | 1.50 | 1000 / 4000 | 0.25 | 4000 / 5000 | 0.80 | "
             "1500 / 1000 | 1.50 | 900 / 600 | 1.50 |") in text
     assert "| bf16 / BF16 | 300.0 / 150.0 | 2.00 | 10.0 / 10.0 | 1.00 | 500 / 4000 | 0.12 | - / - | - |" in text
     # E's prefill: 2,000 tokens in 4 s is 500 tok/s; 125 GFLOP/s of fp32's 250 is half the machine's rate
-    assert "(torch.mm 2048^3 on 2 threads: bfloat16 125 GFLOP/s, float32 250 GFLOP/s;" in text
+    assert ("on 2 threads, torch.mm and for int8 torch._int_mm: bfloat16 125 GFLOP/s, float32 250 GFLOP/s, "
+            "int8 1000 GOP/s;") in text
+    assert "| llama.cpp Q4_1 | 10000 | 2000 | 200 | 50.0 | 5% |" in text  # a quantized format against int8's rate
     assert "| Sluice fp32 | 4000 | 2000 | 500 | 125.0 | 50% |" in text
     assert "| llama.cpp F32 | 5000 | 2000 | 400 | 100.0 | 40% |" in text
     assert "| 360m Sluice fp32 | 200.0 | 30.0 | - | 1000 | - | - | 4000 | 1500 | E 900 | 0/0/0/0 |" in text

@@ -117,3 +117,4 @@ def test_machine_peak_is_a_matmul_rate_on_the_threads_given():
 
     before = torch.get_num_threads()
     assert matmul_gflop_s(torch.float32, 1, n=128, reps=2) > 0.05 and torch.get_num_threads() == before
+    assert matmul_gflop_s(torch.int8, 1, n=128, reps=2) > 0.05 and torch.get_num_threads() == before
