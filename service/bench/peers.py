@@ -44,7 +44,7 @@ from sluice.service.bench.peer_plan import (
 from sluice.service.bench.peer_plan import workloads as scaled_workloads
 from sluice.service.bench.peers_report import PEAK_DTYPES, ratios, table
 from sluice.service.bench.serve import ServeConfig, run_serve
-from sluice.service.bench.server_process import NEUTRAL_CWD, ServerProcess
+from sluice.service.bench.server_process import ServerProcess, neutral_cwd
 from sluice.service.bench.shapes import random_checkpoint
 
 NO_SPEC_FLAG = "this sluice serve has no --speculative-method (n-gram speculation not built yet)"
@@ -186,8 +186,8 @@ def sluice_command(python: str, fmt: str, model: Path, gguf_file: Path | None, k
 @functools.cache
 def _serve_help(python: str) -> str:
     """`sluice serve --help` of that interpreter's Sluice (the flags a baseline commit knows)."""
-    return subprocess.run([python, "-m", "sluice.service.cli", "serve", "--help"], capture_output=True, cwd=NEUTRAL_CWD,
-                          text=True).stdout
+    return subprocess.run([python, "-m", "sluice.service.cli", "serve", "--help"], capture_output=True,
+                          cwd=neutral_cwd(), text=True).stdout
 
 
 def _has_spec_flag(python: str) -> bool:

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from sluice.machine import cache_root
 from sluice.service.bench.soak import free_port
 
-# Where servers start: outside any source tree. `python -m` puts the working directory first on sys.path, so a
-# baseline commit's interpreter started in this checkout would import this checkout's root package, not its own.
-NEUTRAL_CWD = tempfile.gettempdir()
+
+def neutral_cwd() -> str:
+    """An empty directory for servers to start in: `python -m` puts the working directory first on sys.path, so a
+    baseline commit's interpreter started in this checkout would import this checkout's root package, not its own
+    (and one started in a directory of loose .py files, any of them)."""
+    path = cache_root() / "bench" / "cwd"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 class ServerProcess:
@@ -26,10 +31,10 @@ class ServerProcess:
         self.log = log
         args = [*cmd, "--host", "127.0.0.1", "--port", str(self.port)]
         if log is None:
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=NEUTRAL_CWD)
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=neutral_cwd())
         else:
             with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-                self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=NEUTRAL_CWD)
+                self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=neutral_cwd())
         try:
             wait_ready(self.base + ready_path, self.proc)
         except BaseException:
