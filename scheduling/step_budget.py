@@ -123,8 +123,8 @@ class LatencyBudget:
         if self.fixed_target_s or not decision.itl_target_s or not guarding:
             return False
         self.mixed_run += 1
-        measured = self._measured_base(base) is not None
-        if self.mixed_run < (PROBE_EVERY if measured else PROBE_SOON):
+        # Whether the base is measured (the model's predictions, where rows differ) matters only between the two.
+        if self.mixed_run < PROBE_SOON or (self.mixed_run < PROBE_EVERY and self._measured_base(base) is not None):
             return False
         self.mixed_run = 0
         return True
