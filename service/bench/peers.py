@@ -42,7 +42,7 @@ from sluice.service.bench.peer_plan import (
     warmup,
 )
 from sluice.service.bench.peer_plan import workloads as scaled_workloads
-from sluice.service.bench.peers_report import PEAK_DTYPES, ratios, table
+from sluice.service.bench.peers_report import PEAK_DTYPES, rate_unit, ratios, table
 from sluice.service.bench.serve import ServeConfig, run_serve
 from sluice.service.bench.server_process import ServerProcess, neutral_cwd
 from sluice.service.bench.shapes import random_checkpoint
@@ -210,7 +210,7 @@ def machine_peak(dtype: str, threads: int, log=print) -> float | None:
     except (AttributeError, RuntimeError, NotImplementedError) as e:  # torch._int_mm absent or CUDA-only
         log(f"matmul peak, {dtype}: not measured ({type(e).__name__}: {str(e)[:80]})")
         return None
-    log(f"matmul peak, {dtype} on {threads} threads: {rate:.0f} {'GOP/s' if dtype == 'int8' else 'GFLOP/s'}")
+    log(f"matmul peak, {dtype} on {threads} threads: {rate:.0f} {rate_unit(dtype)}")
     return rate
 
 

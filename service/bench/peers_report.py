@@ -139,14 +139,19 @@ def table(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def rate_unit(dtype: str) -> str:
+    """The unit of a matmul rate in `dtype`: integer products are operations, not floating-point ones."""
+    return "GOP/s" if dtype == "int8" else "GFLOP/s"
+
+
 def _e_section(servers: dict, meta: dict, size: str) -> list[str]:
     """E's prefill per line: prompt tokens / TTFT p50, and its FLOP rate as a share of the format's matmul peak."""
     lines = [(n, s) for n, s in servers.items() if n.startswith(f"{size} ") and _get(s, "E", "ttft_p50_ms")]
     if not lines:
         return []
     peaks = meta.get("peak_gflop_s") or {}
-    measured = ", ".join(f"{dtype} {rate:.0f} {'GOP/s' if dtype == 'int8' else 'GFLOP/s'}"
-                         for dtype, rate in sorted(peaks.items())) or "not measured"
+    measured = ", ".join(f"{dtype} {rate:.0f} {rate_unit(dtype)}" for dtype, rate in sorted(peaks.items())) \
+        or "not measured"
     out = ["", f"Workload E (one prompt of about 2,000 tokens at a time, 16 output tokens): prefill rate = prompt "
            f"tokens / TTFT p50, FLOPs = 2 x weights x tokens + causal attention, against the machine's matmul rate "
            f"(2048^3 products on {meta.get('threads', '?')} threads, torch.mm and for int8 torch._int_mm: "
