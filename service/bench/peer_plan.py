@@ -1,9 +1,10 @@
 """What `bench peers` runs: servers per size and weight format, workloads scaled per size, and how long it takes.
 
-Weight formats pair up, Sluice's against llama.cpp's: fp32/F32 (and fp32/F16), bf16/BF16, int4/Q4_1 and Sluice's
+Weight formats pair up, Sluice's against llama.cpp's: fp32/F32, f16/F16, bf16/BF16, int4/Q4_1 and Sluice's
 GGUF blocks as stored (`--quantization gguf`: "Q4_K", "Q4_0") on the very Q4_K_M and Q4_0 files llama.cpp serves.
 Unless the formats are named, the float pair follows the CPU, as Sluice's `--dtype auto` does: bf16/BF16 where it
-multiplies bf16 natively, else fp32/F32 and fp32/F16 (F16: llama.cpp's 16-bit choice there). Both keep K/V
+multiplies bf16 natively, else fp32/F32 and f16/F16 (16-bit weights, the arithmetic widened: Sluice's `--quantization
+f16` in float32, llama.cpp's F16 file). Both keep K/V
 in 16 bits (llama.cpp's default f16 cache; Sluice's `--kv-cache-dtype float16` where it computes in float32) and get
 the same KV capacity: llama.cpp at its best runs A and B with 64 slots (no unified KV: with it, every slot scans the
 whole cache) and C with 16 longer slots, a server each; Sluice runs them on one server holding as many KV
@@ -24,10 +25,10 @@ from sluice.cpu import native_bf16_flags
 from sluice.service.bench.shapes import ARCHS, SIZES, Shape
 from sluice.service.bench.workloads import Workload
 
-# (Sluice, llama.cpp) weight formats, compared line for line (Sluice's fp32 against both of llama.cpp's F32 and F16).
-PAIRS = (("fp32", "F32"), ("fp32", "F16"), ("bf16", "BF16"), ("int4", "Q4_1"), ("Q4_K", "Q4_K_M"), ("Q4_0", "Q4_0"))
+# (Sluice, llama.cpp) weight formats, compared line for line (f16: Sluice's `--quantization f16`, 16-bit weights).
+PAIRS = (("fp32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("int4", "Q4_1"), ("Q4_K", "Q4_K_M"), ("Q4_0", "Q4_0"))
 # The float pairs a run compares unless --formats names them: by whether the CPU multiplies bf16 natively.
-FLOAT_PAIRS = {True: (("bf16", "BF16"),), False: (("fp32", "F32"), ("fp32", "F16"))}
+FLOAT_PAIRS = {True: (("bf16", "BF16"),), False: (("fp32", "F32"), ("f16", "F16"))}
 # Sluice's formats served from llama.cpp's own file of that pair (`--quantization gguf`): the GGUF type it needs.
 GGUF_SERVED = {"Q4_K": "Q4_K_M", "Q4_0": "Q4_0"}
 ALIASES = {"gguf": "Q4_K", "q4k": "Q4_K"}
@@ -83,8 +84,9 @@ def float_pairs(flags: list[str] | None = None) -> tuple[tuple[tuple[str, str], 
     flags = native_bf16_flags() if flags is None else flags
     if flags:
         return FLOAT_PAIRS[True], f"bf16 / BF16: this CPU multiplies bf16 natively ({', '.join(flags)})"
-    return FLOAT_PAIRS[False], ("fp32 / F32 and fp32 / F16: this CPU has no native bf16 matmul (neither amx_bf16 "
-                                "nor avx512_bf16), so bf16 would be emulated; F16 is llama.cpp's 16-bit choice here")
+    return FLOAT_PAIRS[False], ("fp32 / F32 and f16 / F16: this CPU has no native bf16 matmul (neither amx_bf16 "
+                                "nor avx512_bf16), so bf16 would be emulated; 16-bit weights widened to float32 "
+                                "halve the bytes a decode step reads")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +135,7 @@ def default_pairs(flags: list[str] | None = None) -> tuple[tuple[str, str], ...]
 
 def parse_formats(text: str, flags: list[str] | None = None) -> tuple[tuple[str, str], ...]:
     """The pairs a comma list names (either side's name, any case; "gguf" for Q4_K; Sluice's name picks its first
-    pair: "fp32" is fp32/F32, "f16" fp32/F16); for "", default_pairs(flags)."""
+    pair); for "", default_pairs(flags)."""
     if not text.strip():
         return default_pairs(flags)
     names = {ALIASES.get(t.strip().lower(), t.strip().lower()).lower() for t in text.split(",") if t.strip()}
@@ -220,7 +222,8 @@ def prefill_flops(size: str, tokens: int, vocab: int = 49152) -> float:
 # Rough speed on 2 Zen 4 cores, a + b * billions of parameters, fitted to issue 25's runs at 135M and 360M:
 # (ms per token of a batch, prefill or batched decode; ms per decode step at batch 1), Sluice's and llama.cpp's
 # formats apart (both name a Q4_0). Only for the estimate.
-SLUICE_SPEED = {"fp32": ((0.5, 11.0), (5.5, 115.0)), "bf16": ((0.6, 5.6), (4.5, 58.0)),
+SLUICE_SPEED = {"fp32": ((0.5, 11.0), (5.5, 115.0)), "f16": ((0.6, 13.0), (4.0, 60.0)),  # f16: a guess
+                "bf16": ((0.6, 5.6), (4.5, 58.0)),
                 "int4": ((0.85, 5.0), (4.7, 26.0)), "Q4_K": ((1.0, 6.0), (5.0, 30.0)),
                 "Q4_0": ((0.85, 4.7), (4.7, 24.0))}
 LLAMA_SPEED = {"F32": ((0.9, 11.1), (2.0, 115.0)), "F16": ((0.9, 12.0), (2.0, 60.0)),  # F16: a guess

@@ -178,7 +178,7 @@ def sluice_command(python: str, fmt: str, model: Path, gguf_file: Path | None, k
     dtype = "bfloat16" if fmt == "bf16" else "float32"
     cmd = [python, "-m", "sluice.service.cli", "serve", "--model", str(model), "--dtype", dtype,
            "--max-model-len", "2048", "--block-size", "16", "--num-kv-blocks", str(kv_tokens // 16)]
-    quant = "gguf" if fmt in GGUF_SERVED else "int4" if fmt == "int4" else None
+    quant = "gguf" if fmt in GGUF_SERVED else fmt if fmt in ("int4", "f16") else None
     kv = ["--kv-cache-dtype", "float16"] if kv16 and fmt != "bf16" else []
     return [*cmd, *(["--quantization", quant] if quant else []), *kv, *(SPEC_SLUICE if spec else ())]
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 from sluice.service.bench.peer_plan import PAIRS
 
 FIELDS = {"A": ("A", "output_tok_s"), "B": ("B", "tpot_p50_ms"), "C": ("C", "ttft_p50_ms"), "E": ("E", "ttft_p50_ms")}
-# The matmul rate E's prefill is set against, per weight format: bf16 formats compute in bf16; fp32, F16 (widened
-# to fp32 on a CPU without fp16 arithmetic) and the quantized formats (Sluice multiplies in fp32) against fp32's.
 # The matmul rate each format's prefill is set against: bf16 formats multiply in bf16; the quantized ones (both
 # servers) in int8 dot products, on activations rounded to int8 (Sluice's packed kernels, llama.cpp's q8 rows);
-# the rest in fp32.
+# the rest in fp32 (Sluice's f16 and llama.cpp's F16 widen 16-bit weights on a CPU without fp16 arithmetic).
 PEAK_DTYPES = {"bf16": "bfloat16", "BF16": "bfloat16", "int4": "int8", "Q4_1": "int8", "Q4_K": "int8",
                "Q4_K_M": "int8", "Q4_0": "int8"}
 WORKLOADS = "ABCDE"

@@ -15,6 +15,7 @@ from sluice.service.attention.attention_backend import register as register_atte
 from sluice.service.config import ModelConfig
 from sluice.service.executor.forward_context import get_forward_context
 from sluice.service.executor.layers.gguf_linear import QuantizeFormat
+from sluice.service.executor.layers.half_linear import HALF_DTYPES, HalfFormat
 from sluice.service.executor.layers.linear import PlainFormat, WeightFormat
 from sluice.service.executor.layers.packed_linear import PackedFormat, can_prepack
 from sluice.service.executor.models import weights
@@ -29,8 +30,10 @@ def weight_format(config: ModelConfig, device: torch.device, dtype: torch.dtype)
         raise ValueError("--quantization gguf serves a .gguf file's blocks as stored: load the model from the file")
     if config.quantization in ("int8", "int4"):
         return QuantizeFormat(config.quantization, native.load())
+    if config.quantization in HALF_DTYPES:
+        return HalfFormat(config.quantization, native.load())
     if config.quantization != "none":
-        raise ValueError(f"unknown quantization {config.quantization!r}: one of int8, int4, gguf")
+        raise ValueError(f"unknown quantization {config.quantization!r}: one of int8, int4, f16, bf16, gguf")
     if config.prepack_weights and can_prepack(device, dtype):
         return PackedFormat(device, dtype)
     return PlainFormat(device, dtype)

@@ -44,7 +44,8 @@ at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const a
 // The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
 std::string int4_linear_isa();
 
-// y = x @ w.T in float32 for few rows, on the plain weight (AVX2 where built for it, else scalar).
+// y = x @ w.T in float32 for few rows, on the plain weight: float32, or float16 / bfloat16 widened in registers
+// (AVX2 where built for it, else scalar).
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w);
 
 // y = x @ w.T in bfloat16 (float32 accumulation) for few rows; AVX512_BF16 where built for it, else scalar.
@@ -82,12 +83,15 @@ class LlamaLayerOps {
  public:
   // One linear: parts side by side (a GGUF may store q and v in different types), each a GGML type id (quant_types.h)
   // with its tensors: where b is not empty, a, b, c are the type's packed buffers for its packed kernel (c empty for a
-  // type with two), else a holds its rows of blocks as stored; or a float weight in oneDNN's packed layout. n
-  // outputs in all; a part's bias (none: undefined) is added to its own outputs.
+  // type with two), else a holds its rows of blocks as stored; or a float weight in oneDNN's packed layout; or a
+  // plain 16-bit weight times float32 activations (f32_linear). n outputs in all; a part's bias (none: undefined) is
+  // added to its own outputs.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n, c10::optional<at::Tensor> bias);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).
     Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n, c10::optional<at::Tensor> bias);
+    // A plain [n, K] float16 or bfloat16 weight (`--quantization f16 | bf16`), float32 activations.
+    Linear(at::Tensor weight, c10::optional<at::Tensor> bias);
     explicit Linear(const std::vector<Linear>& parts);  // the parts' outputs concatenated
     at::Tensor operator()(const at::Tensor& x) const;
     struct Part {

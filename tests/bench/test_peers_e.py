@@ -27,8 +27,8 @@ def test_float_pair_follows_the_cpu_unless_the_formats_name_it(monkeypatch, caps
     assert pairs == (("bf16", "BF16"),) and native.startswith("bf16 / BF16") and "(avx512_bf16)" in native
     assert default_pairs(["amx_bf16", "avx512_bf16"]) == (("bf16", "BF16"), *quantized)
     pairs, emulated = float_pairs([])
-    assert pairs == (("fp32", "F32"), ("fp32", "F16")) and "no native bf16" in emulated and "F16" in emulated
-    assert default_pairs([]) == (("fp32", "F32"), ("fp32", "F16"), *quantized)
+    assert pairs == (("fp32", "F32"), ("f16", "F16")) and "no native bf16" in emulated and "16-bit" in emulated
+    assert default_pairs([]) == (("fp32", "F32"), ("f16", "F16"), *quantized)
     parser = argparse.ArgumentParser()
     add_bench_subcommands(parser.add_subparsers(dest="command"))
     # The machine's own flags where none are given, faked both ways: the CLI's plan follows them.
@@ -40,12 +40,12 @@ def test_float_pair_follows_the_cpu_unless_the_formats_name_it(monkeypatch, caps
         assert args.func(args) == 0
         out = capsys.readouterr().out
         assert present in out and absent not in out and "360m Sluice int4" in out
-        assert parse_formats("bf16,F16") == (("fp32", "F16"), ("bf16", "BF16"))  # named: kept, whatever the CPU
+        assert parse_formats("bf16,F16") == (("f16", "F16"), ("bf16", "BF16"))  # named: kept, whatever the CPU
         args = parser.parse_args(["bench", "peers", "--estimate", "--sizes", "360m", "--formats", "f32"])
         assert args.func(args) == 0 and "360m llama.cpp F32\n" in capsys.readouterr().out
-    text = table({"meta": {"sizes": [], "float_pair": emulated, "formats": ["fp32/F32", "fp32/F16"]}, "servers": {},
+    text = table({"meta": {"sizes": [], "float_pair": emulated, "formats": ["fp32/F32", "f16/F16"]}, "servers": {},
                   "ratios": {}})
-    assert f"Float pair: {emulated}; formats run: fp32/F32, fp32/F16." in text
+    assert f"Float pair: {emulated}; formats run: fp32/F32, f16/F16." in text
 
 
 # A llama.cpp-like server for workload E: logs each prompt (its length, its first words, whether another request
