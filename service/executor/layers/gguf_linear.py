@@ -21,6 +21,7 @@ from torch import nn
 
 from sluice import native
 from sluice.service.executor.layers.gguf_blocks import GROUP, PACK_ROWS, GgufBlocks, quantize
+from sluice.service.executor.layers.half_linear import HalfEmbedding, HalfLinear
 from sluice.service.executor.layers.linear import (
     KernelFacts,
     Linear,
@@ -206,7 +207,8 @@ class MergedLinear(Linear):
 
 class GgufFormat(WeightFormat):
     """Each linear in its GGUF file's block type as stored; q/k/v and gate/up fused where their types match (else
-    side by side), float tensors (F32, F16) plain; the embedding in blocks, a tied head reading the same bytes."""
+    side by side); F32 tensors plain, F16 and BF16 ones 16-bit weights (half_linear.py); the embedding in blocks
+    or 16 bits, a tied head reading the same bytes."""
 
     def __init__(self, dtype: torch.dtype, kernel=None) -> None:
         self.dtype, self.kernel, self.made = dtype, kernel, Counter()
@@ -216,14 +218,19 @@ class GgufFormat(WeightFormat):
         return self.make_parts([weight], [bias], parts, weight.device, self.dtype)
 
     def make_parts(self, weights, biases, parts, device, dtype):
-        kinds = [w.qtype if isinstance(w, GgufBlocks) else "float" for w in weights]
+        kinds = [w.qtype if isinstance(w, GgufBlocks) else str(w.dtype) for w in weights]
         if len(set(kinds)) > 1:
             return MergedLinear([self.make_parts([w], [b], [p], device, dtype)
                                  for w, b, p in zip(weights, biases, parts, strict=True)])
         bias = None if biases[0] is None else torch.cat(biases).float()
+        if not isinstance(weights[0], GgufBlocks):
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # one tensor: a tied head shares it
+            if weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:  # F16, BF16 as stored
+                self.made["F16" if weight.dtype == torch.float16 else "BF16"] += 1
+                return HalfLinear(weight, bias, weight.dtype, self.kernel)
+            self.made["F32"] += 1
+            return PlainLinear(weight.to(dtype), None if bias is None else bias.to(dtype), pad=True)
         self.made[kinds[0]] += 1
-        if kinds[0] == "float":
-            return PlainLinear(torch.cat(weights).to(dtype), None if bias is None else bias.to(dtype), pad=True)
         data = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
         return GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel,
                           head=parts == ["lm_head"])
@@ -231,6 +238,8 @@ class GgufFormat(WeightFormat):
     def embedding(self, weight, device, dtype):
         if isinstance(weight, GgufBlocks):
             return GgufEmbedding(weight, dtype, self.kernel)
+        if weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:
+            return HalfEmbedding(weight)
         return super().embedding(weight, device, dtype)
 
     def tied_head(self, embed):

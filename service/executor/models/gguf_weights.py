@@ -37,7 +37,8 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
 
 
 def read_tensors(path: Path, config) -> weights.Tensors:
-    """Access by transformers name to the file's tensors: `GgufBlocks` for quantized ones, float32 otherwise."""
+    """Access by transformers name to the file's tensors: `GgufBlocks` for quantized ones, float tensors of the
+    file's own type (float32, float16, bfloat16) otherwise."""
     import gguf
 
     metadata, stored = read_gguf(path)
@@ -64,9 +65,9 @@ def read_tensors(path: Path, config) -> weights.Tensors:
         if heads:
             data = data[reverse_permute(data.shape[0], heads)]
         if qtype == "BF16":  # no numpy bfloat16: its bits, viewed by torch
-            return torch.from_numpy(np.array(data)).view(torch.bfloat16).float()
-        if qtype in FLOAT_TYPES:
-            return torch.from_numpy(np.array(data, dtype=np.float32))
+            return torch.from_numpy(np.array(data)).view(torch.bfloat16)
+        if qtype in FLOAT_TYPES:  # F16 stays 16-bit: GgufFormat serves it as stored, a norm is widened
+            return torch.from_numpy(np.array(data))
         return GgufBlocks(torch.from_numpy(np.array(data)), qtype, int(t.dims[0]))
 
     return tensor

@@ -143,3 +143,78 @@ def test_16_bit_weights_need_cpu_float32():
     _, ours = build_pair("llama")
     with pytest.raises(ValueError, match="float32"):
         half_engine(ours, "f16", 64, dtype="bfloat16")
+
+
+def _write_half_gguf(path, config) -> dict[str, torch.Tensor]:
+    """A tiny Qwen2 GGUF whose linears are F16 or BF16 (q and k of one linear in different types), the embedding
+    F16 and tied to the head, the norms F32; returns the float values it stores under transformers' names."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    floats: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(0)
+
+    def add(hf: str, name: str, shape: tuple[int, ...], kind: str) -> None:
+        x = torch.from_numpy((0.2 * rng.standard_normal(shape)).astype(np.float32))
+        if kind == "F32":  # a norm
+            floats[hf] = 1 + x
+            writer.add_tensor(name, floats[hf].numpy())
+        elif kind == "F16":
+            floats[hf] = x.half().float()
+            writer.add_tensor(name, x.half().numpy())
+        else:  # BF16: its bytes, as llama.cpp's converter writes them
+            floats[hf] = x.bfloat16().float()
+            writer.add_tensor(name, x.bfloat16().view(torch.uint8).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+    h, inner, kv = config.hidden_size, config.intermediate_size, config.hidden_size // 2
+    add("model.embed_tokens.weight", "token_embd.weight", (config.vocab_size, h), "F16")
+    for i in range(config.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, name, shape, kind in (("self_attn.q_proj", "attn_q", (h, h), "F16"),
+                                      ("self_attn.k_proj", "attn_k", (kv, h), "BF16"),
+                                      ("self_attn.v_proj", "attn_v", (kv, h), "F16"),
+                                      ("self_attn.o_proj", "attn_output", (h, h), "BF16"),
+                                      ("mlp.gate_proj", "ffn_gate", (inner, h), "F16"),
+                                      ("mlp.up_proj", "ffn_up", (inner, h), "F16"),
+                                      ("mlp.down_proj", "ffn_down", (h, inner), "BF16")):
+            add(f"{p}{hf}.weight", f"{b}{name}.weight", shape, kind)
+        add(f"{p}input_layernorm.weight", f"{b}attn_norm.weight", (h,), "F32")
+        add(f"{p}post_attention_layernorm.weight", f"{b}ffn_norm.weight", (h,), "F32")
+    add("model.norm.weight", "output_norm.weight", (h,), "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return floats
+
+
+def test_a_gguf_files_f16_and_bf16_tensors_are_served_as_stored(tmp_path, kernel):
+    import transformers
+
+    from sluice.service.executor.layers.gguf_linear import MergedLinear
+    from sluice.service.executor.layers.linear import PlainFormat
+    from sluice.service.executor.models import gguf_weights, weights
+
+    tok = tiny.tokenizer()
+    config = transformers.Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=True)
+    floats = _write_half_gguf(tmp_path / "half.gguf", config)
+    cpu = torch.device("cpu")
+    ours = gguf_weights.load(tmp_path / "half.gguf", config, cpu, torch.float32)
+    assert isinstance(ours.embed_tokens, HalfEmbedding) and ours.embed_tokens.weight.dtype == torch.float16
+    assert ours.lm_head.weight.data_ptr() == ours.embed_tokens.weight.data_ptr()  # one copy of the table
+    layer = ours.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, MergedLinear)  # F16 q and v, BF16 k: side by side
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.float16 and layer.mlp.down_proj.weight.dtype == torch.bfloat16
+    assert all(x._layer_ops is not None for x in ours.layers)  # decode steps on the fused layer
+    reference = weights.build(config, floats.get, PlainFormat(cpu, torch.float32), cpu, torch.float32)
+    prompts = mixed_prompts(6)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def greedy(model):
+        return [c.token_ids for c in half_engine(model, "none", budget=32, dtype="float32").generate(prompts, params)]
+
+    assert greedy(ours) == greedy(reference)  # float32 arithmetic on the same values
