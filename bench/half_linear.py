@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
+from f32_gemv import median_s  # bench/ is the script's directory, first on sys.path
 
 from sluice import native
 from sluice.service.executor import packed_gemv
@@ -27,17 +27,6 @@ SHAPES = {
 STREAM_BYTES = 128 << 20  # float32 bytes of copies of a weight: enough to read past the caches each round
 
 
-def median_ms(fn, repeats: int) -> float:
-    """The median wall time of `repeats` calls after one warm-up, in ms."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(sorted(times)[len(times) // 2] * 1e3, 3)
-
-
 def timings(kernel, x: torch.Tensor, halves: list[torch.Tensor], packed: list[torch.Tensor],
             layout: tuple[int, int] | None, repeats: int) -> dict[str, float]:
     """ms a call of each path at x's row count, over every copy of the weight."""
@@ -48,18 +37,18 @@ def timings(kernel, x: torch.Tensor, halves: list[torch.Tensor], packed: list[to
     if layout is not None:
         ptrs = [torch.ops.mkldnn.data_ptr(p) for p in packed]
         calls["fp32 packed gemv"] = lambda: [packed_gemv.gemv(x, ptr, n, layout) for ptr in ptrs]
-    return {name: round(median_ms(call, repeats) / len(halves), 3) for name, call in calls.items()}
+    return {name: round(median_s(call, repeats) * 1e3 / len(halves), 3) for name, call in calls.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", default="1,4,16,64,128,512")
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rows", default="1,4,16,64,128,512")
     args = parser.parse_args()
-    kernel = native.load()
     results = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "unit": "ms a call, the median over the copies' calls", "shapes": {}}
+    kernel = native.load()
     with torch.inference_mode():
         for size, shapes in SHAPES.items():
             for n, k in shapes:
