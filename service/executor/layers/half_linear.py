@@ -71,8 +71,10 @@ def half_max_rows(dtype: torch.dtype, shape: tuple[int, int], kernel) -> int:
     """The most rows a call may have on the widening GEMV here for a `dtype` weight of `shape` [N, K] (0: the
     widened GEMM always wins), timed once per dtype and shape (crossover.py)."""
     weights = probe_weights(shape, dtype)
-    return crossover(lambda x: [kernel.f32_linear(x, w) for w in weights],
-                     lambda x: [widened_linear(x, w) for w in weights], shape[1], torch.float32, steps=ROW_STEPS)
+    limit = crossover(lambda x: [kernel.f32_linear(x, w) for w in weights],
+                      lambda x: [widened_linear(x, w) for w in weights], shape[1], torch.float32, steps=ROW_STEPS)
+    _scratch.__dict__.pop("tensor", None)  # the loading thread's: the forwards run on another, with their own
+    return limit
 
 
 class HalfMethod(LinearMethod):
