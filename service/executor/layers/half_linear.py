@@ -73,7 +73,7 @@ def half_max_rows(dtype: torch.dtype, shape: tuple[int, int], kernel) -> int:
     weights = probe_weights(shape, dtype)
     limit = crossover(lambda x: [kernel.f32_linear(x, w) for w in weights],
                       lambda x: [widened_linear(x, w) for w in weights], shape[1], torch.float32, steps=ROW_STEPS)
-    _scratch.__dict__.pop("tensor", None)  # the loading thread's: the forwards run on another, with their own
+    _scratch.__dict__.pop("tensor", None)  # the loading thread's: a server decodes on its engine thread, with its own
     return limit
 
 
