@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.service.executor.layers.crossover import ROW_STEPS as CROSSOVER_ROWS
 from sluice.service.executor.layers.crossover import crossover, probe_weights
 from sluice.service.executor.layers.linear import (
     Linear,
@@ -37,8 +36,10 @@ HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}  # --quantization's
 # A large call's float32 scratch: 16 MiB a thread, allocated once (a fresh one per call would fault in its pages
 # every time). Every linear of a model up to a few billion parameters but the head fits in one piece.
 SCRATCH_ELEMENTS = 1 << 22
-# Row counts the crossover times past the GEMV's usual limit: a burst's decode steps run 64 rows.
-ROW_STEPS = (*CROSSOVER_ROWS, 48, 64, 96, 128)
+# Row counts the crossover times: up to 64, a burst's decode steps. Coarser than crossover.py's below 16 (there the
+# widened GEMM converts a whole weight for a few rows, a loss the GEMV's one read cannot match) and not past 64:
+# each step timed costs start-up time (11 s for SmolLM2-135M's five shapes with every step up to 128 rows, 5 s now).
+ROW_STEPS = (1, 8, 16, 24, 32, 48, 64)
 _scratch = threading.local()
 
 
