@@ -1,9 +1,9 @@
 """16-bit weights with float32 arithmetic (`--quantization f16`) against float32's packed oneDNN weights, per linear
-shape of SmolLM2-135M and -360M, in one process: milliseconds a call for the widening GEMV (f32_linear.cpp on a
-float16 weight), the widened GEMM (`half_linear.widened_linear`: pieces widened into a scratch for oneDNN), and
-float32's two paths on its packed weight (packed_linear.cpp's GEMV, oneDNN's GEMM), at decode-sized and
-prefill-sized row counts. Each weight is read from
-enough copies to stream past the caches, as a model's linears do.
+shape of SmolLM2-135M and -360M, in one process: milliseconds a call for the widening GEMV (packed_linear.cpp's
+packed_linear_half on a float16 weight in its 64-column blocks), the widened GEMM (`half_linear.widened_linear`:
+pieces widened into a scratch for oneDNN), and float32's two paths on its packed weight (packed_linear.cpp's GEMV,
+oneDNN's GEMM), at decode-sized and prefill-sized row counts. Each weight is read from enough copies to stream past
+the caches, as a model's linears do.
 `python bench/half_linear.py --output bench/results/half-linear.json`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from f32_gemv import median_s  # bench/ is the script's directory, first on sys.
 
 from sluice import native
 from sluice.service.executor import packed_gemv
-from sluice.service.executor.layers.half_linear import widened_linear
+from sluice.service.executor.layers.half_linear import pack_half, widened_linear
 from sluice.service.executor.layers.linear import PACK_BATCH_HINT, onednn_linear, pad_rows
 
 SHAPES = {
@@ -28,11 +28,11 @@ STREAM_BYTES = 128 << 20  # float32 bytes of copies of a weight: enough to read 
 
 
 def timings(kernel, x: torch.Tensor, halves: list[torch.Tensor], packed: list[torch.Tensor],
-            layout: tuple[int, int] | None, repeats: int) -> dict[str, float]:
-    """ms a call of each path at x's row count, over every copy of the weight."""
-    padded, n = pad_rows(x, x.shape[1])[0], halves[0].shape[0]
-    calls = {"f16 gemv": lambda: [kernel.f32_linear(x, w) for w in halves],
-             "f16 widened gemm": lambda: [widened_linear(x, w) for w in halves],
+            layout: tuple[int, int] | None, n: int, repeats: int) -> dict[str, float]:
+    """ms a call of each path at x's row count, over every copy of the [n, K] weight."""
+    padded = pad_rows(x, x.shape[1])[0]
+    calls = {"f16 gemv": lambda: [kernel.packed_linear_half(x, w, n) for w in halves],
+             "f16 widened gemm": lambda: [widened_linear(x, w, n) for w in halves],
              "fp32 packed gemm": lambda: [onednn_linear(padded, p, None) for p in packed]}
     if layout is not None:
         ptrs = [torch.ops.mkldnn.data_ptr(p) for p in packed]
@@ -54,12 +54,12 @@ def main() -> None:
             for n, k in shapes:
                 floats = [torch.randn(n, k) * 0.02 for _ in range(max(1, STREAM_BYTES // (n * k * 4)))]
                 packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in floats]
-                halves = [w.half() for w in floats]
+                halves = [pack_half(w.half()) for w in floats]
                 layout = packed_gemv.gemv_layout(packed[0], floats[0])
                 del floats
                 line = results["shapes"][f"{size} {n}x{k}"] = {}
                 for rows in (int(r) for r in args.rows.split(",")):
-                    line[f"{rows} rows"] = timings(kernel, torch.randn(rows, k), halves, packed, layout,
+                    line[f"{rows} rows"] = timings(kernel, torch.randn(rows, k), halves, packed, layout, n,
                                                            args.repeats)
                 print(size, n, k, line, flush=True)
     with open(args.output, "w") as out:

@@ -33,12 +33,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_isa", &int4_linear_isa, "the int4 kernel's instruction set");
   m.def("packed_linear_f32", &packed_linear_f32, "float32 linear on a oneDNN-packed weight, few rows");
   m.def("packed_linear_bf16", &packed_linear_bf16, "bfloat16 linear on a oneDNN-packed weight, few rows");
+  m.def("packed_linear_half", &packed_linear_half, "float32 linear on a 16-bit weight in 64-column blocks, few rows");
   m.def("packed_linear_f32_chunk", &packed_linear_f32_chunk, "columns per fp32 kernel chunk");
   m.def("packed_linear_bf16_is_native", &packed_linear_bf16_is_native, "built with AVX512_BF16");
   m.def("greedy_argmax", &greedy_argmax, "each row's argmax (first maximum, or first NaN), float32 logits");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm, float32 or bfloat16");
   m.def("rotary_embedding_", &rotary_embedding_, "Llama rotary embedding of q and k, in place");
-  m.def("f32_linear", &f32_linear, "float32 linear on a float32, float16 or bfloat16 weight, few rows");
+  m.def("f32_linear", &f32_linear, "float32 linear, few rows");
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear, few rows");
   m.def("bf16_linear_is_native", &bf16_linear_is_native, "built with AVX512_BF16");
   m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored, few rows");
@@ -51,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")
       .def(pybind11::init<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>())
       .def(pybind11::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, c10::optional<at::Tensor>>())
-      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>>())
+      .def(pybind11::init<at::Tensor, int64_t, c10::optional<at::Tensor>>())
       .def(pybind11::init<const std::vector<LlamaLayerOps::Linear>&>());
   pybind11::class_<LlamaLayerOps>(m, "LlamaLayerOps")
       .def(pybind11::init<at::Tensor, double, LlamaLayerOps::Linear, int64_t, int64_t, int64_t,

@@ -44,8 +44,7 @@ at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const a
 // The int4 kernel's instruction set: "avx512_vnni", "avx2" or "portable".
 std::string int4_linear_isa();
 
-// y = x @ w.T in float32 for few rows, on the plain weight: float32, or float16 / bfloat16 widened in registers
-// (AVX2 where built for it, else scalar).
+// y = x @ w.T in float32 for few rows, on the plain weight (AVX2 where built for it, else scalar).
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w);
 
 // y = x @ w.T in bfloat16 (float32 accumulation) for few rows; AVX512_BF16 where built for it, else scalar.
@@ -57,6 +56,10 @@ bool bf16_linear_is_native();
 // in blocks of `block` columns, k_rows (K as oneDNN padded it) per block. fp32 with AVX-512 or AVX2 (else
 // scalar); bf16 only where built with AVX512_BF16.
 at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block, int64_t k_rows);
+// The same fp32 kernel on a 16-bit weight (`--quantization f16 | bf16`) in its layout with 64-column blocks:
+// w [ceil(N / 64), K, 64] float16 or bfloat16, w[n, k] at [n / 64, k, n % 64] (the last block zero-padded).
+constexpr int64_t kHalfBlock = 64;
+at::Tensor packed_linear_half(const at::Tensor& x, const at::Tensor& w, int64_t N);
 at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
                               int64_t k_rows);
 bool packed_linear_bf16_is_native();
@@ -84,14 +87,15 @@ class LlamaLayerOps {
   // One linear: parts side by side (a GGUF may store q and v in different types), each a GGML type id (quant_types.h)
   // with its tensors: where b is not empty, a, b, c are the type's packed buffers for its packed kernel (c empty for a
   // type with two), else a holds its rows of blocks as stored; or a float weight in oneDNN's packed layout; or a
-  // plain 16-bit weight times float32 activations (f32_linear). n outputs in all; a part's bias (none: undefined) is
-  // added to its own outputs.
+  // 16-bit weight in 64-column blocks times float32 activations (packed_linear_half). n outputs in all; a part's
+  // bias (none: undefined) is added to its own outputs.
   struct Linear {
     Linear(int64_t type, at::Tensor a, at::Tensor b, at::Tensor c, int64_t n, c10::optional<at::Tensor> bias);
     // A float weight in oneDNN's packed layout at `ptr` (packed_linear.cpp; `packed` keeps it alive).
     Linear(at::Tensor packed, int64_t ptr, int64_t block, int64_t k_rows, int64_t n, c10::optional<at::Tensor> bias);
-    // A plain [n, K] float16 or bfloat16 weight (`--quantization f16 | bf16`), float32 activations.
-    Linear(at::Tensor weight, c10::optional<at::Tensor> bias);
+    // A float16 or bfloat16 weight (`--quantization f16 | bf16`) in packed_linear_half's blocks [ceil(n / 64), K,
+    // 64], float32 activations.
+    Linear(at::Tensor weight, int64_t n, c10::optional<at::Tensor> bias);
     explicit Linear(const std::vector<Linear>& parts);  // the parts' outputs concatenated
     at::Tensor operator()(const at::Tensor& x) const;
     struct Part {

@@ -13,7 +13,7 @@
 namespace {
 
 constexpr int64_t kPackedFloat = -1;  // float32 or bfloat16 (the activations' type) in oneDNN's packed layout
-constexpr int64_t kPlainHalf = -2;    // a plain float16 or bfloat16 weight, float32 activations
+constexpr int64_t kPackedHalf = -2;  // a float16 or bfloat16 weight in 64-column blocks, float32 activations
 
 bool has_packs(const at::Tensor& b) { return b.defined() && b.numel() > 0; }
 
@@ -48,13 +48,13 @@ LlamaLayerOps::Linear::Linear(at::Tensor packed, int64_t ptr, int64_t block, int
   TORCH_CHECK(ptr != 0 && block > 0 && k_rows > 0, "LlamaLayerOps: a packed float linear needs its layout");
 }
 
-LlamaLayerOps::Linear::Linear(at::Tensor weight, c10::optional<at::Tensor> bias)
-    : parts{{kPlainHalf, weight, at::Tensor(), at::Tensor(), weight.size(0), 0, 0, 0,
-             checked_bias(bias, weight.size(0))}},
-      n(weight.size(0)) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-                  (weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16),
-              "LlamaLayerOps: a plain 16-bit linear needs a contiguous float16 or bfloat16 [N, K] weight");
+LlamaLayerOps::Linear::Linear(at::Tensor weight, int64_t n, c10::optional<at::Tensor> bias)
+    : parts{{kPackedHalf, weight, at::Tensor(), at::Tensor(), n, 0, 0, 0, checked_bias(bias, n)}}, n(n) {
+  const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(half && weight.is_contiguous() && weight.dim() == 3 && weight.size(2) == kHalfBlock &&
+                  weight.size(0) * kHalfBlock >= n,
+              "LlamaLayerOps: a 16-bit linear needs a contiguous float16 or bfloat16 weight [ceil(n / ", kHalfBlock,
+              "), K, ", kHalfBlock, "]");
 }
 
 LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {
@@ -68,8 +68,8 @@ LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {
 at::Tensor LlamaLayerOps::Linear::operator()(const at::Tensor& x) const {
   std::vector<at::Tensor> outs;
   for (const Part& p : parts) {
-    if (p.type == kPlainHalf) {
-      outs.push_back(f32_linear(x, p.a));
+    if (p.type == kPackedHalf) {
+      outs.push_back(packed_linear_half(x, p.a, p.n));
     } else if (p.type == kPackedFloat) {
       outs.push_back(x.scalar_type() == at::kBFloat16 ? packed_linear_bf16(x, p.ptr, p.n, p.block, p.k_rows)
                                                       : packed_linear_f32(x, p.ptr, p.n, p.block, p.k_rows));

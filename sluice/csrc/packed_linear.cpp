@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstring>
@@ -44,16 +45,38 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
-// Columns [c, c + V lanes) of one fp32 block (row stride B) for R input rows, written to y (row stride ldy).
-template <int R, int V = 4>
-void f32_chunk(const float* x, int64_t K, const float* w, int64_t B, float* y, int64_t ldy, int64_t valid) {
+// A vector of weights as float32: float32 as it is, float16 and bfloat16 widened (`--quantization f16 | bf16`).
+#if defined(__AVX512F__)
+inline Vec vload_w(const float* p) { return vload(p); }
+inline Vec vload_w(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Vec vload_w(const c10::BFloat16* p) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+#elif defined(SLUICE_AVX2)
+inline Vec vload_w(const float* p) { return vload(p); }
+inline Vec vload_w(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec vload_w(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+#endif
+
+// Columns [c, c + V lanes) of one block (row stride B) of float32 or 16-bit weights (W) for R input rows, written
+// to y (row stride ldy).
+template <int R, int V = 4, typename W = float>
+void f32_chunk(const float* x, int64_t K, const W* w, int64_t B, float* y, int64_t ldy, int64_t valid) {
 #if defined(__AVX512F__) || defined(SLUICE_AVX2)
   Vec acc[R][V];
   for (int r = 0; r < R; ++r) for (int v = 0; v < V; ++v) acc[r][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * B;
+    const W* wk = w + k * B;
     Vec wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = vload(wk + v * kLanes);
+    for (int v = 0; v < V; ++v) wv[v] = vload_w(wk + v * kLanes);
     for (int r = 0; r < R; ++r) {
       const Vec xr = vset1(x[r * K + k]);
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(xr, wv[v], acc[r][v]);
@@ -68,7 +91,7 @@ void f32_chunk(const float* x, int64_t K, const float* w, int64_t B, float* y, i
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < valid; ++c) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[r * K + k] * w[k * B + c];
+      for (int64_t k = 0; k < K; ++k) s += x[r * K + k] * static_cast<float>(w[k * B + c]);
       y[r * ldy + c] = s;
     }
   }
@@ -175,16 +198,15 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N
 #endif
 }
 
-at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
-                             int64_t k_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_f32: float32 x [M, K]");
-  TORCH_CHECK(block % (4 * kLanes) == 0, "packed_linear_f32: block ", block, " is not a multiple of ", 4 * kLanes);
+namespace {
+
+// y = x @ W.T for the fp32 layout's blocks of W (float32 or 16-bit) at wp.
+template <typename W>
+at::Tensor packed_float_rows(const at::Tensor& x, const W* wp, int64_t N, int64_t block, int64_t k_rows) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  TORCH_CHECK(k_rows >= K, "packed_linear_f32: k_rows ", k_rows, " for K ", K);
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const float* wp = reinterpret_cast<const float*>(weight_ptr);
   float* yp = y.data_ptr<float>();
   // AVX2's chunk (4 vectors, 32 columns) is half a 64-column block, so a pass reads every other pair of cache lines.
   // One row's sums fit the registers for the whole block (8 vectors): the weights then stream in order.
@@ -192,11 +214,31 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
   const bool whole = M == 1 && block % 64 == 0;
   for_each_block(M, N, block, whole ? 64 : 4 * kLanes, [&](int64_t b, int64_t c, int64_t m, int64_t rows,
                                                             int64_t valid) {
-    const float* w = wp + b * block * k_rows + c;
+    const W* w = wp + b * block * k_rows + c;
     float* out = yp + m * N + b * block + c;
     const float* xm = xp + m * K;
     if (whole) return f32_chunk<1, kWhole>(xm, K, w, block, out, N, valid);
     sluice::with_rows(rows, [&](auto r) { f32_chunk<r>(xm, K, w, block, out, N, valid); });
   });
   return y;
+}
+
+}  // namespace
+
+at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
+                             int64_t k_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_f32: float32 x [M, K]");
+  TORCH_CHECK(block % (4 * kLanes) == 0, "packed_linear_f32: block ", block, " is not a multiple of ", 4 * kLanes);
+  TORCH_CHECK(k_rows >= x.size(1), "packed_linear_f32: k_rows ", k_rows, " for K ", x.size(1));
+  return packed_float_rows(x, reinterpret_cast<const float*>(weight_ptr), N, block, k_rows);
+}
+
+at::Tensor packed_linear_half(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_half: float32 x [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == x.size(1) && w.size(2) == kHalfBlock && w.is_contiguous() &&
+                  w.size(0) * kHalfBlock >= N && (w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
+              "packed_linear_half: a contiguous float16 or bfloat16 w [ceil(N / ", kHalfBlock, "), K, ", kHalfBlock,
+              "]");
+  if (w.scalar_type() == at::kHalf) return packed_float_rows(x, w.data_ptr<c10::Half>(), N, kHalfBlock, x.size(1));
+  return packed_float_rows(x, w.data_ptr<c10::BFloat16>(), N, kHalfBlock, x.size(1));
 }

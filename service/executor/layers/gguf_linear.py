@@ -239,7 +239,7 @@ class GgufFormat(WeightFormat):
         if isinstance(weight, GgufBlocks):
             return GgufEmbedding(weight, dtype, self.kernel)
         if weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:
-            return HalfEmbedding(weight)
+            return HalfEmbedding(weight, weight.dtype, self.kernel)
         return super().embedding(weight, device, dtype)
 
     def tied_head(self, embed):
@@ -251,8 +251,9 @@ class GgufFormat(WeightFormat):
 
 def _blocks_head(formats: GgufFormat | QuantizeFormat, embed: nn.Module) -> nn.Module:
     """A head tied to `embed`: its table, where the embedding is in GGUF blocks (one copy of the bytes)."""
-    if isinstance(embed, GgufEmbedding):
-        formats.made[embed.qtype] += 1
+    if isinstance(embed, GgufEmbedding | HalfEmbedding):
+        half = isinstance(embed, HalfEmbedding) and ("F16" if embed.table.packed.dtype == torch.float16 else "BF16")
+        formats.made[half or embed.qtype] += 1
         return embed.table
     return WeightFormat.tied_head(formats, embed)
 

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 import sluice.service.executor.layers.half_linear as half_linear
+from sluice import native
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.executor.layers.half_linear import HalfEmbedding, HalfFormat, HalfLinear
+from sluice.service.executor.layers.half_linear import HalfEmbedding, HalfFormat, HalfLinear, pack_half, unpack_half
 from tests.support import tiny
 from tests.support.int8_rounding import greedy_gaps
 from tests.support.kernels import MARCHES, build_variant, variant_isas
@@ -28,24 +29,33 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double().mm(w.double().T).float()
 
 
+def test_blocks_hold_every_weight_once_and_give_it_back():
+    w = torch.randn(130, 70).half()
+    packed = pack_half(w)
+    assert packed.shape == (3, 70, 64) and packed[2, :, 2:].eq(0).all()  # 130 = 2 x 64 + 2, the rest zero
+    assert torch.equal(packed[1, 5, 7], w[64 + 7, 5])
+    assert torch.equal(unpack_half(packed, 130), w)
+
+
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
-# 70 and 7: tails after the 8-wide loops; 1030 and 2053: rows read several at once, with tails
-@pytest.mark.parametrize("in_features", [32, 576, 70, 7, 1030, 2053])
-def test_the_gemv_widens_16_bit_weights_exactly(kernel, half, rows, in_features):
+# 70 and 7: inputs not a multiple of a vector; 130 and 64 outputs: a last block of two columns, and one whole block
+@pytest.mark.parametrize(("out_features", "in_features"), [(130, 32), (130, 576), (64, 70), (130, 7)])
+def test_the_gemv_widens_16_bit_weights_exactly(kernel, half, rows, out_features, in_features):
     torch.manual_seed(rows * 100 + in_features)
-    x, w = torch.randn(rows, in_features), torch.randn(130, in_features).to(half)
-    got = kernel.f32_linear(x, w)
-    assert got.shape == (rows, 130) and got.dtype == torch.float32
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features).to(half)
+    got = kernel.packed_linear_half(x, pack_half(w), out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
 
 
-def _f32_linear(isa: str):
-    """f32_linear.cpp built for `isa` (a key of MARCHES) as a torch op."""
+def _packed_linear_half(isa: str):
+    """packed_linear.cpp built for `isa` (a key of MARCHES) as a torch op."""
     binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
-               f'TORCH_LIBRARY(sluice_test_plain_{isa}, m) {{ m.def("f32_linear", &f32_linear); }}\n')
-    build_variant(f"plain_{isa}", ["f32_linear.cpp"], binding, ["-O3", MARCHES[isa]], python_module=False)
-    return getattr(torch.ops, f"sluice_test_plain_{isa}").f32_linear
+               f'TORCH_LIBRARY(sluice_test_half_{isa}, m) {{ m.def("packed_linear_half", &packed_linear_half); }}\n')
+    build_variant(f"half_{isa}", ["packed_linear.cpp"], binding, ["-O3", MARCHES[isa], *native.OPENMP_FLAGS],
+                  python_module=False)
+    return getattr(torch.ops, f"sluice_test_half_{isa}").packed_linear_half
 
 
 @pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
@@ -56,17 +66,19 @@ def test_every_instruction_set_widens_the_same_weights(half):
     x, w = torch.randn(5, 70), torch.randn(40, 70).to(half)
     w[0, :4] = torch.tensor([65504.0, -0.0, 6e-8, float("inf")]).to(half)  # largest, signed zero, subnormal, inf
     for isa in variant_isas():
-        got = _f32_linear(isa)(x, w)
-        torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4, msg=isa)
+        for rows in (1, 5):
+            got = _packed_linear_half(isa)(x[:rows], pack_half(w), 40)
+            torch.testing.assert_close(got, _reference(x[:rows], w), rtol=1e-5, atol=1e-4, msg=isa)
 
 
 def test_the_gemv_refuses_what_it_cannot_read(kernel):
-    with pytest.raises(RuntimeError, match="f32_linear"):
-        kernel.f32_linear(torch.randn(2, 8).half(), torch.randn(4, 8).half())  # 16-bit activations
-    with pytest.raises(RuntimeError, match="f32_linear"):
-        kernel.f32_linear(torch.randn(2, 8), torch.randn(8, 4).half().T)  # a strided weight
+    packed = pack_half(torch.randn(4, 8).half())
+    with pytest.raises(RuntimeError, match="packed_linear_half"):
+        kernel.packed_linear_half(torch.randn(2, 8).half(), packed, 4)  # 16-bit activations
+    with pytest.raises(RuntimeError, match="packed_linear_half"):
+        kernel.packed_linear_half(torch.randn(2, 8), packed, 65)  # more outputs than its blocks hold
     with pytest.raises(RuntimeError, match="16-bit"):
-        kernel.LayerLinear(torch.randn(4, 8), None)  # a float32 weight is not a 16-bit one
+        kernel.LayerLinear(packed.float(), 4, None)  # a float32 weight is not a 16-bit one
 
 
 @pytest.mark.parametrize("half", HALVES)
@@ -75,7 +87,7 @@ def test_a_linear_keeps_16_bits_and_computes_in_float32_at_any_row_count(kernel,
     torch.manual_seed(rows)
     w, bias = torch.randn(100, 64), torch.randn(100)
     linear = HalfLinear(w, bias, half, kernel)
-    assert linear.weight.dtype == half and linear.bias.dtype == torch.float32
+    assert linear.packed.dtype == half and linear.bias.dtype == torch.float32
     assert linear.method.max_rows <= max(half_linear.ROW_STEPS)  # timed here: where the GEMV stops winning
     x = torch.randn(rows, 64)
     want = _reference(x, w.to(half)) + bias
@@ -93,14 +105,16 @@ def test_the_embedding_and_a_tied_head_share_one_16_bit_table(kernel):
     formats = HalfFormat("f16", kernel)
     embed = formats.embedding(table, torch.device("cpu"), torch.float32)
     head = formats.tied_head(embed)
-    assert isinstance(embed, HalfEmbedding) and embed.weight.dtype == torch.float16
-    assert head.weight.data_ptr() == embed.weight.data_ptr()  # one copy of the bytes
+    assert isinstance(embed, HalfEmbedding) and embed.table.packed.dtype == torch.float16
+    assert head is embed.table  # one copy of the bytes
     ids = torch.tensor([[3, 0, 49]])
-    assert embed(ids).dtype == torch.float32
+    assert embed(ids).dtype == torch.float32 and embed(ids).shape == (1, 3, 64)
     torch.testing.assert_close(embed(ids), table.half().float()[ids])
+    with pytest.raises(IndexError):
+        embed(torch.tensor([50]))
     fused = formats.make_parts([torch.randn(8, 64), torch.randn(4, 64)], [None, None], ["q", "k"],
                                torch.device("cpu"), torch.float32)
-    assert fused.weight.dtype == torch.float16 and fused.out_features == 12
+    assert fused.packed.dtype == torch.float16 and fused.out_features == 12
     assert "f16" in formats.describe()
 
 
@@ -129,7 +143,7 @@ def test_engine_matches_transformers_on_the_rounded_weights(kernel, arch, quanti
     reference = _rounded_twin(reference, half)
     engine = half_engine(ours, quantization, budget=8)  # chunked prefill, decode batches of up to 8 rows
     linears = [m for m in engine.model.modules() if isinstance(m, HalfLinear)]
-    assert linears and all(m.weight.dtype == half for m in linears)
+    assert linears and all(m.packed.dtype == half for m in linears)
     assert all(type(m) is not nn.Linear for m in engine.model.modules())
     assert engine.model.layers[0]._layer_ops is not None  # decode steps run the fused layer on the GEMV
     prompts = mixed_prompts(12)
@@ -204,11 +218,11 @@ def test_a_gguf_files_f16_and_bf16_tensors_are_served_as_stored(tmp_path, kernel
     floats = _write_half_gguf(tmp_path / "half.gguf", config)
     cpu = torch.device("cpu")
     ours = gguf_weights.load(tmp_path / "half.gguf", config, cpu, torch.float32)
-    assert isinstance(ours.embed_tokens, HalfEmbedding) and ours.embed_tokens.weight.dtype == torch.float16
-    assert ours.lm_head.weight.data_ptr() == ours.embed_tokens.weight.data_ptr()  # one copy of the table
+    assert isinstance(ours.embed_tokens, HalfEmbedding) and ours.embed_tokens.table.packed.dtype == torch.float16
+    assert ours.lm_head is ours.embed_tokens.table  # one copy of the table
     layer = ours.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, MergedLinear)  # F16 q and v, BF16 k: side by side
-    assert layer.mlp.gate_up_proj.weight.dtype == torch.float16 and layer.mlp.down_proj.weight.dtype == torch.bfloat16
+    assert layer.mlp.gate_up_proj.packed.dtype == torch.float16 and layer.mlp.down_proj.packed.dtype == torch.bfloat16
     assert all(x._layer_ops is not None for x in ours.layers)  # decode steps on the fused layer
     reference = weights.build(config, floats.get, PlainFormat(cpu, torch.float32), cpu, torch.float32)
     prompts = mixed_prompts(6)
