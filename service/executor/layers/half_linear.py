@@ -89,8 +89,10 @@ def widened_linear(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.T
 def half_max_rows(dtype: torch.dtype, shape: tuple[int, int], kernel) -> int:
     """The most rows a call may have on the packed GEMV here for a `dtype` weight of `shape` [N, K] (0: the widened
     GEMM always wins), timed once per dtype and shape (crossover.py)."""
-    n = shape[0]
-    packs = [pack_half(w) for w in probe_weights(shape, dtype)]
+    probes = probe_weights(shape, dtype)
+    n = probes[0].shape[0]  # a large weight's probes may hold fewer rows (whole blocks of 64)
+    packs = [pack_half(w) for w in probes]
+    del probes
     limit = crossover(lambda x: [kernel.packed_linear_half(x, p, n) for p in packs],
                       lambda x: [widened_linear(x, p, n) for p in packs], shape[1], torch.float32, steps=ROW_STEPS)
     _scratch.__dict__.pop("tensor", None)  # the loading thread's: a server decodes on its engine thread, with its own

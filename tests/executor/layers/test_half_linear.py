@@ -232,3 +232,15 @@ def test_a_gguf_files_f16_and_bf16_tensors_are_served_as_stored(tmp_path, kernel
         return [c.token_ids for c in half_engine(model, "none", budget=32, dtype="float32").generate(prompts, params)]
 
     assert greedy(ours) == greedy(reference)  # float32 arithmetic on the same values
+
+
+def test_the_crossover_times_probes_cut_short_of_a_large_weight(kernel, monkeypatch):
+    # On a CPU with a small last-level cache, a large weight's probes hold fewer output rows than the weight.
+    import sluice.service.executor.layers.crossover as crossover
+
+    monkeypatch.setattr(crossover, "last_level_cache_bytes", lambda: 64 * 1024)
+    half_linear.half_max_rows.cache_clear()
+    try:
+        assert half_linear.half_max_rows(torch.float16, (1000, 256), kernel) <= max(half_linear.ROW_STEPS)
+    finally:
+        half_linear.half_max_rows.cache_clear()
