@@ -1,9 +1,8 @@
 """16-bit weights with float32 arithmetic (`--quantization f16`) against float32's packed oneDNN weights, per linear
 shape of SmolLM2-135M and -360M, in one process: milliseconds a call for the widening GEMV (packed_linear.cpp's
-packed_linear_half on a float16 weight in its 64-column blocks), the widened GEMM (`half_linear.widened_linear`:
-pieces widened into a scratch for oneDNN), and float32's two paths on its packed weight (packed_linear.cpp's GEMV,
-oneDNN's GEMM), at decode-sized and prefill-sized row counts. Each weight is read from enough copies to stream past
-the caches, as a model's linears do.
+packed_linear_half on a float16 weight in its 64-column blocks, which takes every call) and float32's two paths on
+its packed weight (packed_linear.cpp's GEMV, oneDNN's GEMM), at decode-sized and prefill-sized row counts. Each
+weight is read from enough copies to stream past the caches, as a model's linears do.
 `python bench/half_linear.py --output bench/results/half-linear.json`."""
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from f32_gemv import median_s  # bench/ is the script's directory, first on sys.
 
 from sluice import native
 from sluice.service.executor import packed_gemv
-from sluice.service.executor.layers.half_linear import pack_half, widened_linear
+from sluice.service.executor.layers.half_linear import pack_half
 from sluice.service.executor.layers.linear import PACK_BATCH_HINT, onednn_linear, pad_rows
 
 SHAPES = {
@@ -32,7 +31,6 @@ def timings(kernel, x: torch.Tensor, halves: list[torch.Tensor], packed: list[to
     """ms a call of each path at x's row count, over every copy of the [n, K] weight."""
     padded = pad_rows(x, x.shape[1])[0]
     calls = {"f16 gemv": lambda: [kernel.packed_linear_half(x, w, n) for w in halves],
-             "f16 widened gemm": lambda: [widened_linear(x, w, n) for w in halves],
              "fp32 packed gemm": lambda: [onednn_linear(padded, p, None) for p in packed]}
     if layout is not None:
         ptrs = [torch.ops.mkldnn.data_ptr(p) for p in packed]
@@ -44,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", required=True)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--rows", default="1,4,16,64,128,512")
+    parser.add_argument("--rows", default="1,4,16,64,256,512")
     args = parser.parse_args()
     results = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "unit": "ms a call, the median over the copies' calls", "shapes": {}}

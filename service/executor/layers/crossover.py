@@ -67,16 +67,14 @@ def elapsed(call: Callable[[], object]) -> float:
 
 
 def crossover(kernel: Callable[[torch.Tensor], object], gemm: Callable[[torch.Tensor], object], in_features: int,
-              dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] = elapsed,
-              steps: tuple[int, ...] = ROW_STEPS) -> int:
-    """The largest count of `steps` (ROW_STEPS unless given) up to which `kernel(x)` beat `gemm(x)` at every step
-    (0: never), x [rows, in_features] random in `dtype`. The two are timed in turn ROUNDS times and each keeps its
-    best: a burst of other work on a shared machine (a process exiting, a neighbour's job) then slows both or
-    neither, where timing one after the other let it land on the kernel alone and send every decode step of the
-    server to oneDNN."""
+              dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] = elapsed) -> int:
+    """The largest count of ROW_STEPS up to which `kernel(x)` beat `gemm(x)` at every step (0: never), x [rows,
+    in_features] random in `dtype`. The two are timed in turn ROUNDS times and each keeps its best: a burst of
+    other work on a shared machine (a process exiting, a neighbour's job) then slows both or neither, where timing
+    one after the other let it land on the kernel alone and send every decode step of the server to oneDNN."""
     limit = 0
     generator = torch.Generator().manual_seed(0)
-    for rows in steps:
+    for rows in ROW_STEPS:
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
         kernel(x), gemm(x)  # untimed: first-call allocations, oneDNN building its kernel for the shape
         kernel_time = gemm_time = float("inf")

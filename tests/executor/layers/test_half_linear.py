@@ -83,21 +83,17 @@ def test_the_gemv_refuses_what_it_cannot_read(kernel):
 
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("rows", [1, 7, 33, 130])
-def test_a_linear_keeps_16_bits_and_computes_in_float32_at_any_row_count(kernel, monkeypatch, half, rows):
+def test_a_linear_keeps_16_bits_and_computes_in_float32_at_any_row_count(kernel, half, rows):
     torch.manual_seed(rows)
     w, bias = torch.randn(100, 64), torch.randn(100)
-    linear = HalfLinear(w, bias, half, kernel)
-    assert linear.packed.dtype == half and linear.bias.dtype == torch.float32
-    assert linear.method.max_rows <= max(half_linear.ROW_STEPS)  # timed here: where the GEMV stops winning
     x = torch.randn(rows, 64)
     want = _reference(x, w.to(half)) + bias
-    linear.method.max_rows = rows  # on the GEMV
-    torch.testing.assert_close(linear(x), want, rtol=1e-5, atol=1e-4)
-    # Past the GEMV: the weight widened into the scratch in several pieces (a small scratch) or one.
-    linear.method.max_rows = 0
-    torch.testing.assert_close(linear(x), want, rtol=1e-5, atol=1e-4)
-    monkeypatch.setattr(half_linear, "SCRATCH_ELEMENTS", 64 * 30)
-    torch.testing.assert_close(linear(x), want, rtol=1e-5, atol=1e-4)
+    for ops in (kernel, None):  # the packed kernel, or torch on the widened weight where no compiler built it
+        linear = HalfLinear(w, bias, half, ops)
+        assert linear.packed.dtype == half and linear.bias.dtype == torch.float32
+        assert (linear.kernel_facts().op is None) == (ops is None)
+        torch.testing.assert_close(linear(x), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(linear.dense_weight(), w.to(half).float())
 
 
 def test_the_embedding_and_a_tied_head_share_one_16_bit_table(kernel):
@@ -233,14 +229,3 @@ def test_a_gguf_files_f16_and_bf16_tensors_are_served_as_stored(tmp_path, kernel
 
     assert greedy(ours) == greedy(reference)  # float32 arithmetic on the same values
 
-
-def test_the_crossover_times_probes_cut_short_of_a_large_weight(kernel, monkeypatch):
-    # On a CPU with a small last-level cache, a large weight's probes hold fewer output rows than the weight.
-    import sluice.service.executor.layers.crossover as crossover
-
-    monkeypatch.setattr(crossover, "last_level_cache_bytes", lambda: 64 * 1024)
-    half_linear.half_max_rows.cache_clear()
-    try:
-        assert half_linear.half_max_rows(torch.float16, (1000, 256), kernel) <= max(half_linear.ROW_STEPS)
-    finally:
-        half_linear.half_max_rows.cache_clear()
