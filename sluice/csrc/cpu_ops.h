@@ -60,6 +60,8 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
 // w [ceil(N / 64), K, 64] float16 or bfloat16, w[n, k] at [n / 64, k, n % 64] (the last block zero-padded).
 constexpr int64_t kHalfBlock = 64;
 at::Tensor packed_linear_half(const at::Tensor& x, const at::Tensor& w, int64_t N);
+// Refuses (naming `who`) a w that is not N outputs' worth of packed_linear_half's blocks.
+void check_half_blocks(const at::Tensor& w, int64_t N, const char* who);
 at::Tensor packed_linear_bf16(const at::Tensor& x, int64_t weight_ptr, int64_t N, int64_t block,
                               int64_t k_rows);
 bool packed_linear_bf16_is_native();

@@ -50,11 +50,7 @@ LlamaLayerOps::Linear::Linear(at::Tensor packed, int64_t ptr, int64_t block, int
 
 LlamaLayerOps::Linear::Linear(at::Tensor weight, int64_t n, c10::optional<at::Tensor> bias)
     : parts{{kPackedHalf, weight, at::Tensor(), at::Tensor(), n, 0, 0, 0, checked_bias(bias, n)}}, n(n) {
-  const bool half = weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(half && weight.is_contiguous() && weight.dim() == 3 && weight.size(2) == kHalfBlock &&
-                  weight.size(0) * kHalfBlock >= n,
-              "LlamaLayerOps: a 16-bit linear needs a contiguous float16 or bfloat16 weight [ceil(n / ", kHalfBlock,
-              "), K, ", kHalfBlock, "]");
+  check_half_blocks(weight, n, "LlamaLayerOps");
 }
 
 LlamaLayerOps::Linear::Linear(const std::vector<Linear>& linears) : n(0) {

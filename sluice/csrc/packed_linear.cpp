@@ -233,12 +233,17 @@ at::Tensor packed_linear_f32(const at::Tensor& x, int64_t weight_ptr, int64_t N,
   return packed_float_rows(x, reinterpret_cast<const float*>(weight_ptr), N, block, k_rows);
 }
 
+void check_half_blocks(const at::Tensor& w, int64_t N, const char* who) {
+  TORCH_CHECK((w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16) && w.is_contiguous() &&
+                  w.dim() == 3 && w.size(2) == kHalfBlock && w.size(0) * kHalfBlock >= N,
+              who, ": a 16-bit weight (float16 or bfloat16) in contiguous blocks [ceil(N / ", kHalfBlock, "), K, ",
+              kHalfBlock, "] for N = ", N);
+}
+
 at::Tensor packed_linear_half(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_half: float32 x [M, K]");
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == x.size(1) && w.size(2) == kHalfBlock && w.is_contiguous() &&
-                  w.size(0) * kHalfBlock >= N && (w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
-              "packed_linear_half: a contiguous float16 or bfloat16 w [ceil(N / ", kHalfBlock, "), K, ", kHalfBlock,
-              "]");
+  check_half_blocks(w, N, "packed_linear_half");
+  TORCH_CHECK(w.size(1) == x.size(1), "packed_linear_half: w's blocks hold ", w.size(1), " inputs, x ", x.size(1));
   if (w.scalar_type() == at::kHalf) return packed_float_rows(x, w.data_ptr<c10::Half>(), N, kHalfBlock, x.size(1));
   return packed_float_rows(x, w.data_ptr<c10::BFloat16>(), N, kHalfBlock, x.size(1));
 }
