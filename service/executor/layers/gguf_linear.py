@@ -28,6 +28,7 @@ from sluice.service.executor.layers.linear import (
     LinearMethod,
     PlainLinear,
     WeightFormat,
+    check_row_ids,
     set_bias,
 )
 from sluice.service.executor.layers.quant_types import (
@@ -38,6 +39,8 @@ from sluice.service.executor.layers.quant_types import (
     quant_type,
 )
 
+# GGUF's 16-bit float tensors, served as stored by half_linear.py under float32 activations: torch dtype → type name.
+HALF_TYPES = {torch.float16: "F16", torch.bfloat16: "BF16"}
 TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 
 
@@ -123,8 +126,7 @@ class GgufMethod(LinearMethod):
         """The weight's rows `ids` (int64 [n]) as GGUF stores them, uint8 [n, row_bytes]: an embedding's lookup."""
         if not self.packed:
             return layer.blocks.index_select(0, ids)
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < layer.out_features:  # as index_select refuses
-            raise IndexError(f"row ids out of range for {layer.out_features} rows")
+        check_row_ids(ids, layer.out_features)
         packing = self.quant.packing
         if packing.rows is not None:
             return packing.rows(*self.packs(layer), ids)
@@ -225,8 +227,8 @@ class GgufFormat(WeightFormat):
         bias = None if biases[0] is None else torch.cat(biases).float()
         if not isinstance(weights[0], GgufBlocks):
             weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # one tensor: a tied head shares it
-            if weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:  # F16, BF16 as stored
-                self.made["F16" if weight.dtype == torch.float16 else "BF16"] += 1
+            if weight.dtype in HALF_TYPES and dtype == torch.float32:
+                self.made[HALF_TYPES[weight.dtype]] += 1
                 return HalfLinear(weight, bias, weight.dtype, self.kernel)
             self.made["F32"] += 1
             return PlainLinear(weight.to(dtype), None if bias is None else bias.to(dtype), pad=True)
@@ -238,7 +240,7 @@ class GgufFormat(WeightFormat):
     def embedding(self, weight, device, dtype):
         if isinstance(weight, GgufBlocks):
             return GgufEmbedding(weight, dtype, self.kernel)
-        if weight.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32:
+        if weight.dtype in HALF_TYPES and dtype == torch.float32:
             return HalfEmbedding(weight, weight.dtype, self.kernel)
         return super().embedding(weight, device, dtype)
 
@@ -252,8 +254,7 @@ class GgufFormat(WeightFormat):
 def _blocks_head(formats: GgufFormat | QuantizeFormat, embed: nn.Module) -> nn.Module:
     """A head tied to `embed`: its table, where the embedding is in GGUF blocks (one copy of the bytes)."""
     if isinstance(embed, GgufEmbedding | HalfEmbedding):
-        half = isinstance(embed, HalfEmbedding) and ("F16" if embed.table.packed.dtype == torch.float16 else "BF16")
-        formats.made[half or embed.qtype] += 1
+        formats.made[HALF_TYPES[embed.table.packed.dtype] if isinstance(embed, HalfEmbedding) else embed.qtype] += 1
         return embed.table
     return WeightFormat.tied_head(formats, embed)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.service.executor.layers.linear import Linear, LinearMethod, WeightFormat, set_bias
+from sluice.service.executor.layers.linear import Linear, LinearMethod, WeightFormat, check_row_ids, set_bias
 
 HALF_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}  # --quantization's 16-bit weight formats
 BLOCK = 64  # output columns a block holds (csrc's kHalfBlock)
@@ -74,8 +74,7 @@ class HalfMethod(LinearMethod):
 
     def rows_at(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` (int64 [n]) in 16 bits [n, K]: an embedding's lookup."""
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < layer.out_features:  # as F.embedding refuses
-            raise IndexError(f"row ids out of range for {layer.out_features} rows")
+        check_row_ids(ids, layer.out_features)
         return layer.packed[ids // BLOCK, :, ids % BLOCK]
 
     def layer_op(self, layer):

@@ -82,6 +82,13 @@ class LinearMethod(ABC):
         return ""
 
 
+def check_row_ids(ids: torch.Tensor, rows: int) -> None:
+    """IndexError where `ids` (an embedding's lookup) falls outside [0, rows), as index_select and F.embedding refuse
+    them: a gather from a packed layout would read another row, or past the buffer."""
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
+        raise IndexError(f"row ids out of range for {rows} rows")
+
+
 def set_bias(layer: nn.Module, bias: torch.Tensor | None) -> None:
     """Register `bias` on `layer` as its frozen `bias` parameter (None: no bias)."""
     layer.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
