@@ -84,9 +84,11 @@ def sdpa_copy(model, plain_linears: bool = False):
     model of its config with its weights, plain (what transformers' generate runs; `plain_linears` is moot). A
     transformers model (the fallback path) is copied as it runs."""
     if isinstance(model, LlamaForCausalLM):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        twin = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype, attn_implementation="sdpa")
+        values = {k: v for k, v in model.config.to_dict().items() if k != "model_type"}  # a base config's is ""
+        config = AutoConfig.for_model(model.config.model_type, **values)  # transformers' own class (see config_json)
+        twin = AutoModelForCausalLM.from_config(config, dtype=model.dtype, attn_implementation="sdpa")
         twin.load_state_dict(checkpoint_state(model), strict=False)  # strict=False: rotary buffers are not weights
         twin.generation_config = model.generation_config or twin.generation_config
         return twin.to(model.device).eval()

@@ -101,11 +101,12 @@ def load_model(
     else:
         source = model  # a hub id: only works with network access or a warm HF cache
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
-        config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
         overrides = parse_hf_overrides(settings.hf_overrides)
-        if overrides:  # --hf-overrides: before anything reads the config (the transformers path gets it too)
-            apply_hf_overrides(config, overrides)
+        config = _owned_config(source, kwargs, overrides, settings)
+        if config is None:
+            config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
+            apply_hf_overrides(config, overrides)  # before anything reads it (the transformers path gets it too)
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"), config=config)
         if settings.quantization == "gguf":
             return _load_gguf_blocks(model, config, settings, device, dtype, cache_dir), tokenizer
         if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
@@ -119,6 +120,21 @@ def load_model(
             f"or has no such repo ({error}). Pass a local path, or '{DEFAULT_MODEL_NAME}'."
         ) from error
     return prepare_weights(hf_model, settings, device, dtype), tokenizer
+
+
+def _owned_config(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):
+    """A checkpoint directory's config read without transformers' per-model classes (`models/config_json.py`),
+    where the owned forward will run it; None where transformers' own class must read it."""
+    from sluice.service.executor.models.config_json import read_owned_config
+    from sluice.service.executor.weight_prep import owned_path
+
+    if kwargs or not Path(source).is_dir():
+        return None
+    config = read_owned_config(Path(source))
+    if config is None:
+        return None
+    apply_hf_overrides(config, overrides)
+    return config if owned_path(config, settings) is None else None
 
 
 def apply_hf_overrides(config, overrides: dict) -> None:

@@ -46,7 +46,8 @@ def attention_shape(config) -> tuple[int, int, int]:
     return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
-def _sliding_window(config, layer: int) -> int | None:
+def sliding_window(config, layer: int) -> int | None:
+    """The attention window of `layer` (None: the whole context) under the family's rule."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if config.model_type in ("qwen2", "qwen3"):  # a window only on layers marked so (use_sliding_window)
@@ -81,7 +82,7 @@ def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device,
             heads, kv_heads, head_dim, i,
             norm(f"{p}self_attn.q_norm.weight") if has_qk_norm else None,
             norm(f"{p}self_attn.k_norm.weight") if has_qk_norm else None,
-            _sliding_window(config, i),
+            sliding_window(config, i),
         )
         mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
         layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn,
