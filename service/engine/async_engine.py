@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sluice.cpu import release_freed_memory
 from sluice.metrics.tracing import RequestTracer
 from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
 from sluice.scheduling.sampling_params import SamplingParams
@@ -342,13 +343,18 @@ class AsyncEngine:
     def _step(self) -> tuple[list[EngineOutput], bool, dict]:
         """Worker thread: one step if there is work, then the state the loop needs."""
         outputs = []
-        if self.engine.has_unfinished_requests():
+        ran = self.engine.has_unfinished_requests()
+        if ran:
             outputs = self.engine.step()
             last = getattr(self.engine, "last_stats", None)  # per-step counts: summed here for /health
             if last is not None:
                 self._preemptions["swap"] += last.num_preemptions_swap
                 self._preemptions["recompute"] += last.num_preemptions_recompute
-        return outputs, self.engine.has_unfinished_requests(), self._read_stats()
+        busy = self.engine.has_unfinished_requests()
+        if ran and not busy and self.engine.device.type == "cpu":
+            # glibc keeps a burst's or a long prompt's freed activations resident; an idle server gives them back
+            release_freed_memory()
+        return outputs, busy, self._read_stats()
 
     def _read_stats(self) -> dict:
         e = self.engine

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.engine.async_engine import (
@@ -52,6 +53,21 @@ async def test_stream_runs_to_completion_on_one_worker_thread():
     await until(lambda: eng.stats.get("free_blocks") == 10)
     assert eng.num_open_streams == 0 and eng.num_waiting == 0
     await eng.shutdown()
+
+
+async def test_memory_is_trimmed_when_the_engine_goes_idle(monkeypatch):
+    from sluice.service.engine import async_engine
+
+    fake, trims = FakeEngine(), []
+    monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(fake.requests.copy()))
+    eng = await started(fake)
+    await read_all(await eng.add_requests([("a", [1], params(3)), ("b", [1], params(6))]))
+    await until(lambda: trims)
+    assert trims == [{}]  # once, after the last of the burst, none while a request still ran
+    fake.device = torch.device("meta")  # an accelerator's memory is not malloc's
+    await read_all(await eng.add_request("c", [1], params(2)))
+    await eng.shutdown()
+    assert len(trims) == 1
 
 
 async def read_all(stream) -> list:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from sluice.scheduling.outcomes import FinishReason
 from sluice.service.engine.outputs import EngineOutput
 
@@ -16,6 +18,7 @@ class FakeEngine:
     max_model_len = 64
     loras = None  # serves no LoRA adapters
     embedding = None  # and no /v1/embeddings
+    device = torch.device("cpu")
 
     def __init__(self, step_delay: float = 0.0, fail_at_step: int | None = None, tokenizer=None):
         self.tokenizer = tokenizer
