@@ -84,6 +84,8 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                        "reversed each round; figures are each line's median (a machine whose speed drifts).")
     peers.add_argument("--shapes", default="", help="Random models served by Sluice on A and B too, e.g. "
                        "qwen2-135m,qwen3-135m (architectures llama, qwen2, qwen3; sizes 135m, 360m, 1.7b).")
+    peers.add_argument("--workloads", default="", help="Run only these workloads, e.g. E (default: all of A, B, C, "
+                       "D and E).")
     peers.set_defaults(func=_peers_command)
 
     grammar = commands.add_parser("grammar", help="Grammar-constrained rows' share of a batch-64 decode step.")
@@ -258,14 +260,15 @@ def _offline_command(args) -> int:
 
 def _peers_command(args) -> int:
 
-    from sluice.service.bench.peer_plan import estimate_lines, parse_formats, parse_sizes, plan
+    from sluice.service.bench.peer_plan import estimate_lines, parse_formats, parse_sizes, parse_workloads, plan
     from sluice.service.bench.peers import check_rounds, round_order, run_peers
 
     shapes = tuple(s for s in args.shapes.split(",") if s)
     try:
         sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats), (
             parse_sizes(args.d_sizes) if args.d_sizes.strip().lower() not in ("", "none") else ())
-        lines = plan(sizes, pairs, d_sizes, shapes=shapes)
+        workloads = parse_workloads(args.workloads) if args.workloads.strip() else ()
+        lines = plan(sizes, pairs, d_sizes, shapes=shapes, workloads=workloads)
         check_rounds(args.rounds, args.resume)
     except ValueError as e:
         print(f"sluice bench peers: error: {e}", file=sys.stderr)
@@ -276,7 +279,7 @@ def _peers_command(args) -> int:
         print("\n".join([*(line.name for line in runs), *estimate_lines(runs)]))
         return 0
 
-    run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume, args.rounds)
+    run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume, args.rounds, workloads)
     return 0
 
 

@@ -19,7 +19,7 @@ in fp32 streams 6.8 GB per decode step and takes about 40 s to prefill E's promp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluice.cpu import native_bf16_flags
 from sluice.service.bench.shapes import ARCHS, SIZES, Shape
@@ -34,6 +34,7 @@ GGUF_SERVED = {"Q4_K": "Q4_K_M", "Q4_0": "Q4_0"}
 ALIASES = {"gguf": "Q4_K", "q4k": "Q4_K"}
 AB_SLOTS, C_SLOTS = 64, 16
 D_SLOT_CTX = 1024  # D's prompts (500-620 tokens) and its 256 output tokens
+WORKLOADS = ("A", "B", "C", "D", "E")
 E_SLOT_CTX = 4096  # E: llama.cpp's one slot, as the issue sets it (a prompt of 2,000 tokens and 16 more)
 SPEC_SLUICE = ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
 # llama.cpp's ngram-simple drafts its whole m-gram: once with Sluice's 4 tokens, once with its own defaults.
@@ -160,13 +161,34 @@ def parse_sizes(text: str) -> tuple[str, ...]:
     return tuple(s for s in SCALES if s in names)
 
 
+def parse_workloads(text: str) -> tuple[str, ...]:
+    """Workload names from a comma list ("E", "a,b"), in WORKLOADS' order; all for ""."""
+    names = {t.strip().upper() for t in text.split(",") if t.strip()} or set(WORKLOADS)
+    unknown = sorted(names - set(WORKLOADS))
+    if unknown:
+        raise ValueError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    return tuple(w for w in WORKLOADS if w in names)
+
+
+def only(lines: list[Line], workloads: tuple[str, ...]) -> list[Line]:
+    """The lines with just `workloads` left on their servers; a server, and a line, left with none goes."""
+    out = []
+    for line in lines:
+        launches = tuple(replace(launch, workloads=kept) for launch in line.launches
+                         if (kept := tuple(w for w in launch.workloads if w in workloads)))
+        if launches:
+            out.append(replace(line, launches=launches))
+    return out
+
+
 def plan(sizes: tuple[str, ...], pairs=PAIRS, d_sizes: tuple[str, ...] = ("135m",), bf16: bool = True,
-         baseline: str = "", shapes: tuple[str, ...] = ()) -> list[Line]:
+         baseline: str = "", shapes: tuple[str, ...] = (), workloads: tuple[str, ...] = ()) -> list[Line]:
     """Every server line of a run, in order: per size, Sluice then llama.cpp format by format (a Sluice format
     paired twice runs once), then D's speculation lines, then Sluice alone on A and B in fp32 and bf16 for each of
     `shapes` ("qwen2-135m": another layer layout, random weights). `bf16`: whether Sluice's bf16 runs here (it
-    needs avx512_bf16 or AMX). Every server of a pair runs E on a server of its own with one slot of E_SLOT_CTX."""
-    out = []
+    needs avx512_bf16 or AMX). Every server of a pair runs E on a server of its own with one slot of E_SLOT_CTX.
+    `workloads`: run only these (all where empty)."""
+    out: list[Line] = []
     for spec in shapes:
         arch, _, size = spec.partition("-")
         if size not in SCALES or arch not in ARCHS:
@@ -198,7 +220,7 @@ def plan(sizes: tuple[str, ...], pairs=PAIRS, d_sizes: tuple[str, ...] = ("135m"
             engines = ([f"Sluice@{baseline[:8]}"] if baseline else []) + ["Sluice"]
             launch = Launch(1, AB_SLOTS * SCALES[size].ab_ctx, ("A", "B"))
             out += [Line(size, engine, fmt, launches=(launch,), arch=arch) for engine in engines]
-    return out
+    return only(out, workloads) if workloads else out
 
 
 def params(shape: Shape, vocab: int = 49152) -> float:

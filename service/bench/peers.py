@@ -52,7 +52,7 @@ NO_SPEC_FLAG = "this sluice serve has no --speculative-method (n-gram speculatio
 
 def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), pairs=None,
               d_sizes: tuple[str, ...] = ("135m",), baseline: str = "", shapes: tuple[str, ...] = (),
-              resume: bool = False, rounds: int = 1, log=print) -> dict:
+              resume: bool = False, rounds: int = 1, workloads: tuple[str, ...] = (), log=print) -> dict:
     """Build what is missing, run every line of the plan in turn, rewrite JSON and Markdown after each one.
 
     `pairs`: the weight format pairs (None: default_pairs, the float pair by this CPU).
@@ -60,6 +60,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     `baseline`: a git ref whose Sluice runs right before this one on every Sluice line ("Sluice@<sha8> ...").
     `shapes`: other layer layouts ("qwen2-135m", see shapes.py) served by Sluice alone on A and B.
     `rounds`: times every line runs, in alternating order; each figure is the median of its rounds.
+    `workloads`: run only these ("E": time to first token of long prompts and the memory they leave; all where
+    empty).
     """
     check_rounds(rounds, resume)
     pairs = default_pairs() if pairs is None else pairs
@@ -73,7 +75,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         sha = resolve(baseline)
         pythons[f"Sluice@{sha[:8]}"] = str(baseline_python(sha, cache, log))
     bf16_flags = native_bf16_flags()
-    lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16_flags), baseline=sha, shapes=shapes)
+    lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16_flags), baseline=sha, shapes=shapes, workloads=workloads)
     served = (GGUF_SERVED[ours] for ours, _ in pairs if ours in GGUF_SERVED)  # the files Sluice's gguf lines read
     kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *served]))
     log("preparing models: " + ", ".join(sizes))

@@ -48,6 +48,27 @@ def test_float_pair_follows_the_cpu_unless_the_formats_name_it(monkeypatch, caps
     assert f"Float pair: {emulated}; formats run: fp32/F32, f16/F16." in text
 
 
+def test_workloads_option_keeps_only_those_on_every_server(capsys):
+    import argparse
+
+    from sluice.service.bench import add_bench_subcommands
+
+    lines = peer_plan.plan(("135m",), (("fp32", "F32"),), ("135m",), workloads=("E",))
+    assert [line.name for line in lines] == ["135m Sluice fp32", "135m llama.cpp F32"]
+    assert all(launch.workloads == ("E",) and launch.slot_ctx == E_SLOT_CTX
+               for line in lines for launch in line.launches)
+    kept = peer_plan.plan(("135m",), (("fp32", "F32"),), ("135m",), workloads=("B", "D"))
+    assert {line.name for line in kept} >= {"135m Sluice fp32 ngram", "135m llama.cpp F32"}
+    assert {w for line in kept for launch in line.launches for w in launch.workloads} == {"B", "D"}
+    assert peer_plan.parse_workloads(" e, a") == ("A", "E") and peer_plan.parse_workloads("") == peer_plan.WORKLOADS
+    with pytest.raises(ValueError, match="unknown workloads"):
+        peer_plan.parse_workloads("E,F")
+    parser = argparse.ArgumentParser()
+    add_bench_subcommands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "peers", "--estimate", "--sizes", "135m", "--workloads", "G"])
+    assert args.func(args) == 2 and "unknown workloads" in capsys.readouterr().err
+
+
 # A llama.cpp-like server for workload E: logs each prompt (its length, its first words, whether another request
 # was in flight) after answering it; its "prefill" takes 0.1 s per 2,000 words.
 FAKE_SERVER = """
