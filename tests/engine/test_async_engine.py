@@ -55,17 +55,21 @@ async def test_stream_runs_to_completion_on_one_worker_thread():
     await eng.shutdown()
 
 
-async def test_memory_is_trimmed_when_the_engine_goes_idle(monkeypatch):
+async def test_memory_is_trimmed_once_the_engine_has_been_idle_a_while(monkeypatch):
     from sluice.service.engine import async_engine
 
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 1.0)
     fake, trims = FakeEngine(), []
     monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(fake.requests.copy()))
     eng = await started(fake)
     await read_all(await eng.add_requests([("a", [1], params(3)), ("b", [1], params(6))]))
+    await read_all(await eng.add_request("c", [1], params(2)))  # back to back: no trim between them
+    assert trims == []
     await until(lambda: trims)
-    assert trims == [{}]  # once, after the last of the burst, none while a request still ran
+    assert trims == [{}]  # once, after the last request, while none ran
     fake.device = torch.device("meta")  # an accelerator's memory is not malloc's
-    await read_all(await eng.add_request("c", [1], params(2)))
+    await read_all(await eng.add_request("d", [1], params(2)))
+    await asyncio.sleep(1.5)
     await eng.shutdown()
     assert len(trims) == 1
 
