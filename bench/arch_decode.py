@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 FORMATS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int4": ("float32", "int4"),
-           "int8": ("float32", "int8")}
+           "int8": ("float32", "int8"), "f16": ("float32", "f16")}
 
 
 def engines_of(archs: list[str], size: str, fmt: str) -> tuple[dict, object]:
