@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -27,7 +28,9 @@ from sluice.machine import cache_root, cpu_flags_line
 logger = logging.getLogger("sluice.native")
 
 CSRC = Path(__file__).with_name("csrc")
-CFLAGS = ("-O3", "-march=native")
+# -march: this CPU's own instruction sets, or the x86-64 level $SLUICE_NATIVE_MARCH names (x86-64-v3: AVX2 and FMA),
+# for kernels another machine will run or a benchmark of that machine's code paths here.
+MARCH_ENV = "SLUICE_NATIVE_MARCH"
 # GCC's first instruction scheduling pass, aware of register pressure (off by default on x86). Without it the int4
 # kernel's AVX2 passes hoist every pmaddubsw of a group and spill their sums to the stack. Clang has no such pass.
 GCC_FLAGS = ("-fschedule-insns", "-fsched-pressure")
@@ -40,6 +43,14 @@ OPENMP_FLAGS = ("-fopenmp",) if torch.backends.openmp.is_available() else ()
 # forever. A build takes a minute or two: a lock older than this has no builder left.
 BUILD_LOCK_STALE_S = 600.0
 FALLBACK = "every CPU kernel runs its pure-torch fallback (correct, slower)"
+
+
+def cflags() -> tuple[str, ...]:
+    """-O3 and the -march the kernels are built for (native, or $SLUICE_NATIVE_MARCH)."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not an -march name (native, x86-64-v3, ...)")
+    return ("-O3", f"-march={march}")
 
 
 def cache_dir() -> Path:
@@ -71,7 +82,7 @@ def load():
         return None
     start, wall_start = time.monotonic(), time.time()
     try:
-        ops = build(CFLAGS + (GCC_FLAGS if is_gcc(compiler) else ()))
+        ops = build(cflags() + (GCC_FLAGS if is_gcc(compiler) else ()))
     except Exception as e:  # a failed build must not stop the server: it only costs speed
         logger.warning("native kernels: the build failed (%s): %s", str(e)[-500:], FALLBACK)
         return None

@@ -86,6 +86,9 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                        "qwen2-135m,qwen3-135m (architectures llama, qwen2, qwen3; sizes 135m, 360m, 1.7b).")
     peers.add_argument("--workloads", default="", help="Run only these workloads, e.g. E (default: all of A, B, C, "
                        "D and E).")
+    peers.add_argument("--isa", default="native", help="native, or avx2: both servers held to AVX2 and FMA (llama.cpp "
+                       "built without AVX-512, Sluice's kernels for x86-64-v3, torch's capped), another machine's "
+                       "code paths on this one's cores (default: %(default)s).")
     peers.set_defaults(func=_peers_command)
 
     grammar = commands.add_parser("grammar", help="Grammar-constrained rows' share of a batch-64 decode step.")
@@ -260,15 +263,18 @@ def _offline_command(args) -> int:
 
 def _peers_command(args) -> int:
 
+    from sluice.service.bench import isa_cap, llama_cpp
     from sluice.service.bench.peer_plan import estimate_lines, parse_formats, parse_sizes, parse_workloads, plan
     from sluice.service.bench.peers import check_rounds, round_order, run_peers
 
     shapes = tuple(s for s in args.shapes.split(",") if s)
     try:
-        sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats), (
+        isa_cap.check(args.isa, llama_cpp.cpu_flags())
+        bf16_flags = isa_cap.bf16_flags(args.isa)
+        sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats, bf16_flags), (
             parse_sizes(args.d_sizes) if args.d_sizes.strip().lower() not in ("", "none") else ())
         workloads = parse_workloads(args.workloads) if args.workloads.strip() else ()
-        lines = plan(sizes, pairs, d_sizes, shapes=shapes, workloads=workloads)
+        lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16_flags), shapes=shapes, workloads=workloads)
         check_rounds(args.rounds, args.resume)
     except ValueError as e:
         print(f"sluice bench peers: error: {e}", file=sys.stderr)
@@ -279,7 +285,8 @@ def _peers_command(args) -> int:
         print("\n".join([*(line.name for line in runs), *estimate_lines(runs)]))
         return 0
 
-    run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume, args.rounds, workloads)
+    run_peers(Path(args.output), sizes, pairs, d_sizes, args.baseline, shapes, args.resume, args.rounds, workloads,
+              args.isa)
     return 0
 
 

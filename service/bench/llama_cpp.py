@@ -16,6 +16,7 @@ import tarfile
 from pathlib import Path
 
 from sluice import native
+from sluice.service.bench.isa_cap import capped
 
 SDIST = "llama-cpp-python"
 # (cpuinfo flag, ggml CMake option): turned on only where the CPU reports the flag.
@@ -40,9 +41,11 @@ def llama_tree(cache: Path) -> Path:
     return next(cache.glob("llama_cpp_python-*/vendor/llama.cpp"))
 
 
-def build_llama_server(cache: Path, log=print) -> Path:
-    """The llama-server binary, built once from the PyPI sdist (about 10 minutes on 2 cores)."""
-    binary = cache / "llama-server"
+def build_llama_server(cache: Path, log=print, isa: str = "native") -> Path:
+    """The llama-server binary, built once from the PyPI sdist (about 10 minutes on 2 cores); for an `isa` cap
+    (isa_cap.py), with only the instruction sets that cap keeps, into a binary and build folder of its own."""
+    suffix = "" if isa == "native" else f"-{isa}"
+    binary = cache / f"llama-server{suffix}"
     if binary.is_file():
         return binary
     cache.mkdir(parents=True, exist_ok=True)
@@ -55,11 +58,12 @@ def build_llama_server(cache: Path, log=print) -> Path:
     if not tree.is_dir():
         with tarfile.open(sdists[-1]) as archive:
             archive.extractall(cache, filter="data")
-    build = tree / "build"
-    log("configuring llama.cpp: " + " ".join(cmake_isa_options(cpu_flags())))
+    build = tree / f"build{suffix}"
+    flags = set(capped(cpu_flags(), isa))
+    log("configuring llama.cpp: " + " ".join(cmake_isa_options(flags)))
     run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DGGML_OPENMP=OFF",
-         *cmake_isa_options(cpu_flags())])
+         *cmake_isa_options(flags)])
     log("building llama-server")
     run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
     shutil.copy2(build / "bin" / "llama-server", binary)

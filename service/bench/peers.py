@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from sluice.cpu import native_bf16_flags
 from sluice.machine import cache_root
+from sluice.service.bench import isa_cap
 from sluice.service.bench.llama_cpp import ISA, build_llama_server, cpu_flags
 from sluice.service.bench.peer_models import disk_mib, prepare
 from sluice.service.bench.peer_plan import (
@@ -52,7 +52,8 @@ NO_SPEC_FLAG = "this sluice serve has no --speculative-method (n-gram speculatio
 
 def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), pairs=None,
               d_sizes: tuple[str, ...] = ("135m",), baseline: str = "", shapes: tuple[str, ...] = (),
-              resume: bool = False, rounds: int = 1, workloads: tuple[str, ...] = (), log=print) -> dict:
+              resume: bool = False, rounds: int = 1, workloads: tuple[str, ...] = (), isa: str = "native",
+              log=print) -> dict:
     """Build what is missing, run every line of the plan in turn, rewrite JSON and Markdown after each one.
 
     `pairs`: the weight format pairs (None: default_pairs, the float pair by this CPU).
@@ -62,11 +63,15 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     `rounds`: times every line runs, in alternating order; each figure is the median of its rounds.
     `workloads`: run only these ("E": time to first token of long prompts and the memory they leave; all where
     empty).
+    `isa`: "native", or a cap both servers are held to (isa_cap.py: "avx2", another machine's code paths here).
     """
     check_rounds(rounds, resume)
-    pairs = default_pairs() if pairs is None else pairs
+    isa_cap.check(isa, cpu_flags())
+    flags = isa_cap.capped(cpu_flags(), isa)
+    bf16_flags = isa_cap.bf16_flags(isa)
+    pairs = default_pairs(bf16_flags) if pairs is None else pairs
     cache = cache_root() / "peers"
-    server = build_llama_server(cache, log)
+    server = build_llama_server(cache, log, isa)
     pythons = {"Sluice": sys.executable}
     sha = ""
     if baseline:
@@ -74,14 +79,14 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
 
         sha = resolve(baseline)
         pythons[f"Sluice@{sha[:8]}"] = str(baseline_python(sha, cache, log))
-    bf16_flags = native_bf16_flags()
     lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16_flags), baseline=sha, shapes=shapes, workloads=workloads)
     served = (GGUF_SERVED[ours] for ours, _ in pairs if ours in GGUF_SERVED)  # the files Sluice's gguf lines read
     kinds = tuple(dict.fromkeys([*(theirs for _, theirs in pairs), *served]))
     log("preparing models: " + ", ".join(sizes))
     models = prepare(cache, sizes, kinds, log)
     threads = str(len(os.sched_getaffinity(0)))
-    results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in cpu_flags()), "threads": threads,
+    results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in flags), "threads": threads,
+                        "isa_cap": isa_cap.describe(isa, cpu_flags()),
                         "sizes": list(sizes), "baseline": sha, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                         "rounds": rounds, "float_pair": float_pairs(bf16_flags)[1],
                         "formats": ["/".join(p) for p in pairs],
@@ -97,7 +102,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
         log(text)
     log(f"float pair: {results['meta']['float_pair']}")
     dtypes = sorted({PEAK_DTYPES.get(line.fmt, "float32") for line in lines if "E" in _workloads_of(line)})
-    peaks = {d: machine_peak(d, int(threads), log) for d in dtypes}
+    peaks = {d: machine_peak(d, int(threads), log, isa) for d in dtypes}
     results["meta"]["peak_gflop_s"] = {d: rate for d, rate in peaks.items() if rate is not None}
     spec_ok = _has_spec_flag(sys.executable)
     measured: dict[str, list[dict]] = {}
@@ -112,7 +117,8 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
             results["servers"][line.name] = {"skipped": NO_SPEC_FLAG, "plan": _plan_of(line)}
         else:
             cmds = [command(line, launch, models, server, pythons, threads) for launch in line.launches]
-            measured.setdefault(line.name, []).append(_measure(line, cmds, log))
+            env = isa_cap.server_env(isa) if line.sluice else None
+            measured.setdefault(line.name, []).append(_measure(line, cmds, log, env))
             results["servers"][line.name] = median_of_rounds(measured[line.name])
         results["ratios"] = ratios(results["servers"], results["meta"]["sizes"])
         _write(output, results)
@@ -200,15 +206,17 @@ def _workloads_of(line: Line) -> set[str]:
     return {w for launch in line.launches for w in launch.workloads}
 
 
-def machine_peak(dtype: str, threads: int, log=print) -> float | None:
+def machine_peak(dtype: str, threads: int, log=print, isa: str = "native") -> float | None:
     """GFLOP/s (int8: GOP/s) of a large matmul in `dtype` ("float32", "bfloat16", "int8") on `threads` threads: the
-    machine's rate (None where this torch has no such product on CPU: the report then gives no share)."""
+    machine's rate, under an `isa` cap that cap's (None where this torch has no such product on CPU: the report then
+    gives no share)."""
     import torch
 
     from sluice.service.bench.ceiling import matmul_gflop_s
 
     try:
-        rate = matmul_gflop_s(getattr(torch, dtype), threads)
+        rate = matmul_gflop_s(getattr(torch, dtype), threads) if isa == "native" else isa_cap.matmul_peak(
+            dtype, threads, isa)
     except (AttributeError, RuntimeError, NotImplementedError) as e:  # torch._int_mm absent or CUDA-only
         log(f"matmul peak, {dtype}: not measured ({type(e).__name__}: {str(e)[:80]})")
         return None
@@ -225,12 +233,12 @@ def _plan_of(line: Line) -> dict:
                          for x in line.launches]}
 
 
-def _measure(line: Line, cmds: list[list[str]], log) -> dict:
+def _measure(line: Line, cmds: list[list[str]], log, env: dict[str, str] | None = None) -> dict:
     out: dict = {"plan": _plan_of(line), "commands": [" ".join(c) for c in cmds]}
     ws = scaled_workloads(line.size)
     for i, (launch, cmd) in enumerate(zip(line.launches, cmds, strict=True)):
         try:
-            with ServerProcess(cmd, "/ready" if line.sluice else "/health") as server:
+            with ServerProcess(cmd, "/ready" if line.sluice else "/health", env=env) as server:
                 for name in launch.workloads:
                     out[name] = _workload(server.base, ws[name], log, warmup(ws[name]) if name == "E" else None)
                     out[name]["rss_mib"] = server.rss_mib()  # what the workload left resident

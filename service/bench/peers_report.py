@@ -87,6 +87,8 @@ def table(results: dict) -> str:
            "Ratios are Sluice / llama.cpp: above 1 is better for A (tok/s), below 1 for B (TPOT), C and E (TTFT) "
            "and RSS. RSS: the server's resident memory after its last workload of A-D; E's after E, on a server of "
            "its own (one slot of 4,096 tokens)."]
+    if meta.get("isa_cap"):
+        out.append(f"**{meta['isa_cap'][0].upper()}{meta['isa_cap'][1:]}.**")
     if meta.get("float_pair"):
         out.append(f"Float pair: {meta['float_pair']}" + (f"; formats run: {', '.join(meta['formats'])}."
                                                           if meta.get("formats") else "."))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -25,16 +26,20 @@ class ServerProcess:
     """`cmd` (any OpenAI-style server taking --host/--port) on a free port, ready once `ready_path` answers 200;
     stopped (SIGTERM, then kill) on leaving the `with`. Its output goes to `log`, or nowhere."""
 
-    def __init__(self, cmd: list[str], ready_path: str, log: Path | None = None) -> None:
+    def __init__(self, cmd: list[str], ready_path: str, log: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
         args = [*cmd, "--host", "127.0.0.1", "--port", str(self.port)]
+        environ = {**os.environ, **env} if env else None  # `env`: variables set on top of this process's
         if log is None:
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=neutral_cwd())
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=neutral_cwd(),
+                                         env=environ)
         else:
             with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-                self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=neutral_cwd())
+                self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=neutral_cwd(),
+                                             env=environ)
         try:
             wait_ready(self.base + ready_path, self.proc)
         except BaseException:

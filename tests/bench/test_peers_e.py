@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sluice.service.bench import peer_plan
+from sluice.service.bench import isa_cap, peer_plan
 from sluice.service.bench.peer_plan import E_SLOT_CTX, Launch, Line, default_pairs, parse_formats, workloads
 from sluice.service.bench.peers_report import table
 
@@ -35,6 +35,7 @@ def test_float_pair_follows_the_cpu_unless_the_formats_name_it(monkeypatch, caps
     for flags, present, absent in (([], "360m llama.cpp F16", "BF16"), (["avx512_bf16"], "360m Sluice bf16",
                                                                       "llama.cpp F16")):
         monkeypatch.setattr(peer_plan, "native_bf16_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(isa_cap, "native_bf16_flags", lambda flags=flags: flags)
         assert parse_formats("") == default_pairs(flags)
         args = parser.parse_args(["bench", "peers", "--estimate", "--sizes", "360m", "--d-sizes", "none"])
         assert args.func(args) == 0
