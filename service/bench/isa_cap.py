@@ -51,8 +51,8 @@ def describe(isa: str, flags: set[str]) -> str:
         return ""
     dropped = sorted(f for f in flags if f.startswith(("avx512", "amx")))
     return (f"instruction sets capped at {isa.upper()} on a CPU that has more ({', '.join(dropped) or 'none'}): "
-            f"llama.cpp built without them, Sluice's kernels for x86-64-v3, torch's through "
-            f"{', '.join(SERVER_ENV[isa])}; this machine's cores and memory")
+            f"llama.cpp built without them, Sluice's kernels for x86-64-v3, torch's held to {isa.upper()} by "
+            f"{', '.join(k for k in SERVER_ENV[isa] if not k.startswith('SLUICE'))}; this machine's cores and memory")
 
 
 def matmul_peak(dtype: str, threads: int, isa: str) -> float:

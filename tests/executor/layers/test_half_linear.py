@@ -40,7 +40,8 @@ def test_blocks_hold_every_weight_once_and_give_it_back():
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
 # 70 and 7: inputs not a multiple of a vector; 130 and 64 outputs: a last block of two columns, and one whole block
-@pytest.mark.parametrize(("out_features", "in_features"), [(130, 32), (130, 576), (64, 70), (130, 7)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(130, 32), (130, 576), (64, 70), (130, 7), (576, 64),
+                                                          (100, 16)])
 def test_the_gemv_widens_16_bit_weights_exactly(kernel, half, rows, out_features, in_features):
     torch.manual_seed(rows * 100 + in_features)
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features).to(half)
@@ -63,12 +64,12 @@ def _packed_linear_half(isa: str):
 def test_every_instruction_set_widens_the_same_weights(half):
     # The portable loop converts one element at a time (c10's conversions), AVX2 eight (F16C, a shift for bf16).
     torch.manual_seed(0)
-    x, w = torch.randn(5, 70), torch.randn(40, 70).to(half)
+    x, w = torch.randn(5, 70), torch.randn(130, 70).to(half)
     w[0, :4] = torch.tensor([65504.0, -0.0, 6e-8, float("inf")]).to(half)  # largest, signed zero, subnormal, inf
     for isa in variant_isas():
-        for rows in (1, 5):
-            got = _packed_linear_half(isa)(x[:rows], pack_half(w), 40)
-            torch.testing.assert_close(got, _reference(x[:rows], w), rtol=1e-5, atol=1e-4, msg=isa)
+        for rows, n in ((1, 40), (5, 40), (1, 130), (1, 25)):  # one row: whole blocks and halves split between threads
+            got = _packed_linear_half(isa)(x[:rows], pack_half(w[:n]), n)
+            torch.testing.assert_close(got, _reference(x[:rows], w[:n]), rtol=1e-5, atol=1e-4, msg=isa)
 
 
 def test_the_gemv_refuses_what_it_cannot_read(kernel):
