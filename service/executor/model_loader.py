@@ -124,17 +124,15 @@ def load_model(
 
 def _owned_config(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):
     """A checkpoint directory's config read without transformers' per-model classes (`models/config_json.py`),
-    where the owned forward will run it; None where transformers' own class must read it."""
+    where the owned forward will run it; None where transformers' own class must read it (--hf-overrides too: an
+    override means what it means to that class, a rope override among them)."""
     from sluice.service.executor.models.config_json import read_owned_config
     from sluice.service.executor.weight_prep import owned_path
 
-    if kwargs or not Path(source).is_dir():
+    if kwargs or overrides or not Path(source).is_dir():
         return None
     config = read_owned_config(Path(source))
-    if config is None:
-        return None
-    apply_hf_overrides(config, overrides)
-    return config if owned_path(config, settings) is None else None
+    return config if config is not None and owned_path(config, settings) is None else None
 
 
 def apply_hf_overrides(config, overrides: dict) -> None:

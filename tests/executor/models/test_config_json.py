@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, PreTrainedConfig
 
 from sluice.scheduling.sampling_params import SamplingParams
+from sluice.service.config import ModelConfig
 from sluice.service.executor.kv_sizing import model_context_length
 from sluice.service.executor.layers.rotary import rope_parameters
 from sluice.service.executor.model_loader import load_model
@@ -161,6 +162,13 @@ def test_a_directory_serves_as_transformers_generates(tmp_path, arch):
     prompts = mixed_prompts(4)
     got = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [g.token_ids for g in got] == [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+
+
+def test_overrides_are_read_by_transformers_class(tmp_path):
+    path = tiny.save_tiny_model(str(tmp_path / "tiny"))
+    settings = ModelConfig(hf_overrides='{"rms_norm_eps": 0.001}')
+    model, _ = load_model(path, "cpu", "float32", settings=settings)
+    assert type(model.config).__name__ == "LlamaConfig" and model.config.rms_norm_eps == 0.001
 
 
 def test_serving_a_directory_imports_no_model_config_class(tmp_path):
