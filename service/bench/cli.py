@@ -263,18 +263,19 @@ def _offline_command(args) -> int:
 
 def _peers_command(args) -> int:
 
-    from sluice.service.bench import isa_cap, llama_cpp
+    from sluice.service.bench.isa_cap import bf16_flags, check
+    from sluice.service.bench.llama_cpp import cpu_flags
     from sluice.service.bench.peer_plan import estimate_lines, parse_formats, parse_sizes, parse_workloads, plan
     from sluice.service.bench.peers import check_rounds, round_order, run_peers
 
     shapes = tuple(s for s in args.shapes.split(",") if s)
     try:
-        isa_cap.check(args.isa, llama_cpp.cpu_flags())
-        bf16_flags = isa_cap.bf16_flags(args.isa)
-        sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats, bf16_flags), (
+        check(args.isa, cpu_flags())
+        bf16 = bf16_flags(args.isa)
+        sizes, pairs, d_sizes = parse_sizes(args.sizes), parse_formats(args.formats, bf16), (
             parse_sizes(args.d_sizes) if args.d_sizes.strip().lower() not in ("", "none") else ())
         workloads = parse_workloads(args.workloads) if args.workloads.strip() else ()
-        lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16_flags), shapes=shapes, workloads=workloads)
+        lines = plan(sizes, pairs, d_sizes, bf16=bool(bf16), shapes=shapes, workloads=workloads)
         check_rounds(args.rounds, args.resume)
     except ValueError as e:
         print(f"sluice bench peers: error: {e}", file=sys.stderr)

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import sluice.service.bench.isa_cap as isa_cap
 from sluice.machine import cache_root
-from sluice.service.bench import isa_cap
 from sluice.service.bench.llama_cpp import ISA, build_llama_server, cpu_flags
 from sluice.service.bench.peer_models import disk_mib, prepare
 from sluice.service.bench.peer_plan import (
