@@ -74,7 +74,7 @@ bench: model
 
 SIZES ?= 135m,360m,1.7b
 FORMATS ?=
-bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/results/peers.{json,md}; SIZES=135m,360m FORMATS=bf16,int4 RESUME=1 PEERS_ARGS="--baseline REF --rounds 2 --estimate"
+bench-peers: model  ## Sluice beside llama.cpp's server (built once from PyPI's sdist, cached): bench/results/peers.{json,md}; SIZES=135m,360m FORMATS=bf16,int4 RESUME=1 PEERS_ARGS="--baseline REF --rounds 2 --workloads E --isa avx2 --estimate"
 	$(BIN)/sluice bench peers --output bench/results/peers.json --sizes "$(SIZES)" --formats "$(FORMATS)" $(if $(RESUME),--resume) $(PEERS_ARGS)
 
 clean:
