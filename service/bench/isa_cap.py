@@ -37,7 +37,7 @@ def capped(flags, isa: str) -> list[str]:
 
 def bf16_flags(isa: str) -> list[str]:
     """This CPU's native bf16 matmul flags that `isa` keeps (they choose the float pair)."""
-    return [f for f in native_bf16_flags() if isa not in KEPT_FLAGS or f in KEPT_FLAGS[isa]]
+    return capped(native_bf16_flags(), isa)
 
 
 def server_env(isa: str) -> dict[str, str]:

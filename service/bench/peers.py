@@ -66,8 +66,9 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     `isa`: "native", or a cap both servers are held to (isa_cap.py: "avx2", another machine's code paths here).
     """
     check_rounds(rounds, resume)
-    isa_cap.check(isa, cpu_flags())
-    flags = isa_cap.capped(cpu_flags(), isa)
+    machine_flags = cpu_flags()
+    isa_cap.check(isa, machine_flags)
+    flags = isa_cap.capped(machine_flags, isa)
     bf16_flags = isa_cap.bf16_flags(isa)
     pairs = default_pairs(bf16_flags) if pairs is None else pairs
     cache = cache_root() / "peers"
@@ -86,7 +87,7 @@ def run_peers(output: Path, sizes: tuple[str, ...] = ("135m", "360m", "1.7b"), p
     models = prepare(cache, sizes, kinds, log)
     threads = str(len(os.sched_getaffinity(0)))
     results = {"meta": {"cpu_flags": sorted(f for f, _ in ISA if f in flags), "threads": threads,
-                        "isa_cap": isa_cap.describe(isa, cpu_flags()),
+                        "isa_cap": isa_cap.describe(isa, machine_flags),
                         "sizes": list(sizes), "baseline": sha, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                         "rounds": rounds, "float_pair": float_pairs(bf16_flags)[1],
                         "formats": ["/".join(p) for p in pairs],
