@@ -15,7 +15,7 @@ FINISH_REASONS = tuple(r.value for r in FinishReason)  # "stop", "length", "abor
 # Bounded on purpose: a label value per client-supplied string would explode the series count.
 REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "not_found", "too_large", "draining", "unavailable")
 # What the process holds resident, by what for (sluice_memory_resident_bytes), and what the KV cache set aside.
-MEMORY_KINDS = ("weights", "kv_cache", "kv_swap", "other")
+MEMORY_KINDS = ("weights", "kv_cache", "kv_swap", "other", "helpers")
 RESERVED_KINDS = ("kv_cache", "kv_swap")
 
 # Buckets span a GPU decode step (~1 ms) to a loaded CPU box (tens of seconds).
@@ -238,8 +238,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "memory_resident", Gauge, "sluice_memory_resident_bytes",
         "Memory held, by what for: weights (parameters and buffers, prepacked copies included), kv_cache (the KV "
         "blocks ever used; blocks never used hold no pages), kv_swap (host swap blocks ever used), other (the rest of "
-        "the process's resident set: runtime, activations, allocator caches). On a GPU, weights and kv_cache are GPU "
-        "memory and other leaves them out.",
+        "the process's resident set: runtime, activations, allocator caches), helpers (what the server's child "
+        "processes, the grammar compile zygote and its workers, hold and share with no other process). On a GPU, "
+        "weights and kv_cache are GPU memory and other leaves them out.",
         label="kind", values=MEMORY_KINDS,
     ),
     _spec(

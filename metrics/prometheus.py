@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sluice.cpu import helpers_private_bytes, resident_bytes
 from sluice.metrics.families import FINISH_REASONS, METRICS, MODEL_LABEL, REJECT_REASONS
 from sluice.metrics.tenant_labels import TenantLabels
 from sluice.metrics.vllm_names import CacheConfigInfo, VllmNames
@@ -146,7 +146,8 @@ class SluiceMetrics:
 
     def watch_memory(self, weight_bytes: int, kv, kv_manager) -> None:
         """Read the memory gauges when scraped: `weight_bytes`, the KV tensors' (kvcache KVTensors) bytes for the
-        blocks `kv_manager` (a KVCacheManager) ever handed out, and the process's resident set for the rest."""
+        blocks `kv_manager` (a KVCacheManager) ever handed out, the process's resident set for the rest, and its
+        child processes' private memory."""
         # Weak references: the registry outlives engines (tests build many), and must not keep their caches alive.
         kv_ref, pools = weakref.ref(kv), weakref.ref(kv_manager)
 
@@ -161,7 +162,8 @@ class SluiceMetrics:
         resident = {"weights": lambda: weight_bytes, "kv_cache": lambda: kv_bytes(False),
                     "kv_swap": lambda: kv_bytes(True)}
         in_host_memory = ["kv_swap", *(("weights", "kv_cache") if kv.device.type == "cpu" else ())]
-        resident["other"] = lambda: max(0, process_resident_bytes() - sum(resident[k]() for k in in_host_memory))
+        resident["other"] = lambda: max(0, resident_bytes() - sum(resident[k]() for k in in_host_memory))
+        resident["helpers"] = helpers_private_bytes
         for kind, read in resident.items():
             self._c["memory_resident"][kind].set_function(read)
         self._c["memory_reserved"]["kv_cache"].set(kv.num_bytes)
@@ -231,15 +233,6 @@ class _Timing:
 
     request: Request
     last_token_time: float | None = None
-
-
-def process_resident_bytes() -> int:
-    """This process's resident set now (/proc/self/statm), 0 where there is none."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def reject_reason(status: int, code: str | None = None) -> str | None:

@@ -151,6 +151,53 @@ def release_freed_memory() -> bool:
     return True
 
 
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident set now (/proc/PID/statm), 0 where there is none (gone, or not Linux)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def descendants(pid: int | str = "self") -> list[int]:
+    """The pids of a process's children, theirs, and so on (/proc/PID/task/*/children); [] where unreadable."""
+    found: list[int] = []
+    todo = [str(pid)]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(c) for c in children.read_text().split()]
+            except (OSError, ValueError):  # the thread or process ended meanwhile
+                continue
+            found += kids
+            todo += map(str, kids)
+    return found
+
+
+def private_bytes(pid: int | str = "self") -> int:
+    """The memory only this process maps (/proc/PID/smaps_rollup's private pages); 0 where unreadable."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0
+    return 1024 * sum(int(line.split()[1]) for line in rollup if line.startswith(("Private_Clean:", "Private_Dirty:")))
+
+
+def helpers_private_bytes(pid: int | str = "self") -> int:
+    """What a process's descendants hold that no other process maps (their private pages), summed.
+
+    A child forked from the server (the grammar compile zygote and its workers) shares the server's pages until
+    either side writes one; the pages that diverged are the child's own cost, and its resident set, shared pages
+    included, would count the server twice. With the server's resident set this is what the process tree holds.
+    """
+    return sum(private_bytes(child) for child in descendants(pid))
+
+
+def tree_resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident set plus its descendants' private memory: what the server costs, helpers included."""
+    return resident_bytes(pid) + helpers_private_bytes(pid)
+
+
 def thread_niceness() -> int | None:
     """The calling thread's nice value (Linux: nice is per thread); None where it cannot be read."""
     try:

@@ -17,6 +17,43 @@ def test_cgroup_quota_caps_the_thread_count(tmp_path):
     assert available_cpus(tmp_path / "missing") == cores
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux /proc accounting")
+def test_helpers_count_a_childs_own_pages_and_not_the_pages_it_shares():
+    import subprocess
+    import sys
+    import time
+
+    from sluice.cpu import descendants, helpers_private_bytes, private_bytes, resident_bytes, tree_resident_bytes
+
+    # A child of its own with 64 MiB written: all of it is the child's alone, and counted as the server's.
+    code = "import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print(1, flush=True); " \
+           "time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        assert child.pid in descendants() and private_bytes(child.pid) >= 64 << 20
+        assert helpers_private_bytes() >= private_bytes(child.pid)
+        assert tree_resident_bytes() >= resident_bytes() + (64 << 20)
+    finally:
+        child.kill()
+        child.wait()
+    # A forked child that writes nothing shares its parent's pages: they are not counted again.
+    shared = bytearray(64 << 20)
+    shared[::4096] = b"y" * len(shared[::4096])
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        assert pid in descendants() and resident_bytes(pid) >= 64 << 20  # its resident set holds the shared pages
+        assert private_bytes(pid) < 16 << 20  # its private memory does not
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert pid not in descendants() and resident_bytes(pid) == private_bytes(pid) == 0
+
+
 def test_release_freed_memory_runs_here():
     from sluice.cpu import release_freed_memory
 

@@ -150,7 +150,7 @@ def median_of_rounds(runs: list[dict]) -> dict:
         return runs[0]
     out = copy.deepcopy(runs[-1])
     for key, value in runs[-1].items():
-        if key.startswith("rss_mib"):
+        if key.startswith(("rss_mib", "peak_rss_mib")):
             out[key] = statistics.median(r[key] for r in runs if r.get(key) is not None)
         elif key in ("A", "B", "C", "D", "E") and isinstance(value, dict):
             present = [r[key] for r in runs if isinstance(r.get(key), dict)]
@@ -246,6 +246,7 @@ def _measure(line: Line, cmds: list[list[str]], log, env: dict[str, str] | None 
                     if name == "E":
                         out[name].update(prefill_rate(line.size, out[name]))
                 out["rss_mib" if i == 0 else f"rss_mib_{''.join(launch.workloads)}"] = server.rss_mib()
+                out["peak_rss_mib"] = max(out.get("peak_rss_mib", 0.0), server.peak_rss_mib())  # load included
         except RuntimeError as e:  # a server that would not start: the line says so, the run goes on
             log(f"failed: {e}")
             out["error"] = str(e)[:500]

@@ -85,8 +85,9 @@ def table(results: dict) -> str:
            f"CPU features used by the llama.cpp build: {', '.join(meta.get('cpu_flags', []))}. "
            f"{meta.get('threads', '?')} threads. Started {meta.get('started', '?')}.",
            "Ratios are Sluice / llama.cpp: above 1 is better for A (tok/s), below 1 for B (TPOT), C and E (TTFT) "
-           "and RSS. RSS: the server's resident memory after its last workload of A-D; E's after E, on a server of "
-           "its own (one slot of 4,096 tokens)."]
+           "and RSS. RSS: what the server holds, its resident set and its child processes' private memory, after its "
+           "last workload of A-D; E's after E, on a server of its own (one slot of 4,096 tokens). Peak: the server "
+           "process's largest resident set, its load included."]
     if meta.get("isa_cap"):
         out.append(f"**{meta['isa_cap'][0].upper()}{meta['isa_cap'][1:]}.**")
     if meta.get("float_pair"):
@@ -123,11 +124,11 @@ def table(results: dict) -> str:
         out += _d_section(servers, r.get(f"{size} D"), size)
         out += _e_section(servers, meta, size)
     out += ["", "## Every line", "", "| server | A tok/s | B TPOT p50 ms | C tok/s | C TTFT p50 ms | D TPOT p50 ms | "
-            "D tokens/forward | E TTFT p50 ms | RSS MiB | RSS MiB after each workload | failed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "D tokens/forward | E TTFT p50 ms | RSS MiB | RSS MiB after each workload | peak RSS MiB | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in servers.items():
         if "skipped" in s:
-            out.append(f"| {name} | skipped: {s['skipped']} |" + " |" * 9)
+            out.append(f"| {name} | skipped: {s['skipped']} |" + " |" * 10)
             continue
         failed = "/".join(str(s[w].get("failed", 0)) for w in WORKLOADS if w in s)
         tpf = ((s.get("D") or {}).get("spec") or {}).get("tokens_per_forward")
@@ -135,7 +136,8 @@ def table(results: dict) -> str:
         out.append(f"| {name} | {_c(_get(s, 'A', 'output_tok_s'), '.1f')} | {_c(_get(s, 'B', 'tpot_p50_ms'), '.1f')} | "
                    f"{_c(_get(s, 'C', 'output_tok_s'), '.1f')} | {_c(_get(s, 'C', 'ttft_p50_ms'), '.0f')} | "
                    f"{_c(_get(s, 'D', 'tpot_p50_ms'), '.1f')} | {_c(tpf, '.2f')} | "
-                   f"{_c(_get(s, 'E', 'ttft_p50_ms'), '.0f')} | {_c(s.get('rss_mib'), '.0f')} | {after} | {failed} |")
+                   f"{_c(_get(s, 'E', 'ttft_p50_ms'), '.0f')} | {_c(s.get('rss_mib'), '.0f')} | {after} | "
+                   f"{_c(s.get('peak_rss_mib'), '.0f')} | {failed} |")
     return "\n".join(out) + "\n"
 
 

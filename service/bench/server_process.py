@@ -9,6 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sluice.cpu import tree_resident_bytes
 from sluice.machine import cache_root
 from sluice.service.bench.soak import free_port
 
@@ -61,9 +62,13 @@ class ServerProcess:
             self.proc.kill()
 
     def rss_mib(self) -> float:
-        """The process's resident memory now."""
+        """What the server holds now: its resident set and its child processes' private memory (sluice.cpu)."""
+        return tree_resident_bytes(self.proc.pid) / 2**20
+
+    def peak_rss_mib(self) -> float:
+        """The server process's largest resident set so far (VmHWM: the model's load included)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return 0.0
 

@@ -253,7 +253,7 @@ def test_serve_client_reads_draft_figures_of_a_repetitive_run():
 
 def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     def line(a=None, b=None, c=None, rss=1000.0, d=None, tpf=None, e=None, rss_e=None):
-        s = {"rss_mib": rss}
+        s = {"rss_mib": rss, "peak_rss_mib": 2 * rss}
         for w, field, v in (("A", "output_tok_s", a), ("B", "tpot_p50_ms", b), ("C", "ttft_p50_ms", c),
                             ("D", "tpot_p50_ms", d), ("E", "ttft_p50_ms", e)):
             if v is not None:
@@ -294,7 +294,7 @@ def test_report_pairs_formats_per_size_against_the_best_peer_and_d():
     assert "| llama.cpp Q4_1 | 10000 | 2000 | 200 | 50.0 | 5% |" in text  # a quantized format against int8's rate
     assert "| Sluice fp32 | 4000 | 2000 | 500 | 125.0 | 50% |" in text
     assert "| llama.cpp F32 | 5000 | 2000 | 400 | 100.0 | 40% |" in text
-    assert "| 360m Sluice fp32 | 200.0 | 30.0 | - | 1000 | - | - | 4000 | 1500 | E 900 | 0/0/0/0 |" in text
+    assert "| 360m Sluice fp32 | 200.0 | 30.0 | - | 1000 | - | - | 4000 | 1500 | E 900 | 3000 | 0/0/0/0 |" in text
     assert "A against llama.cpp's best (llama.cpp BF16): fp32 1.33×, bf16 2.00×." in text
     assert "| Sluice bf16 ngram | 5.0 | 2.50 | - | 12.6 |" in text and "D TPOT 2.40× lower" in text
     assert "| 1.7b Sluice bf16 ngram | skipped: no flag |" in text

@@ -11,10 +11,11 @@ import pytest
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from sluice.cpu import resident_bytes
 from sluice.kvcache.kv_tensors import KVTensors
 from sluice.kvcache.manager import KVCacheManager
 from sluice.metrics.families import MEMORY_KINDS
-from sluice.metrics.prometheus import SluiceMetrics, process_resident_bytes, render_latest
+from sluice.metrics.prometheus import SluiceMetrics, render_latest
 from sluice.scheduling.sampling_params import SamplingParams
 
 MODEL = "mem"
@@ -44,7 +45,7 @@ def mapping_rss(address: int) -> int:
 def test_the_gauges_exist_before_anything_is_watched():
     reg = CollectorRegistry()
     SluiceMetrics(MODEL, reg)
-    assert [resident(reg, kind) for kind in MEMORY_KINDS] == [0.0] * 4
+    assert [resident(reg, kind) for kind in MEMORY_KINDS] == [0.0] * len(MEMORY_KINDS)
     assert reserved(reg, "kv_cache") == reserved(reg, "kv_swap") == 0.0
 
 
@@ -69,11 +70,30 @@ def test_kv_bytes_follow_the_blocks_ever_used_not_those_in_use():
     manager.swap_space.allocate(3)  # the two freed slots first, then one never used
     assert resident(reg, "kv_swap") == 3 * kv.host_num_bytes // 8
     # other: the process's resident set less what the kinds above hold in host memory (it moves between reads)
-    rest = process_resident_bytes() - (1 << 20) - 32 * block - 3 * kv.host_num_bytes // 8
+    rest = resident_bytes() - (1 << 20) - 32 * block - 3 * kv.host_num_bytes // 8
     assert resident(reg, "other") == pytest.approx(rest, abs=8 << 20) and resident(reg, "other") > 0
     del kv, manager
     gc.collect()  # the registry does not keep a cache alive; a gone one reads 0
     assert resident(reg, "kv_cache") == resident(reg, "kv_swap") == 0
+
+
+def test_helpers_are_the_child_processes_own_memory():
+    import subprocess
+    import sys
+
+    reg = CollectorRegistry()
+    kv = KVTensors(9, 2, 2, 16, 16, torch.float16, "cpu")
+    SluiceMetrics(MODEL, reg).watch_memory(0, kv, KVCacheManager(8, 16, True))
+    code = "import time; b = bytearray(48 << 20); b[::4096] = b'x' * len(b[::4096]); print(1, flush=True); " \
+           "time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        with_child = resident(reg, "helpers")
+    finally:
+        child.kill()
+        child.wait()
+    assert with_child - resident(reg, "helpers") >= 48 << 20  # what the child wrote, and gone with it
 
 
 def test_a_served_engine_reports_its_resident_memory_on_metrics(model_dir):
