@@ -53,6 +53,7 @@ def _k4_scale_bytes(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
 
 GROUP = 32  # inputs per Q8_0 / Q4_1 block
 PACK_ROWS = 16  # output rows per block of csrc/int4_linear.cpp
+QUANTIZE_CHUNK_BYTES = 32 << 20  # float32 weights quantized at a time
 
 
 def quantize(weight: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -63,6 +64,20 @@ def quantize(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"{qtype} blocks need in_features divisible by {GROUP}, not {k}")
+    # Rows are blocks of their own: a few MB of them at a time keep the float temporaries (five or six of the
+    # slice's size) from adding a vocabulary-sized embedding's several times over to the load's peak.
+    step = max(1, QUANTIZE_CHUNK_BYTES // (4 * k))
+    out = None
+    for start in range(0, n, step):
+        rows = _quantize_rows(weight[start:start + step], qtype)
+        if out is None:
+            out = torch.empty(n, rows.shape[1], dtype=torch.uint8, device=rows.device)
+        out[start:start + len(rows)] = rows
+    return _quantize_rows(weight, qtype) if out is None else out
+
+
+def _quantize_rows(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    n, k = weight.shape
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)
     if qtype == "Q8_0":
         d = (w.abs().amax(-1) / 127).half()

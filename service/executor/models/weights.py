@@ -103,15 +103,22 @@ def safetensors_tensors(directory: Path) -> Tensors:
         else sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no safetensors weights in {directory}")
-    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
+    where = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            where.update(dict.fromkeys(handle.keys(), f))
     # A checkpoint saved from the bare decoder (Qwen3-Embedding, sentence-transformers models) names its tensors
     # without the "model." prefix of transformers' *ForCausalLM.
     bare = not any(name.startswith("model.") for name in where)
 
     def get(name: str) -> torch.Tensor | None:
         key = name.removeprefix("model.") if bare else name
-        return where[key].get_tensor(key) if key in where else None
+        if key not in where:
+            return None
+        # A mapping per tensor, which lives as long as the tensor (a view of it): the file's pages leave the
+        # resident set as each tensor is converted, not at the end of the load (538 MB of peak at 135M fp32).
+        with safe_open(str(where[key]), framework="pt", device="cpu") as handle:
+            return handle.get_tensor(key)
 
     return get
 

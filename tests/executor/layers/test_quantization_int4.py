@@ -39,6 +39,18 @@ def int4_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> Gguf
     return GgufLinear(GgufBlocks(quantize(weight, "Q4_1"), "Q4_1", weight.shape[1]), bias, kernel)
 
 
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_quantizing_a_few_rows_at_a_time_is_quantizing_them_all_at_once(monkeypatch, qtype):
+    from sluice.service.executor.layers import gguf_blocks
+
+    weight = torch.randn(300, 64) * torch.linspace(0.01, 3, 300)[:, None]
+    whole = quantize(weight, qtype)
+    monkeypatch.setattr(gguf_blocks, "QUANTIZE_CHUNK_BYTES", 7 * 64 * 4)  # 7 rows at a time, the last chunk short
+    assert torch.equal(quantize(weight, qtype), whole) and whole.shape == (300, 2 * (20 if qtype == "Q4_1" else 34))
+    with pytest.raises(ValueError, match="no quantization"):
+        quantize(weight, "Q5_0")
+
 def test_quantize_rounds_to_within_half_a_step_of_the_stored_scale_and_minimum():
     torch.manual_seed(0)
     w = torch.randn(9, 96) * torch.linspace(0.01, 3, 9)[:, None]

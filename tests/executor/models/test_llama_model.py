@@ -6,6 +6,7 @@ against transformers' generate in test_parity."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +197,23 @@ def test_weights_load_straight_from_safetensors(tmp_path, monkeypatch):
     state = checkpoint_state(model)
     for name, tensor in reference.state_dict().items():
         assert torch.equal(state[name], tensor), name
+
+
+def test_the_checkpoint_is_mapped_a_tensor_at_a_time_and_unmapped_once_loaded(tmp_path):
+    """Each tensor's mapping lives as long as the tensor: the file's pages leave the resident set as the load
+    converts them, and none stay mapped after it."""
+    path = tiny.save_tiny_model(str(tmp_path / "tiny"))
+    checkpoint = str(next(Path(path).glob("*.safetensors")).resolve())
+    tensors = weights.safetensors_tensors(Path(path))
+    view = tensors("model.embed_tokens.weight")
+    assert checkpoint in Path("/proc/self/maps").read_text() and tensors("lm_head.weight") is None
+    del view
+    assert checkpoint not in Path("/proc/self/maps").read_text()
+    from sluice.service.executor.model_loader import load_model
+
+    for quantization in ("none", "int4"):
+        model, _ = load_model(path, "cpu", "float32", settings=ModelConfig(quantization=quantization))
+        assert isinstance(model, LlamaForCausalLM) and checkpoint not in Path("/proc/self/maps").read_text()
 
 
 def twin_engines(quantization: str, dtype: str = "float32", arch: str = "llama") -> list[LLMEngine]:
