@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from sluice.cpu import release_freed_memory
 from sluice.metrics.tracing import RequestTracer
 from sluice.scheduling.outcomes import ErrorCode, FinishReason, RequestRejected
@@ -51,6 +53,7 @@ class SyncEngine(Protocol):
     num_waiting: int
     num_running: int
     num_swapped: int
+    device: torch.device  # where the steps run: idle trims are for a CPU's malloc only
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, trace_headers: Mapping[str, str] | None = None,
@@ -147,7 +150,9 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._wakeup = asyncio.Event()
-        self._trim_due = False  # the engine ran out of work since the last trim
+        # the engine ran out of work since the last trim; due at start, for what start-up freed (the prompt bound's
+        # tables, the app's set-up)
+        self._trim_due = engine.device.type == "cpu"
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self.draining = False

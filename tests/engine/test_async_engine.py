@@ -74,6 +74,19 @@ async def test_memory_is_trimmed_once_the_engine_has_been_idle_a_while(monkeypat
     assert len(trims) == 1
 
 
+async def test_a_server_left_idle_after_start_up_trims_once(monkeypatch):
+    from sluice.service.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 0.2)
+    fake, trims = FakeEngine(), []
+    monkeypatch.setattr(async_engine, "release_freed_memory", lambda: trims.append(1))
+    eng = await started(fake)
+    await until(lambda: trims)
+    await asyncio.sleep(0.6)
+    await eng.shutdown()
+    assert trims == [1]
+
+
 async def read_all(stream) -> list:
     """Every output of a stream, closing it after."""
     async with stream:
