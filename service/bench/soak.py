@@ -21,6 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
+from sluice.cpu import resident_bytes
+
 ROOT = Path(__file__).resolve().parents[2]
 # Overload by design: few queue slots and sequences, a small KV pool with swap, so that 429s, preemption by
 # swap and its fallback to recompute all happen. Flags given with --serve-flags come after and win.
@@ -45,17 +47,6 @@ class Tally:
         self.failed += 1
         if len(self.failures) < 20:
             self.failures.append(why[:300])
-
-
-def rss_kib(pid: int) -> int:
-    """VmRSS of a process in KiB (0 once it has gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def make_request(rng: random.Random, max_model_len: int, model: str) -> tuple[str, dict, dict]:
@@ -216,7 +207,7 @@ async def drive(url: str, pid: int | None, args: argparse.Namespace) -> dict:
         async def sample() -> None:
             while more():
                 if pid:
-                    samples.append((time.monotonic() - started, rss_kib(pid)))
+                    samples.append((time.monotonic() - started, resident_bytes(pid) // 1024))
                 await asyncio.sleep(0.5)
 
         await asyncio.gather(sample(), *(worker() for _ in range(args.concurrency)))
@@ -228,7 +219,7 @@ async def drive(url: str, pid: int | None, args: argparse.Namespace) -> dict:
             if idle(health):
                 break
             await asyncio.sleep(0.1)
-        after = rss_kib(pid) if pid else 0
+        after = resident_bytes(pid) // 1024 if pid else 0
         final = Tally()
         good = {"model": model["id"], "prompt": "Hello", "max_tokens": 4, "n": 2, "stream": False}
         await one_request(session, url, "/v1/completions", good, {"disconnect_after": None}, final, 60)

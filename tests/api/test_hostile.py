@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from sluice.cpu import resident_bytes
 from tests.support.procs import children
 from tests.support.server import wait_idle
 
@@ -201,10 +202,9 @@ async def test_abandoned_compiles_are_killed_and_do_not_hold_up_the_next_request
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    rss = resident_bytes(pid)
+    assert rss > 0, f"process {pid} is gone"
+    return rss / 2**20
 
 
 async def test_large_choice_lists_are_bounded_in_memory(smol_server, canary):

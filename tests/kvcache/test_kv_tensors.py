@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from sluice.cpu import resident_bytes
 from sluice.kvcache.kv_tensors import KVTensors, kv_block_bytes
 
 
@@ -64,8 +65,7 @@ def test_bfloat16_roundtrip_is_exact():
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return resident_bytes() / 2**20
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
