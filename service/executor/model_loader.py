@@ -102,11 +102,12 @@ def load_model(
         source = model  # a hub id: only works with network access or a warm HF cache
     try:
         overrides = parse_hf_overrides(settings.hf_overrides)
-        config = _owned_config(source, kwargs, overrides, settings)
+        config, tokenizer = _read_owned(source, kwargs, overrides, settings)
         if config is None:
             config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
             apply_hf_overrides(config, overrides)  # before anything reads it (the transformers path gets it too)
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"), config=config)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"), config=config)
         if settings.quantization == "gguf":
             return _load_gguf_blocks(model, config, settings, device, dtype, cache_dir), tokenizer
         if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
@@ -122,17 +123,36 @@ def load_model(
     return prepare_weights(hf_model, settings, device, dtype), tokenizer
 
 
-def _owned_config(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):
-    """A checkpoint directory's config read without transformers' per-model classes (`models/config_json.py`),
-    where the owned forward will run it; None where transformers' own class must read it (--hf-overrides too: an
+def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):
+    """(config, tokenizer) read without transformers' per-model classes where the owned forward will run the
+    model: a checkpoint directory's config.json (`models/config_json.py`; its tokenizer stays transformers' to
+    read, from tokenizer.json), a GGUF file's metadata under --quantization gguf (`models/gguf_config.py`,
+    `models/gguf_tokenizer.py`). None for either that transformers' own classes must read (--hf-overrides too: an
     override means what it means to that class, a rope override among them)."""
     from sluice.service.executor.models.config_json import read_owned_config
     from sluice.service.executor.weight_prep import owned_path
 
-    if kwargs or overrides or not Path(source).is_dir():
-        return None
+    if overrides:
+        return None, None
+    if "gguf_file" in kwargs:
+        return _owned_gguf(Path(source) / kwargs["gguf_file"], settings) if settings.quantization == "gguf" \
+            else (None, None)
+    if not Path(source).is_dir():
+        return None, None
     config = read_owned_config(Path(source))
-    return config if config is not None and owned_path(config, settings) is None else None
+    return (config if config is not None and owned_path(config, settings) is None else None), None
+
+
+def _owned_gguf(path: Path, settings: ModelConfig):
+    """A GGUF file's (config, tokenizer) from its own metadata, each None where transformers must read it."""
+    from sluice.service.executor.models.gguf_config import gguf_config
+    from sluice.service.executor.models.gguf_file import read_gguf
+    from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
+    from sluice.service.executor.weight_prep import owned_path
+
+    metadata, tensors = read_gguf(path, VOCABULARY)
+    config = gguf_config(metadata, tensors, str(path))
+    return (config if config is not None and owned_path(config, settings) is None else None), gguf_tokenizer(metadata)
 
 
 def apply_hf_overrides(config, overrides: dict) -> None:

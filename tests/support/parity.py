@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import copy
 import functools
+from types import SimpleNamespace
 
 import torch
 
 from sluice.service.bench.gpu_check import parity_prompts
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
+from sluice.service.executor.kv_sizing import model_context_length
+from sluice.service.executor.layers.rotary import rope_parameters
+from sluice.service.executor.models import weights
 from tests.support import tiny
 
 VOCAB = len(tiny.tokenizer())
+SCALARS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "hidden_act",
+           "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+           "pad_token_id")
 
 
 def tiny_config(arch: str):
@@ -33,6 +40,20 @@ def tiny_config(arch: str):
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, **common)
     raise ValueError(arch)
+
+
+def config_reading(config) -> dict:
+    """What the owned forward and the engine read of a config."""
+    text = config.get_text_config()
+    rope = rope_parameters(text)
+    return {
+        **{k: getattr(text, k, None) for k in SCALARS},
+        "unsupported": weights.unsupported_reason(config),
+        "attention": weights.attention_shape(text),
+        "rope": (rope["rope_type"], float(rope["rope_theta"])),
+        "windows": [weights.sliding_window(text, i) for i in range(text.num_hidden_layers)],
+        "context": model_context_length(SimpleNamespace(config=config)),
+    }
 
 
 def build_pair(arch: str):

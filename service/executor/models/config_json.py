@@ -27,7 +27,13 @@ def read_owned_config(directory: Path):
     """The checkpoint's config as a `PreTrainedConfig` where its config.json states all the owned forward reads;
     None where transformers' own config class must read it."""
     values = _read_json(Path(directory) / "config.json")
-    if values is None or values.get("model_type") not in MODEL_TYPES:
+    return None if values is None else owned_config(values, str(directory))
+
+
+def owned_config(values: dict, name_or_path: str):
+    """`values` (config.json's keys) as a `PreTrainedConfig` where they state all the owned forward reads; None
+    where transformers' own config class must read them."""
+    if values.get("model_type") not in MODEL_TYPES:
         return None
     family = values["model_type"]
     if any(k in values for k in NEEDS_OWN_CLASS):
@@ -45,7 +51,7 @@ def read_owned_config(directory: Path):
         values.pop(key, None)
     from transformers import PreTrainedConfig
 
-    return PreTrainedConfig(**values, rope_parameters=rope, name_or_path=str(directory))
+    return PreTrainedConfig(**values, rope_parameters=rope, name_or_path=name_or_path)
 
 
 def _read_json(path: Path) -> dict | None:

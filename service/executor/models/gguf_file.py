@@ -2,8 +2,9 @@
 
 gguf.GGUFReader builds a numpy view for every element of every metadata array: a 49k-token vocabulary and its
 merges cost seconds at each open. Loading weights needs only the scalars (the architecture, the alignment) and
-where each tensor lies, so the header is read with struct, the arrays are stepped over, and the tensor bytes are
-mapped from the file in place. The type table stays gguf's (GGML_QUANT_SIZES).
+where each tensor lies, so the header is read with struct, the arrays are stepped over (the vocabulary is read
+only for the tokenizer, as plain lists), and the tensor bytes are mapped from the file in place. The type table
+stays gguf's (GGML_QUANT_SIZES).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class GgufTensor:
 
 class _Cursor:
     def __init__(self, buf: np.ndarray):
-        self.buf, self.at = buf, 0
+        self.buf, self.at = memoryview(buf), 0  # a memoryview slices to bytes at a fraction of numpy's cost
 
     def read(self, fmt: str):
         (value,) = struct.unpack_from("<" + fmt, self.buf, self.at)
@@ -46,10 +47,10 @@ class _Cursor:
     def string(self) -> str:
         n = self.read("Q")
         self.at += n
-        return bytes(self.buf[self.at - n:self.at]).decode("utf-8", "replace")
+        return str(self.buf[self.at - n:self.at], "utf-8", "replace")
 
-    def value(self, kind: int):
-        """A scalar or a string; an array is stepped over (None)."""
+    def value(self, kind: int, keep: bool = False):
+        """A scalar or a string; an array is stepped over (None), or read as a list where `keep`."""
         if kind in _SCALARS:
             return self.read(_SCALARS[kind])
         if kind == _STRING:
@@ -57,6 +58,12 @@ class _Cursor:
         if kind != _ARRAY:
             raise ValueError(f"unknown GGUF value type {kind}")
         item, count = self.read("I"), self.read("Q")
+        if keep and item in _SCALARS:
+            values = np.frombuffer(self.buf, "<" + _SCALARS[item], count, self.at).tolist()
+            self.at += count * struct.calcsize("<" + _SCALARS[item])
+            return values
+        if keep and item == _STRING:
+            return [self.string() for _ in range(count)]
         if item in _SCALARS:
             self.at += count * struct.calcsize("<" + _SCALARS[item])
         elif item == _STRING:
@@ -68,8 +75,9 @@ class _Cursor:
         return None
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, GgufTensor]]:
-    """(metadata scalars and strings by key, tensors by name) of a little-endian GGUF file, version 2 or 3."""
+def read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> tuple[dict, dict[str, GgufTensor]]:
+    """(metadata scalars and strings by key, tensors by name) of a little-endian GGUF file, version 2 or 3; the
+    metadata arrays named in `arrays` are read too, as lists."""
     import gguf
 
     buf = np.memmap(path, dtype=np.uint8, mode="r")
@@ -85,7 +93,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, GgufTensor]]:
     metadata = {}
     for _ in range(num_values):
         key = cursor.string()
-        value = cursor.value(cursor.read("I"))
+        value = cursor.value(cursor.read("I"), keep=key in arrays)
         if value is not None:
             metadata[key] = value
     directory = []

@@ -4,7 +4,8 @@ Tensors are read from the file's directory (gguf_file.py) and named as transform
 map); each quantized tensor is copied out of the file once as its raw uint8 rows (`GgufBlocks`), float tensors as
 float32. llama.cpp's converter permutes the rows of a llama q and k weight for its rotary layout: the rows are put
 back exactly as transformers' GGUF loader does (`reverse_permute`), which moves whole rows, so the blocks are
-untouched. Config, tokenizer and chat template still come from transformers' GGUF support.
+untouched. Config, tokenizer and chat template are read from the metadata (gguf_config.py, gguf_tokenizer.py)
+where those can, else by transformers.
 """
 
 from __future__ import annotations

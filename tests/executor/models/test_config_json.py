@@ -9,7 +9,6 @@ import copy
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,19 +18,15 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import ModelConfig
-from sluice.service.executor.kv_sizing import model_context_length
-from sluice.service.executor.layers.rotary import rope_parameters
 from sluice.service.executor.model_loader import load_model
 from sluice.service.executor.models import weights
 from sluice.service.executor.models.config_json import REQUIRED_KEYS, read_owned_config
 from sluice.service.executor.models.llama import LlamaForCausalLM
 from tests.support import tiny
-from tests.support.parity import MAX_NEW, build_pair, hf_greedy, make_engine, mixed_prompts, tiny_config
+from tests.support.parity import MAX_NEW, build_pair, config_reading, hf_greedy, make_engine, mixed_prompts, tiny_config
 from tests.support.profiles import examples
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-SCALARS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "hidden_act",
-           "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
 # Published checkpoints' files, in the spellings of the transformers that wrote them (rope_theta at the top level).
 HUB_FILES = {
     "qwen2.5-0.5b": {
@@ -66,20 +61,6 @@ HUB_FILES = {
 }
 
 
-def reading(config) -> dict:
-    """What the owned forward and the engine read of a config."""
-    text = config.get_text_config()
-    rope = rope_parameters(text)
-    return {
-        **{k: getattr(text, k, None) for k in SCALARS},
-        "unsupported": weights.unsupported_reason(config),
-        "attention": weights.attention_shape(text),
-        "rope": (rope["rope_type"], float(rope["rope_theta"])),
-        "windows": [weights.sliding_window(text, i) for i in range(text.num_hidden_layers)],
-        "context": model_context_length(SimpleNamespace(config=config)),
-    }
-
-
 def write(tmp_path, values: dict):
     (tmp_path / "config.json").write_text(json.dumps(values))
     return tmp_path
@@ -95,13 +76,13 @@ def test_a_file_transformers_wrote_reads_the_same(tmp_path, arch):
     tiny_config(arch).save_pretrained(tmp_path)
     ours, theirs = both(tmp_path)
     assert type(ours) is PreTrainedConfig
-    assert reading(ours) == reading(theirs)
+    assert config_reading(ours) == config_reading(theirs)
 
 
 @pytest.mark.parametrize("name", sorted(HUB_FILES))
 def test_published_files_read_the_same(tmp_path, name):
     ours, theirs = both(write(tmp_path, HUB_FILES[name]))
-    assert ours is not None and reading(ours) == reading(theirs)
+    assert ours is not None and config_reading(ours) == config_reading(theirs)
 
 
 @pytest.mark.parametrize("change", [
@@ -142,7 +123,7 @@ def test_whenever_it_answers_it_agrees_with_transformers(tmp_path, name, drop, t
     values = {k: v for k, v in values.items() if k not in drop}
     ours = read_owned_config(write(tmp_path, values))
     if ours is not None:  # (transformers may refuse a file the reader refuses: a dropped hidden_size)
-        assert reading(ours) == reading(AutoConfig.from_pretrained(tmp_path))
+        assert config_reading(ours) == config_reading(AutoConfig.from_pretrained(tmp_path))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

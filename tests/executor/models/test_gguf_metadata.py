@@ -1,0 +1,147 @@
+"""A GGUF file's config and tokenizer read from its metadata: wherever the readers answer, the owned forward reads
+the same numbers as from transformers' GGUF support and the tokenizer is the same `tokenizers` object (tiny files
+of each family and pre-tokenizer, and the default model's own file); transformers wherever the file leaves
+something to it; a GGUF file served under --quantization gguf that never imports the model classes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig
+
+from sluice.service.executor.model_loader import default_gguf
+from sluice.service.executor.models.gguf_config import gguf_config
+from sluice.service.executor.models.gguf_file import read_gguf
+from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
+from tests.support import tiny
+from tests.support.parity import config_reading
+
+TEXTS = ["Hello world, how are you? 12345 3.14", "  two spaces\tand a tab\r\n\n", "你好世界 😀 ünïcödé",
+         "<|im_start|>user\nhi<|im_end|>\n", "don't I'll WE'RE", "<think>ok</think><|endoftext|>"]
+SHAPE = {"llama": {}, "qwen2": {}, "qwen3": {"key_length": 128}}  # Qwen3's head is not hidden / heads (32)
+
+
+def write_gguf(path, arch: str = "llama", pre: str = "smollm", tied: bool = True, **extra):
+    """A GGUF file holding a tiny `arch` model's metadata, tests.support.tiny's tokenizer as llama.cpp's
+    converter writes it (its specials marked control, "<think>" user-defined), and its norms' tensors only."""
+    import gguf
+
+    tok = tiny.tokenizer()
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda item: item[1])]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(512)
+    writer.add_embedding_length(128)
+    writer.add_feed_forward_length(256)
+    writer.add_block_count(2)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if SHAPE[arch].get("key_length"):
+        writer.add_key_length(SHAPE[arch]["key_length"])
+        writer.add_value_length(SHAPE[arch]["key_length"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens + ["<think>"])
+    writer.add_token_types([3 if t in tiny.SPECIALS else 1 for t in tokens] + [4])
+    writer.add_token_merges([" ".join(m) for m in json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tiny.CHAT_TEMPLATE)
+    for key, value in extra.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("output_norm.weight", np.ones(128, np.float32))
+    if not tied:
+        writer.add_tensor("output.weight", np.zeros((len(tokens) + 1, 128), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def ours(path):
+    metadata, tensors = read_gguf(path, VOCABULARY)
+    return gguf_config(metadata, tensors, str(path)), gguf_tokenizer(metadata)
+
+
+def same_tokenizer(mine, theirs) -> None:
+    assert json.loads(mine.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template", "all_special_tokens"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    chat = [{"role": "user", "content": TEXTS[2]}]
+    assert mine.apply_chat_template(chat, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, add_generation_prompt=True)
+    for text in TEXTS:
+        assert mine(text).input_ids == theirs(text).input_ids
+        assert mine.decode(theirs(text).input_ids, skip_special_tokens=True) == \
+            theirs.decode(theirs(text).input_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPE))
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tiny_file_reads_as_transformers_reads_it(tmp_path, arch, tied):
+    path = write_gguf(tmp_path / "tiny.gguf", arch, tied=tied)
+    config, tokenizer = ours(path)
+    assert type(config) is PreTrainedConfig and config.head_dim == SHAPE[arch].get("key_length", 32)
+    assert config_reading(config) == config_reading(AutoConfig.from_pretrained(tmp_path, gguf_file=path.name))
+    same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name))
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-2"])
+def test_each_listed_split_builds_transformers_tokenizer(tmp_path, pre):
+    path = write_gguf(tmp_path / "tiny.gguf", pre=pre)
+    same_tokenizer(ours(path)[1], AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name))
+
+
+def test_the_default_models_file_reads_as_transformers_reads_it(tmp_path, smollm2_dir):
+    path = tmp_path / default_gguf().name  # by itself: beside its converted tokenizer.json, transformers reads that
+    path.symlink_to(default_gguf())
+    config, tokenizer = ours(path)
+    assert config_reading(config) == config_reading(AutoConfig.from_pretrained(tmp_path, gguf_file=path.name))
+    same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name))
+
+
+@pytest.mark.parametrize("change", [
+    {"general.architecture": "gemma2"},
+    {"llama.rope.scaling.type": "linear"},
+    {"llama.attention.sliding_window": 4096},
+    {"llama.expert_count": 8},
+    {"llama.rope.dimension_count": 16},  # a partial rope (heads are 32 wide)
+    {"llama.attention.value_length": 16},
+    {"llama.attention.head_count_kv": None},  # per-layer counts are an array, which the reader steps over
+    {"llama.rope.freq_base": None},  # each family's class has its own default base
+    {"llama.vocab_size": None, "tokenizer.ggml.tokens": None},
+])
+def test_what_the_file_leaves_to_transformers_goes_there(tmp_path, change):
+    metadata, tensors = read_gguf(write_gguf(tmp_path / "tiny.gguf"), VOCABULARY)
+    assert gguf_config(metadata, tensors, "tiny") is not None
+    metadata = {k: v for k, v in {**metadata, **change}.items() if v is not None}
+    assert gguf_config(metadata, tensors, "tiny") is None
+    assert gguf_config(metadata, {**tensors, "rope_freqs.weight": None}, "tiny") is None
+
+
+@pytest.mark.parametrize("change", [{"tokenizer.ggml.model": "llama"}, {"tokenizer.ggml.pre": "deepseek-llm"},
+                                    {"tokenizer.ggml.merges": None}])
+def test_other_tokenizers_go_to_transformers(tmp_path, change):
+    metadata, _ = read_gguf(write_gguf(tmp_path / "tiny.gguf"), VOCABULARY)
+    assert gguf_tokenizer({k: v for k, v in {**metadata, **change}.items() if v is not None}) is None
+
+
+def test_serving_a_gguf_file_imports_no_model_class(tmp_path, smollm2_dir):
+    path = tmp_path / default_gguf().name
+    shutil.copyfile(default_gguf(), path)
+    classes = [f"transformers.models.{t}" for t in ("llama", "gpt2", "qwen2")]
+    code = ("import sys; from sluice.service.config import ModelConfig; from sluice.service.executor.model_loader "
+            "import load_model; m, t = load_model(sys.argv[1], 'cpu', 'float32', settings=ModelConfig("
+            f"quantization='gguf')); print([m for m in {classes} if m in sys.modules], t.eos_token)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[] <|im_end|>"
