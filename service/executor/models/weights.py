@@ -60,38 +60,36 @@ def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device,
     """The owned model of `config` with the checkpoint's weights, each linear in the format `formats` gives it."""
     config = config.get_text_config()
 
-    def take(name: str) -> torch.Tensor | None:
-        t = tensors(name)
-        return None if t is None else t.detach().to(device=device, dtype=dtype, copy=True)
-
-    def linear(prefix: str, parts: list[str]) -> nn.Module:
+    def linear(prefix: str, parts: list[str], weights: list[torch.Tensor] | None = None) -> nn.Module:
         names = [f"{prefix}{p}" for p in parts]
-        return formats.make_parts([tensors(f"{n}.weight") for n in names], [tensors(f"{n}.bias") for n in names],
-                                 names, device, dtype)
+        weights = weights or [tensors(f"{n}.weight") for n in names]
+        return formats.make_parts(weights, [tensors(f"{n}.bias") for n in names], names, device, dtype)
 
-    def norm(name: str) -> RMSNorm:
-        return RMSNorm(take(name), config.rms_norm_eps)
+    def norm(weight: torch.Tensor) -> RMSNorm:
+        return RMSNorm(weight.detach().to(device=device, dtype=dtype, copy=True), config.rms_norm_eps)
 
+    # Each tensor is fetched once: whether an optional one exists is read off the fetch itself (a fetch reads the
+    # file, and a GGUF file's q/k rows are reordered on the way).
     heads, kv_heads, head_dim = attention_shape(config)
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        has_qk_norm = tensors(f"{p}self_attn.q_norm.weight") is not None
+        q_norm, k_norm = tensors(f"{p}self_attn.q_norm.weight"), tensors(f"{p}self_attn.k_norm.weight")
         attn = PagedAttention(
             linear(p + "self_attn.", ["q_proj", "k_proj", "v_proj"]), linear(p + "self_attn.", ["o_proj"]),
             heads, kv_heads, head_dim, i,
-            norm(f"{p}self_attn.q_norm.weight") if has_qk_norm else None,
-            norm(f"{p}self_attn.k_norm.weight") if has_qk_norm else None,
+            norm(q_norm) if q_norm is not None else None, norm(k_norm) if k_norm is not None else None,
             sliding_window(config, i),
         )
         mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
-        layers.append(DecoderLayer(norm(f"{p}input_layernorm.weight"), attn,
-                                   norm(f"{p}post_attention_layernorm.weight"), mlp))
+        layers.append(DecoderLayer(norm(tensors(f"{p}input_layernorm.weight")), attn,
+                                   norm(tensors(f"{p}post_attention_layernorm.weight")), mlp))
     embed = formats.embedding(tensors("model.embed_tokens.weight"), device, dtype)
-    tied = config.tie_word_embeddings or tensors("lm_head.weight") is None
-    head = formats.tied_head(embed) if tied else linear("", ["lm_head"])
+    untied = None if config.tie_word_embeddings else tensors("lm_head.weight")
+    head = formats.tied_head(embed) if untied is None else linear("", ["lm_head"], [untied])
     rotary = RotaryEmbedding(config, head_dim).to(device)
-    return LlamaForCausalLM(config, embed, layers, norm("model.norm.weight"), head, rotary, generation_config).eval()
+    return LlamaForCausalLM(config, embed, layers, norm(tensors("model.norm.weight")), head, rotary,
+                            generation_config).eval()
 
 
 def safetensors_tensors(directory: Path) -> Tensors:

@@ -284,3 +284,18 @@ def test_a_copied_layer_builds_its_own_cpp_object():
     for old, new in zip(packed.layers, copied.layers, strict=True):
         assert new._layer_ops is not None and new._layer_ops is not old._layer_ops
         assert new.mlp.down_proj.method.packed_ptr != old.mlp.down_proj.method.packed_ptr
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # tiny configs are untied; Qwen3 has q/k norms
+def test_the_build_fetches_each_tensor_once(arch):
+    """A fetch reads the checkpoint (and reorders a GGUF file's q/k rows): whether an optional tensor exists (q/k
+    norms, an untied head, biases) is read off its one fetch."""
+    _, source = build_pair(arch)
+    state, fetched = source.state_dict(), []
+
+    def tensors(name: str):
+        fetched.append(name) if name in state else None
+        return state.get(name)
+
+    model = weights.build(source.config, tensors, PlainFormat(CPU, torch.float32), CPU, torch.float32)
+    assert sorted(fetched) == sorted(state) and model.lm_head is not model.embed_tokens
