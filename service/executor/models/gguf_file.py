@@ -47,6 +47,8 @@ class _Cursor:
     def string(self) -> str:
         n = self.read("Q")
         self.at += n
+        if self.at > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
         return str(self.buf[self.at - n:self.at], "utf-8", "replace")
 
     def value(self, kind: int, keep: bool = False):
@@ -89,6 +91,25 @@ def read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> tuple[dict, dict[str,
     if version not in (2, 3):
         raise ValueError(f"{path.name}: GGUF version {version} (or big-endian); Sluice reads versions 2 and 3, "
                          "little-endian")
+    try:
+        metadata, directory = _header(cursor, arrays)
+    except (struct.error, ValueError) as error:  # a read past the end: a cut-off file or a count out of range
+        raise ValueError(f"{path.name}: a truncated or malformed GGUF header ({error})") from None
+    align = int(metadata.get("general.alignment", 32))
+    start = -(-cursor.at // align) * align
+    tensors = {}
+    for name, dims, type_id, offset in directory:
+        kind = gguf.GGMLQuantizationType(type_id)
+        per_block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        size = prod(dims) // per_block * block_bytes
+        if start + offset + size > len(buf):
+            raise ValueError(f"{path.name}: tensor {name} runs past the end of the file (a truncated download?)")
+        tensors[name] = GgufTensor(kind.name, dims, buf[start + offset:start + offset + size])
+    return metadata, tensors
+
+
+def _header(cursor: _Cursor, arrays: tuple[str, ...]) -> tuple[dict, list]:
+    """The metadata (arrays named in `arrays` read) and the tensor directory: (name, dims, type, offset) each."""
     num_tensors, num_values = cursor.read("Q"), cursor.read("Q")
     metadata = {}
     for _ in range(num_values):
@@ -101,12 +122,4 @@ def read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> tuple[dict, dict[str,
         name = cursor.string()
         dims = tuple(cursor.read("Q") for _ in range(cursor.read("I")))
         directory.append((name, dims, cursor.read("I"), cursor.read("Q")))
-    align = int(metadata.get("general.alignment", 32))
-    start = -(-cursor.at // align) * align
-    tensors = {}
-    for name, dims, type_id, offset in directory:
-        kind = gguf.GGMLQuantizationType(type_id)
-        per_block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-        size = prod(dims) // per_block * block_bytes
-        tensors[name] = GgufTensor(kind.name, dims, buf[start + offset:start + offset + size])
-    return metadata, tensors
+    return metadata, directory

@@ -145,3 +145,12 @@ def test_serving_a_gguf_file_imports_no_model_class(tmp_path, smollm2_dir):
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[] <|im_end|>"
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])  # cut inside the vocabulary, or inside the last tensor's bytes
+def test_a_cut_off_file_is_refused_with_its_name(tmp_path, keep):
+    whole = write_gguf(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:int(len(whole) * keep)])
+    with pytest.raises(ValueError, match="cut.gguf: (a truncated or malformed GGUF header|tensor .* runs past)"):
+        read_gguf(cut, VOCABULARY)
