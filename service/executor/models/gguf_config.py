@@ -31,8 +31,6 @@ def gguf_config(metadata: dict, tensor_names, name_or_path: str):
     stated = {key[len(arch) + 1:]: value for key, value in metadata.items() if key.startswith(arch + ".")}
     if any(key in stated for key in MEANING_KEYS) or stated.get("rope.scaling.type", "none") != "none":
         return None
-    if "rope_freqs.weight" in tensor_names:  # Llama 3.1's rope scaling, stored as per-frequency factors
-        return None
     if any(key not in stated for key in SHAPE_KEYS):  # an array (per-layer heads) is stepped over: absent here
         return None
     values = {name: stated[key] for key, name in SHAPE_KEYS.items()}

@@ -201,9 +201,10 @@ def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "llama")
 
 
-def write_tiny_gguf(path, arch: str):
+def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None):
     """A tiny `arch` model's GGUF file (Qwen2: q/k/v biases; Qwen3: q/k norms, as llama.cpp's converter names
-    them; only Llama's q/k rows are permuted): (path, config, the float weights under transformers' names)."""
+    them; only Llama's q/k rows are permuted; `rope_freqs`: Llama 3.1's rope factors, as llama.cpp stores them):
+    (path, config, the float weights under transformers' names)."""
     import gguf
 
     config = tiny_config(arch)
@@ -238,6 +239,8 @@ def write_tiny_gguf(path, arch: str):
         norm(f"model.layers.{i}.input_layernorm.weight", f"blk.{i}.attn_norm.weight")
         norm(f"model.layers.{i}.post_attention_layernorm.weight", f"blk.{i}.ffn_norm.weight")
     norm("model.norm.weight", "output_norm.weight")
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -369,6 +372,23 @@ def test_tiny_llama_gguf_greedy_follows_the_float_weights(tiny_gguf, native, ker
         return
     gaps = forced_gaps(reference, PROMPTS, texts)
     assert max(gaps) <= 0.05 and sum(g == 0 for g in gaps) >= 0.9 * len(gaps), gaps
+
+
+def test_llama_3_rope_factors_give_transformers_llama3_frequencies(tmp_path):
+    """llama.cpp stores Llama 3.1's rope scaling as one factor per frequency (rope_freqs.weight), no rope type in
+    the config: served with the factors, the frequencies are transformers' llama3 rope's."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    want = ROPE_INIT_FUNCTIONS["llama3"](scaled)[0]
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    path, config, _ = write_tiny_gguf(tmp_path / "llama31.gguf", "llama", rope_freqs=(plain / want).numpy())
+    model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
+    assert not torch.allclose(want, plain)
+    torch.testing.assert_close(model.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
 
 
 def test_method_describes_the_types_it_served(tiny_gguf):
