@@ -120,7 +120,12 @@ def load_model(
             f"could not load model {model!r}: not a local directory or .gguf file, and the hub is unreachable "
             f"or has no such repo ({error}). Pass a local path, or '{DEFAULT_MODEL_NAME}'."
         ) from error
-    return prepare_weights(hf_model, settings, device, dtype), tokenizer
+    model = prepare_weights(hf_model, settings, device, dtype)
+    if "gguf_file" in kwargs:  # transformers' GGUF support leaves Llama 3.1's rope factors out
+        from sluice.service.executor.models.gguf_weights import apply_rope_factors
+
+        apply_rope_factors(model, Path(source) / kwargs["gguf_file"])
+    return model, tokenizer
 
 
 def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):

@@ -83,13 +83,25 @@ def load(path: Path, config, device: torch.device, dtype: torch.dtype) -> LlamaF
     formats = GgufFormat(dtype, native.load())
     model = weights.build(config, read_tensors(path, config.get_text_config()), formats, device, dtype,
                           GenerationConfig.from_model_config(config))
-    factors = read_gguf(path)[1].get("rope_freqs.weight")
-    if factors is not None:  # Llama 3.1's rope scaling, as llama.cpp's converter stores it: theta_i / f_i
-        if factors.type_name != "F32" or factors.dims != (model.rotary_emb.inv_freq.numel(),):
-            raise ValueError(f"{path.name}: rope_freqs.weight is {factors.type_name} {factors.dims}, not one float32 "
-                             f"factor per rotary frequency ({model.rotary_emb.inv_freq.numel()})")
-        model.rotary_emb.inv_freq /= torch.from_numpy(np.array(factors.rows(np.float32))).to(device)
+    apply_rope_factors(model, path)
     resident, size = model_weight_bytes(model), path.stat().st_size
     logger.info("GGUF %s: %s resident weights for a %s file (%.2fx); linears %s", path.name, format_bytes(resident),
                 format_bytes(size), resident / size, formats.describe())
     return model
+
+
+def apply_rope_factors(model, path: Path) -> None:
+    """Divide the owned model's rotary frequencies by the file's rope factors (rope_freqs.weight: Llama 3.1's
+    scaling, as llama.cpp's converter stores it, with no rope type in the metadata), as llama.cpp does; a file
+    without them is left alone."""
+    factors = read_gguf(path)[1].get("rope_freqs.weight")
+    if factors is None:
+        return
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"{path.name} scales its rope per frequency (rope_freqs.weight), which only Sluice's own "
+                         "forward applies (drop --no-owned-model)")
+    inv_freq = model.rotary_emb.inv_freq
+    if factors.type_name != "F32" or factors.dims != (inv_freq.numel(),):
+        raise ValueError(f"{path.name}: rope_freqs.weight is {factors.type_name} {factors.dims}, not one float32 "
+                         f"factor per rotary frequency ({inv_freq.numel()})")
+    inv_freq /= torch.from_numpy(np.array(factors.rows(np.float32))).to(inv_freq.device)

@@ -389,6 +389,16 @@ def test_llama_3_rope_factors_give_transformers_llama3_frequencies(tmp_path):
     model = gguf_weights.load(path, config, torch.device("cpu"), torch.float32)
     assert not torch.allclose(want, plain)
     torch.testing.assert_close(model.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
+    # the file dequantized by transformers (no --quantization gguf): its model leaves the factors out
+    from transformers import AutoModelForCausalLM
+
+    dequantized = AutoModelForCausalLM.from_config(config)
+    owned = weights.from_transformers(dequantized, PlainFormat(torch.device("cpu"), torch.float32),
+                                      torch.device("cpu"), torch.float32)
+    gguf_weights.apply_rope_factors(owned, path)
+    torch.testing.assert_close(owned.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="only Sluice's own forward"):
+        gguf_weights.apply_rope_factors(dequantized, path)
 
 
 def test_method_describes_the_types_it_served(tiny_gguf):
