@@ -67,6 +67,39 @@ def write_gguf(path, arch: str = "llama", pre: str = "smollm", tied: bool = True
     return path
 
 
+PIECES = ["▁", "t", "h", "e", "a", "n", "d", "o", "f", "i", "s", "r", "l", "w", "H", "▁t", "he", "▁the", "▁a", "nd",
+          "▁and", "▁o", "▁of", "is", "▁is", "▁w", "or", "ld", "▁wor", "▁world", "el", "lo", "▁H", "▁He", "▁Hel",
+          "▁Hello", "你", "好"]
+
+
+def write_spm_gguf(path, arch: str = "llama", **flags: bool):
+    """A GGUF file with a sentencepiece vocabulary as llama.cpp's converter writes Llama 2's: <unk>, <s>, </s>,
+    the 256 byte tokens, scored pieces (no merges: they are recovered from the scores), "<think>" user-defined;
+    `flags`: tokenizer.ggml.<flag> booleans."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *PIECES, "<think>"]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(PIECES), 4]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(PIECES))] + [0.0])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(tiny.CHAT_TEMPLATE)
+    for flag, value in flags.items():
+        writer.add_bool(f"tokenizer.ggml.{flag}", value)
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def ours(path):
     metadata, tensors = read_gguf(path, VOCABULARY)
     return gguf_config(metadata, tensors, str(path)), gguf_tokenizer(metadata)
@@ -101,6 +134,16 @@ def test_each_listed_split_builds_transformers_tokenizer(tmp_path, pre):
     same_tokenizer(ours(path)[1], AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name))
 
 
+@pytest.mark.parametrize("flags", [{}, {"add_bos_token": False}, {"add_space_prefix": True}])
+def test_a_sentencepiece_vocabulary_builds_transformers_tokenizer(tmp_path, flags):
+    path = write_spm_gguf(tmp_path / "spm.gguf", **flags)
+    mine, theirs = ours(path)[1], AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    same_tokenizer(mine, theirs)
+    hello = 259 + PIECES.index("▁Hello")  # merged from its pieces' scores, the first word given its "▁"
+    assert mine("Hello world").input_ids[:2] == ([hello, 259 + PIECES.index("▁world")] if flags.get("add_bos_token")
+                                                 is False else [1, hello])
+
+
 def test_the_default_models_file_reads_as_transformers_reads_it(tmp_path, smollm2_dir):
     path = tmp_path / default_gguf().name  # by itself: beside its converted tokenizer.json, transformers reads that
     path.symlink_to(default_gguf())
@@ -127,10 +170,18 @@ def test_what_the_file_leaves_to_transformers_goes_there(tmp_path, change):
     assert gguf_config(metadata, tensors, "tiny") is None
 
 
-@pytest.mark.parametrize("change", [{"tokenizer.ggml.model": "llama"}, {"tokenizer.ggml.pre": "deepseek-llm"},
+@pytest.mark.parametrize("change", [{"tokenizer.ggml.model": "t5"}, {"tokenizer.ggml.pre": "deepseek-llm"},
                                     {"tokenizer.ggml.merges": None}])
 def test_other_tokenizers_go_to_transformers(tmp_path, change):
     metadata, _ = read_gguf(write_gguf(tmp_path / "tiny.gguf"), VOCABULARY)
+    assert gguf_tokenizer({k: v for k, v in {**metadata, **change}.items() if v is not None}) is None
+
+
+@pytest.mark.parametrize("change", [{"general.architecture": "gemma2"}, {"general.architecture": "phi3"},
+                                    {"tokenizer.ggml.add_space_prefix": False}, {"tokenizer.ggml.scores": None}])
+def test_other_sentencepiece_vocabularies_go_to_transformers(tmp_path, change):
+    metadata, _ = read_gguf(write_spm_gguf(tmp_path / "spm.gguf"), VOCABULARY)
+    assert gguf_tokenizer(metadata) is not None
     assert gguf_tokenizer({k: v for k, v in {**metadata, **change}.items() if v is not None}) is None
 
 
