@@ -1,5 +1,5 @@
 """Facts of this machine every layer reads the same way: where Sluice caches what it builds and fetches, and the
-CPU's feature flags."""
+CPU's model and feature flags."""
 
 from __future__ import annotations
 
@@ -16,9 +16,20 @@ def cache_root() -> Path:
 
 def cpu_flags_line(cpuinfo: Path = CPUINFO) -> str | None:
     """The feature flags line of /proc/cpuinfo ("flags" on x86, "Features" on Arm), or None where there is none."""
+    return _cpuinfo_line(cpuinfo, ("flags", "Features"))
+
+
+def cpu_model_line(cpuinfo: Path = CPUINFO) -> str | None:
+    """The CPU's model lines of /proc/cpuinfo (name, family, model, stepping), or None where there are none."""
+    lines = [_cpuinfo_line(cpuinfo, (key,)) for key in ("model name", "cpu family", "model\t", "stepping")]
+    return "; ".join(line for line in lines if line) or None
+
+
+def _cpuinfo_line(cpuinfo: Path, starts: tuple[str, ...]) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of `starts`."""
     try:
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(starts):
                 return line
     except OSError:
         pass

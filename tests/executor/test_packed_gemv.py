@@ -159,6 +159,30 @@ def test_measured_row_limits_are_steps_and_layers_use_them(kernel, dtype):
     assert PlainLinear(weight, None, pad=True).method.max_rows == 0
 
 
+def test_a_limit_is_timed_once_per_machine_and_kept_for_the_next_start(tmp_path, monkeypatch):
+    import json
+
+    from sluice.service.executor.layers import crossover
+
+    timed = []
+
+    def measure(limit):
+        return lambda: timed.append(limit) or limit
+
+    assert crossover.kept_limit("packed bf16 960x576", measure(12), tmp_path) == 12
+    assert crossover.kept_limit("packed bf16 960x576", measure(3), tmp_path) == 12  # read back, not timed
+    assert crossover.kept_limit("plain bf16 49152x576", measure(32), tmp_path) == 32  # another shape: timed
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another machine's (or thread count's) own entry
+    assert crossover.kept_limit("packed bf16 960x576", measure(4), tmp_path) == 4
+    assert timed == [12, 32, 4]
+    kept = json.loads((tmp_path / crossover.KEPT_FILE).read_text())
+    assert sorted(len(v) for v in kept.values()) == [1, 2] and not list(tmp_path.glob(".crossovers-*"))
+    (tmp_path / crossover.KEPT_FILE).write_text("{not json")  # a torn or foreign file: timed again, rewritten
+    assert crossover.kept_limit("packed bf16 960x576", measure(5), tmp_path) == 5
+    assert crossover.kept_limit("packed bf16 960x576", measure(6), tmp_path) == 5
+    assert crossover.kept_limit("plain f32 8x8", measure(1), tmp_path / "absent") == 1  # unwritable: timed, no error
+
+
 def test_probe_weights_stream_past_the_last_level_cache(monkeypatch):
     from sluice.service.executor.layers import crossover
 

@@ -6,16 +6,27 @@ units, not only its flags), on the shape (oneDNN's cost per call weighs more on 
 weights come from: a model's linears stream from memory one after the other, while one weight timed again and again
 sits in the last-level cache. So the limit (a linear method's `max_rows`) is measured the first time a linear of a
 given shape asks, on random weights of that shape, enough of them to stream past the caches.
+
+Timing every shape took 2.5 s of SmolLM2's 5 s start. A limit is kept (`kept_limit`) in crossovers.json beside the
+built kernels, whose folder changes with their sources, flags, torch and the CPU's flags; within it, each entry is
+filed under the CPU's model, its last-level cache and the thread count. A later start on the same machine reads it;
+deleting the file times every shape again.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from sluice import native
+from sluice.machine import cpu_model_line
 
 ROW_STEPS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # finer where verify steps (1 + drafts rows) fall
 ROUNDS = 3
@@ -23,6 +34,7 @@ CACHE_BYTES_DEFAULT = 32 << 20  # where sysfs does not say how large the last-le
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 MAX_PROBE_COPIES = 128  # past this many copies a model of such linears would itself live in the caches
 MAX_PROBE_BYTES = 96 << 20  # a server CPU's whole cache (a VM's share of it is far less) would slow start-up
+KEPT_FILE = "crossovers.json"
 
 
 def largest_cache_bytes(caches: Path) -> int | None:
@@ -85,3 +97,36 @@ def crossover(kernel: Callable[[torch.Tensor], object], gemm: Callable[[torch.Te
             break
         limit = rows
     return limit
+
+
+def kept_limit(key: str, measure: Callable[[], int], directory: Path | None = None) -> int:
+    """The limit kept for `key` on this machine (crossovers.json in `directory`, by default the built kernels'
+    folder), else `measure()`'s, kept for the next start. None of it where the kernels are not built."""
+    if directory is None:
+        ops = native.load()
+        if ops is None:
+            return measure()
+        directory = Path(ops.__file__).parent
+    machine = f"{cpu_model_line()}; last-level cache {last_level_cache_bytes()}; threads {torch.get_num_threads()}"
+    path = directory / KEPT_FILE
+    kept = _read_kept(path).get(machine, {})
+    if isinstance(kept.get(key), int):
+        return kept[key]
+    limit = measure()
+    everything = _read_kept(path)  # again: another server may have added its shapes meanwhile
+    everything.setdefault(machine, {})[key] = limit
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".crossovers-", delete=False) as out:
+            json.dump(everything, out, indent=1, sort_keys=True)
+        os.replace(out.name, path)  # whole or not at all: a reader never sees half a file
+    except OSError:  # a read-only cache: measured again at the next start
+        pass
+    return limit
+
+
+def _read_kept(path: Path) -> dict:
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) and all(isinstance(v, dict) for v in kept.values()) else {}

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice import native
-from sluice.service.executor.layers.crossover import crossover, probe_weights
+from sluice.service.executor.layers.crossover import crossover, kept_limit, probe_weights
 
 logger = logging.getLogger("sluice.engine")
 
@@ -192,14 +192,18 @@ def plain_gemm(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @functools.cache
 def plain_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
     """The most rows a call may have on the plain-layout C++ GEMV here for a weight of `shape` [N, K] (0: never),
-    timed once per dtype and shape (crossover.py)."""
+    timed once per dtype and shape on this machine (crossover.py)."""
     if not decode_kernel_wins(dtype):
         return 0
-    weights = probe_weights(shape, dtype)
-    onednn = dtype == torch.float32
-    return crossover(lambda x: [plain_gemv(x, w) for w in weights],
-                     lambda x: [plain_gemm(pad_rows(x, shape[1])[0], w, None, onednn) for w in weights], shape[1],
-                     dtype)
+
+    def measure() -> int:
+        weights = probe_weights(shape, dtype)
+        onednn = dtype == torch.float32
+        return crossover(lambda x: [plain_gemv(x, w) for w in weights],
+                         lambda x: [plain_gemm(pad_rows(x, shape[1])[0], w, None, onednn) for w in weights],
+                         shape[1], dtype)
+
+    return kept_limit(f"plain {dtype} {shape[0]}x{shape[1]}", measure)
 
 
 class PlainMethod(LinearMethod):

@@ -15,7 +15,7 @@ import torch
 
 from sluice import native
 from sluice.service.executor import packed_gemv
-from sluice.service.executor.layers.crossover import crossover, probe_weights
+from sluice.service.executor.layers.crossover import crossover, kept_limit, probe_weights
 from sluice.service.executor.layers.linear import (
     PACK_BATCH_HINT,
     Linear,
@@ -93,16 +93,22 @@ class PackedLinear(Linear):
 @functools.cache
 def packed_max_rows(dtype: torch.dtype, shape: tuple[int, int]) -> int:
     """The most rows a call may have on the packed-layout GEMV here for a weight of `shape` [N, K] (0: oneDNN always
-    wins), timed once per dtype and shape on probe weights packed as PackedMethod packs its own (crossover.py)."""
-    weights = probe_weights(shape, dtype)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
-    layout = packed_gemv.gemv_layout(packed[0], weights[0])
-    if layout is None:
-        return 0
-    n, ptrs = weights[0].shape[0], [torch.ops.mkldnn.data_ptr(p) for p in packed]
-    del weights
-    return crossover(lambda x: [packed_gemv.gemv(x, ptr, n, layout) for ptr in ptrs],
-                     lambda x: [onednn_linear(pad_rows(x, shape[1])[0], p, None) for p in packed], shape[1], dtype)
+    wins), timed once per dtype and shape on this machine, on probe weights packed as PackedMethod packs its own
+    (crossover.py)."""
+
+    def measure() -> int:
+        weights = probe_weights(shape, dtype)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+        layout = packed_gemv.gemv_layout(packed[0], weights[0])
+        if layout is None:
+            return 0
+        n, ptrs = weights[0].shape[0], [torch.ops.mkldnn.data_ptr(p) for p in packed]
+        del weights
+        return crossover(lambda x: [packed_gemv.gemv(x, ptr, n, layout) for ptr in ptrs],
+                         lambda x: [onednn_linear(pad_rows(x, shape[1])[0], p, None) for p in packed], shape[1],
+                         dtype)
+
+    return kept_limit(f"packed {dtype} {shape[0]}x{shape[1]}", measure)
 
 
 class PackedFormat(PlainFormat):
