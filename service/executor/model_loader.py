@@ -129,19 +129,19 @@ def load_model(
 
 
 def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):
-    """(config, tokenizer) read without transformers' per-model classes where the owned forward will run the
-    model: a checkpoint directory's config.json (`models/config_json.py`; its tokenizer stays transformers' to
-    read, from tokenizer.json), a GGUF file's metadata under --quantization gguf (`models/gguf_config.py`,
-    `models/gguf_tokenizer.py`). None for either that transformers' own classes must read (--hf-overrides too: an
-    override means what it means to that class, a rope override among them)."""
+    """(config, tokenizer) read without transformers' per-model classes: a checkpoint directory's config.json where
+    the owned forward will run it (`models/config_json.py`; its tokenizer stays transformers' to read, from
+    tokenizer.json), a GGUF file's tokenizer from its metadata (`models/gguf_tokenizer.py`) and, under
+    --quantization gguf, its config (`models/gguf_config.py`; transformers' model, which dequantizes the file
+    otherwise, needs its own class). None for either that transformers' own classes must read (--hf-overrides too:
+    an override means what it means to that class, a rope override among them)."""
     from sluice.service.executor.models.config_json import read_owned_config
     from sluice.service.executor.weight_prep import owned_path
 
     if overrides:
         return None, None
     if "gguf_file" in kwargs:
-        return _owned_gguf(Path(source) / kwargs["gguf_file"], settings) if settings.quantization == "gguf" \
-            else (None, None)
+        return _owned_gguf(Path(source) / kwargs["gguf_file"], settings)
     if not Path(source).is_dir():
         return None, None
     config = read_owned_config(Path(source))
@@ -149,14 +149,15 @@ def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfi
 
 
 def _owned_gguf(path: Path, settings: ModelConfig):
-    """A GGUF file's (config, tokenizer) from its own metadata, each None where transformers must read it."""
+    """A GGUF file's (config, tokenizer) from its own metadata, each None where transformers must read it (the
+    config without --quantization gguf)."""
     from sluice.service.executor.models.gguf_config import gguf_config
     from sluice.service.executor.models.gguf_file import read_gguf
     from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
     from sluice.service.executor.weight_prep import owned_path
 
     metadata, tensors = read_gguf(path, VOCABULARY)
-    config = gguf_config(metadata, tensors, str(path))
+    config = gguf_config(metadata, tensors, str(path)) if settings.quantization == "gguf" else None
     return (config if config is not None and owned_path(config, settings) is None else None), gguf_tokenizer(metadata)
 
 

@@ -204,3 +204,21 @@ def test_a_cut_off_file_is_refused_with_its_name(tmp_path, keep):
     cut.write_bytes(whole[:int(len(whole) * keep)])
     with pytest.raises(ValueError, match="cut.gguf: (a truncated or malformed GGUF header|tensor .* runs past)"):
         read_gguf(cut, VOCABULARY)
+
+
+def test_the_config_is_owned_under_gguf_only_and_the_tokenizer_always(tmp_path):
+    """Without --quantization gguf transformers dequantizes the file into its own model, which needs its own config
+    class; the tokenizer is the file's either way. --hf-overrides leaves both to transformers."""
+    from sluice.service.config import ModelConfig
+    from sluice.service.executor import model_loader
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+
+    def read(settings: ModelConfig, overrides: dict | None = None):
+        return model_loader._read_owned(str(tmp_path), {"gguf_file": path.name}, overrides or {}, settings)
+
+    config, tokenizer = read(ModelConfig())
+    assert config is None and tokenizer is not None and tokenizer.chat_template == tiny.CHAT_TEMPLATE
+    config, tokenizer = read(ModelConfig(quantization="gguf"))
+    assert type(config) is PreTrainedConfig and tokenizer is not None
+    assert read(ModelConfig(quantization="gguf"), {"rms_norm_eps": 1e-5}) == (None, None)
