@@ -81,27 +81,28 @@ def load(path: Path, config, device: torch.device, dtype: torch.dtype) -> LlamaF
     if device.type != "cpu":
         raise ValueError(f"GGUF blocks are served on CPU, not {device}")
     formats = GgufFormat(dtype, native.load())
-    model = weights.build(config, read_tensors(path, config.get_text_config()), formats, device, dtype,
-                          GenerationConfig.from_model_config(config))
-    apply_rope_factors(model, path)
+    tensors = read_tensors(path, config.get_text_config())
+    model = weights.build(config, tensors, formats, device, dtype, GenerationConfig.from_model_config(config))
+    apply_rope_factors(model, path, tensors)
     resident, size = model_weight_bytes(model), path.stat().st_size
     logger.info("GGUF %s: %s resident weights for a %s file (%.2fx); linears %s", path.name, format_bytes(resident),
                 format_bytes(size), resident / size, formats.describe())
     return model
 
 
-def apply_rope_factors(model, path: Path) -> None:
+def apply_rope_factors(model, path: Path, tensors: weights.Tensors | None = None) -> None:
     """Divide the owned model's rotary frequencies by the file's rope factors (rope_freqs.weight: Llama 3.1's
     scaling, as llama.cpp's converter stores it, with no rope type in the metadata), as llama.cpp does; a file
-    without them is left alone."""
-    factors = read_gguf(path)[1].get("rope_freqs.weight")
+    without them is left alone. `tensors`: the file's (`read_tensors`), where the caller has them already."""
+    tensors = tensors or read_tensors(path, model.config.get_text_config())
+    factors = tensors("rope_freqs.weight")
     if factors is None:
         return
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"{path.name} scales its rope per frequency (rope_freqs.weight), which only Sluice's own "
                          "forward applies (drop --no-owned-model)")
     inv_freq = model.rotary_emb.inv_freq
-    if factors.type_name != "F32" or factors.dims != (inv_freq.numel(),):
-        raise ValueError(f"{path.name}: rope_freqs.weight is {factors.type_name} {factors.dims}, not one float32 "
-                         f"factor per rotary frequency ({inv_freq.numel()})")
-    inv_freq /= torch.from_numpy(np.array(factors.rows(np.float32))).to(inv_freq.device)
+    if not isinstance(factors, torch.Tensor) or factors.dtype != torch.float32 or factors.shape != inv_freq.shape:
+        raise ValueError(f"{path.name}: rope_freqs.weight is not one float32 factor per rotary frequency "
+                         f"({inv_freq.numel()})")
+    inv_freq /= factors.to(inv_freq.device)
