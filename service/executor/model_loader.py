@@ -136,7 +136,6 @@ def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfi
     otherwise, needs its own class). None for either that transformers' own classes must read (--hf-overrides too:
     an override means what it means to that class, a rope override among them)."""
     from sluice.service.executor.models.config_json import read_owned_config
-    from sluice.service.executor.weight_prep import owned_path
 
     if overrides:
         return None, None
@@ -144,8 +143,7 @@ def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfi
         return _owned_gguf(Path(source) / kwargs["gguf_file"], settings)
     if not Path(source).is_dir():
         return None, None
-    config = read_owned_config(Path(source))
-    return (config if config is not None and owned_path(config, settings) is None else None), None
+    return _if_owned(read_owned_config(Path(source)), settings), None
 
 
 def _owned_gguf(path: Path, settings: ModelConfig):
@@ -154,11 +152,17 @@ def _owned_gguf(path: Path, settings: ModelConfig):
     from sluice.service.executor.models.gguf_config import gguf_config
     from sluice.service.executor.models.gguf_file import read_gguf
     from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
-    from sluice.service.executor.weight_prep import owned_path
 
     metadata, tensors = read_gguf(path, VOCABULARY)
     config = gguf_config(metadata, tensors, str(path)) if settings.quantization == "gguf" else None
-    return (config if config is not None and owned_path(config, settings) is None else None), gguf_tokenizer(metadata)
+    return _if_owned(config, settings), gguf_tokenizer(metadata)
+
+
+def _if_owned(config, settings: ModelConfig):
+    """`config` where the owned forward will run its model, else None (transformers' own class must read it)."""
+    from sluice.service.executor.weight_prep import owned_path
+
+    return config if config is not None and owned_path(config, settings) is None else None
 
 
 def apply_hf_overrides(config, overrides: dict) -> None:
