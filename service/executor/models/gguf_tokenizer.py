@@ -83,9 +83,8 @@ def _byte_level(metadata: dict):
     alphabet = set(spelling.values())
     vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode()): index
              for index, token in enumerate(metadata["tokenizer.ggml.tokens"])}
-    merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=_file_merges(metadata), dropout=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     split = SPLITS[pre]
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
         pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -107,7 +106,7 @@ def _sentencepiece(metadata: dict):
     tokens = metadata["tokenizer.ggml.tokens"]
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in metadata:
-        merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+        merges = _file_merges(metadata)
     elif "tokenizer.ggml.scores" in metadata:
         merges = generate_merges(vocab, dict(zip(tokens, metadata["tokenizer.ggml.scores"], strict=False)))
     else:
@@ -117,3 +116,8 @@ def _sentencepiece(metadata: dict):
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(content=" ", left=1)])
     return backend, lambda token: True
+
+
+def _file_merges(metadata: dict) -> list[tuple[str, ...]]:
+    """The merges the file lists ("a b" each), as the pairs the BPE model takes."""
+    return [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
