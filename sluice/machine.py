@@ -16,21 +16,24 @@ def cache_root() -> Path:
 
 def cpu_flags_line(cpuinfo: Path = CPUINFO) -> str | None:
     """The feature flags line of /proc/cpuinfo ("flags" on x86, "Features" on Arm), or None where there is none."""
-    return _cpuinfo_line(cpuinfo, ("flags", "Features"))
+    return _first_line(_cpuinfo_lines(cpuinfo), ("flags", "Features"))
 
 
 def cpu_model_line(cpuinfo: Path = CPUINFO) -> str | None:
     """The CPU's model lines of /proc/cpuinfo (name, family, model, stepping), or None where there are none."""
-    lines = [_cpuinfo_line(cpuinfo, (key,)) for key in ("model name", "cpu family", "model\t", "stepping")]
-    return "; ".join(line for line in lines if line) or None
+    lines = _cpuinfo_lines(cpuinfo)
+    found = [_first_line(lines, (key,)) for key in ("model name", "cpu family", "model\t", "stepping")]
+    return "; ".join(line for line in found if line) or None
 
 
-def _cpuinfo_line(cpuinfo: Path, starts: tuple[str, ...]) -> str | None:
-    """The first line of /proc/cpuinfo that starts with one of `starts`."""
+def _cpuinfo_lines(cpuinfo: Path) -> list[str]:
+    """/proc/cpuinfo's lines, [] where there is none."""
     try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith(starts):
-                return line
+        return cpuinfo.read_text().splitlines()
     except OSError:
-        pass
-    return None
+        return []
+
+
+def _first_line(lines: list[str], starts: tuple[str, ...]) -> str | None:
+    """The first of `lines` that starts with one of `starts`."""
+    return next((line for line in lines if line.startswith(starts)), None)
