@@ -75,14 +75,15 @@ def load_model(
     cache_dir: str | Path | None = None,
     settings: ModelConfig | None = None,
 ):
-    """(model, tokenizer) ready for ModelRunner. A Llama-family checkpoint directory (the default model's too) loads
-    straight into Sluice's own model, as does a GGUF file under --quantization gguf (its blocks as stored); another
-    GGUF file or a hub id loads through transformers first; any other
-    architecture stays transformers' model on the paged attention (`weight_prep`). `settings`: the weight formats
-    (--quantization, --prepack-weights, --owned-model); defaults where None."""
+    """(model, tokenizer) ready for ModelRunner. A Llama-family checkpoint directory (the default model's too) or
+    GGUF file whose config Sluice reads (`_read_owned`) loads straight into Sluice's own model (a GGUF file's blocks
+    as stored under --quantization gguf, else dequantized into the format asked for); another GGUF file or a hub id
+    loads through transformers first; any other architecture stays transformers' model on the paged attention
+    (`weight_prep`). `settings`: the weight formats (--quantization, --prepack-weights, --owned-model); defaults
+    where None."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from sluice.service.executor.weight_prep import load_owned, owned_path, prepare_weights
+    from sluice.service.executor.weight_prep import load_owned, load_owned_gguf, owned_path, prepare_weights
 
     settings = settings or ModelConfig()
     device, dtype = resolve_device_dtype(device, dtype)
@@ -103,6 +104,7 @@ def load_model(
     try:
         overrides = parse_hf_overrides(settings.hf_overrides)
         config, tokenizer = _read_owned(source, kwargs, overrides, settings)
+        owned_gguf = config is not None and "gguf_file" in kwargs
         if config is None:
             config = AutoConfig.from_pretrained(source, gguf_file=kwargs.get("gguf_file"))
             apply_hf_overrides(config, overrides)  # before anything reads it (the transformers path gets it too)
@@ -110,6 +112,8 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=kwargs.get("gguf_file"), config=config)
         if settings.quantization == "gguf":
             return _load_gguf_blocks(model, config, settings, device, dtype, cache_dir), tokenizer
+        if owned_gguf:
+            return load_owned_gguf(Path(source) / kwargs["gguf_file"], config, settings, device, dtype), tokenizer
         if Path(source).is_dir() and not kwargs and owned_path(config, settings) is None:
             return load_owned(Path(source), config, settings, device, dtype), tokenizer
         if overrides:
@@ -129,12 +133,11 @@ def load_model(
 
 
 def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfig):
-    """(config, tokenizer) read without transformers' per-model classes: a checkpoint directory's config.json where
-    the owned forward will run it (`models/config_json.py`; its tokenizer stays transformers' to read, from
-    tokenizer.json), a GGUF file's tokenizer from its metadata (`models/gguf_tokenizer.py`) and, under
-    --quantization gguf, its config (`models/gguf_config.py`; transformers' model, which dequantizes the file
-    otherwise, needs its own class). None for either that transformers' own classes must read (--hf-overrides too:
-    an override means what it means to that class, a rope override among them)."""
+    """(config, tokenizer) read without transformers' per-model classes, where the owned forward will run the
+    model: a checkpoint directory's config.json (`models/config_json.py`; its tokenizer stays transformers' to read,
+    from tokenizer.json), a GGUF file's config and tokenizer from its metadata (`models/gguf_config.py`,
+    `models/gguf_tokenizer.py`). None for either that transformers' own classes must read (--hf-overrides too: an
+    override means what it means to that class, a rope override among them)."""
     from sluice.service.executor.models.config_json import read_owned_config
 
     if overrides:
@@ -147,15 +150,13 @@ def _read_owned(source: str, kwargs: dict, overrides: dict, settings: ModelConfi
 
 
 def _owned_gguf(path: Path, settings: ModelConfig):
-    """A GGUF file's (config, tokenizer) from its own metadata, each None where transformers must read it (the
-    config without --quantization gguf)."""
+    """A GGUF file's (config, tokenizer) from its own metadata, each None where transformers must read it."""
     from sluice.service.executor.models.gguf_config import gguf_config
     from sluice.service.executor.models.gguf_file import read_gguf
     from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
 
     metadata, tensors = read_gguf(path, VOCABULARY)
-    config = gguf_config(metadata, tensors, str(path)) if settings.quantization == "gguf" else None
-    return _if_owned(config, settings), gguf_tokenizer(metadata)
+    return _if_owned(gguf_config(metadata, tensors, str(path)), settings), gguf_tokenizer(metadata)
 
 
 def _if_owned(config, settings: ModelConfig):
@@ -264,21 +265,35 @@ def fetch_default_gguf(workdir: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF checkpoint to float32 safetensors plus its tokenizer (chat template included)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A GGUF file as a float32 safetensors checkpoint directory in transformers' names and files (config,
+    generation config, tokenizer and chat template), read by Sluice's own GGUF readers, plus the file itself."""
+    import json
 
-    source, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, gguf_file=name, quantization_config=_dequantize(name), dtype=torch.float32
-    )
-    if getattr(model, "hf_quantizer", None) is not None:  # weights are plain tensors now; let it save
-        model.hf_quantizer.remove_quantization_config(model)
-    if tokenizer.chat_template is None:
-        raise RuntimeError(f"{name} carries no chat template")
-    if model.generation_config.eos_token_id is None:
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out_dir)
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    from sluice.service.executor.models import gguf_weights, weights
+    from sluice.service.executor.models.gguf_config import gguf_config
+    from sluice.service.executor.models.gguf_file import read_gguf
+    from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
+
+    metadata, stored = read_gguf(gguf_path, VOCABULARY)
+    config, tokenizer = gguf_config(metadata, stored, gguf_path.stem), gguf_tokenizer(metadata)
+    if config is None or tokenizer is None or tokenizer.chat_template is None:
+        raise RuntimeError(f"{gguf_path.name}: Sluice cannot read its config, tokenizer or chat template")
+    tensors = gguf_weights.read_tensors(gguf_path, config, dequantize=True)
+    state = {name: t.float().contiguous() for name in weights.checkpoint_names(config)
+             if (t := tensors(name)) is not None}
+    out_dir.mkdir(parents=True)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    described = {"architectures": [architecture[config.model_type]], "model_type": config.model_type,
+                 "dtype": "float32", **config.to_diff_dict()}
+    (out_dir / "config.json").write_text(json.dumps(described, indent=2, sort_keys=True) + "\n")
+    generation = GenerationConfig.from_model_config(config)
+    if generation.eos_token_id is None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    generation.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     shutil.copyfile(gguf_path, out_dir / gguf_path.name)  # --quantization gguf serves its blocks as stored
     for path in out_dir.iterdir():  # some writers create 0600 files; a shared cache must be readable

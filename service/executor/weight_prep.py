@@ -52,6 +52,14 @@ def load_owned(directory, model_config, config: ModelConfig, device: torch.devic
     return _owned(lambda formats: weights.load(directory, model_config, formats, device, dtype), config, device, dtype)
 
 
+def load_owned_gguf(path, model_config, config: ModelConfig, device: torch.device,
+                    dtype: torch.dtype) -> LlamaForCausalLM:
+    """The owned model from a GGUF file, its quantized tensors dequantized into the format `config` asks for."""
+    from sluice.service.executor.models import gguf_weights
+
+    return _owned(lambda formats: gguf_weights.load(path, model_config, device, dtype, formats), config, device, dtype)
+
+
 def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The model to run for a loaded transformers model: Sluice's own forward with its weights (in the formats
     `config` asks for) where the architecture is supported, else the model itself on the paged attention hook."""

@@ -1,11 +1,13 @@
-"""The owned model straight from a .gguf file, its quantized weights kept in the file's own blocks.
+"""The owned model straight from a .gguf file: its quantized weights kept in the file's own blocks
+(--quantization gguf), or dequantized into any other weight format.
 
 Tensors are read from the file's directory (gguf_file.py) and named as transformers names them (gguf's tensor name
-map); each quantized tensor is copied out of the file once as its raw uint8 rows (`GgufBlocks`), float tensors as
-float32. llama.cpp's converter permutes the rows of a llama q and k weight for its rotary layout: the rows are put
-back exactly as transformers' GGUF loader does (`reverse_permute`), which moves whole rows, so the blocks are
-untouched. Config, tokenizer and chat template are read from the metadata (gguf_config.py, gguf_tokenizer.py)
-where those can, else by transformers.
+map); each quantized tensor is copied out of the file once, as its raw uint8 rows (`GgufBlocks`) or dequantized to
+float32 by gguf's own dequantize (every type llama.cpp writes, as transformers' GGUF loader reads them); float
+tensors keep their type. llama.cpp's converter permutes the rows of a llama q and k weight (and bias) for its rotary
+layout: the rows are put back exactly as transformers' GGUF loader does (`reverse_permute`), which moves whole
+rows, so the blocks are untouched. Config, tokenizer and chat template are read from the metadata (gguf_config.py,
+gguf_tokenizer.py) where those can, else by transformers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sluice import native
 from sluice.service.executor.kv_sizing import format_bytes, model_weight_bytes
 from sluice.service.executor.layers.gguf_blocks import GgufBlocks
 from sluice.service.executor.layers.gguf_linear import GgufFormat
+from sluice.service.executor.layers.linear import WeightFormat
 from sluice.service.executor.layers.quant_types import BY_NAME
 from sluice.service.executor.models import weights
 from sluice.service.executor.models.gguf_file import read_gguf
@@ -37,10 +40,11 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(2, 1).reshape(rows)
 
 
-def read_tensors(path: Path, config) -> weights.Tensors:
-    """Access by transformers name to the file's tensors: `GgufBlocks` for quantized ones, float tensors of the
-    file's own type (float32, float16, bfloat16) otherwise."""
+def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensors:
+    """Access by transformers name to the file's tensors: float tensors of the file's own type (float32, float16,
+    bfloat16), and quantized ones as `GgufBlocks`, or as float32 where `dequantize`."""
     import gguf
+    from gguf.quants import dequantize as dequantized
 
     metadata, stored = read_gguf(path)
     arch_name = metadata.get(gguf.KEY_GENERAL_ARCHITECTURE)
@@ -58,30 +62,39 @@ def read_tensors(path: Path, config) -> weights.Tensors:
         if t is None:
             return None
         qtype = t.type_name
-        if qtype not in BY_NAME and qtype not in FLOAT_TYPES:
+        if qtype not in FLOAT_TYPES and not dequantize and qtype not in BY_NAME:
             raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which Sluice cannot serve as stored "
-                             f"(one of {', '.join([*BY_NAME, *FLOAT_TYPES])})")
+                             f"(one of {', '.join([*BY_NAME, *FLOAT_TYPES])}; another --quantization dequantizes it)")
         data = t.rows(FLOAT_TYPES.get(qtype, np.uint8))
-        heads = permuted.get(gguf_name.rpartition(".")[2]) if suffix == "weight" else None
+        heads = permuted.get(gguf_name.rpartition(".")[2]) if suffix in ("weight", "bias") else None
         if heads:
             data = data[reverse_permute(data.shape[0], heads)]
         if qtype == "BF16":  # no numpy bfloat16: its bits, viewed by torch
             return torch.from_numpy(np.array(data)).view(torch.bfloat16)
         if qtype in FLOAT_TYPES:  # F16 stays 16-bit: GgufFormat serves it as stored, a norm is widened
             return torch.from_numpy(np.array(data))
+        if dequantize:
+            try:
+                return torch.from_numpy(dequantized(data, gguf.GGMLQuantizationType[qtype]))
+            except (KeyError, NotImplementedError) as error:
+                raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which gguf cannot dequantize") \
+                    from error
         return GgufBlocks(torch.from_numpy(np.array(data)), qtype, int(t.dims[0]))
 
     return tensor
 
 
-def load(path: Path, config, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """The owned model of `config` with the weights of the GGUF file `path`, quantized ones as stored."""
+def load(path: Path, config, device: torch.device, dtype: torch.dtype,
+         formats: WeightFormat | None = None) -> LlamaForCausalLM:
+    """The owned model of `config` with the weights of the GGUF file `path`: quantized ones as stored (`formats`
+    None), or dequantized into `formats`."""
     from transformers import GenerationConfig
 
-    if device.type != "cpu":
+    as_stored = formats is None
+    if as_stored and device.type != "cpu":
         raise ValueError(f"GGUF blocks are served on CPU, not {device}")
-    formats = GgufFormat(dtype, native.load())
-    tensors = read_tensors(path, config.get_text_config())
+    formats = GgufFormat(dtype, native.load()) if as_stored else formats
+    tensors = read_tensors(path, config.get_text_config(), dequantize=not as_stored)
     model = weights.build(config, tensors, formats, device, dtype, GenerationConfig.from_model_config(config))
     apply_rope_factors(model, path, tensors)
     resident, size = model_weight_bytes(model), path.stat().st_size

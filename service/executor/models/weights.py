@@ -24,6 +24,14 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 Tensors = Callable[[str], torch.Tensor | None]  # checkpoint name → tensor, None where absent
 
+# A decoder layer's tensors under "model.layers.{i}.", as transformers names them: each fused linear's parts, and
+# the norms (Qwen3's q/k norms among them; absent elsewhere).
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+O_PROJ, GATE_UP, DOWN = ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)
+Q_NORM, K_NORM, INPUT_NORM, POST_NORM = ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm",
+                                         "post_attention_layernorm")
+EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
 
 def unsupported_reason(config) -> str | None:
     """Why the owned forward cannot run a model of this transformers config; None where it can."""
@@ -60,7 +68,7 @@ def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device,
     """The owned model of `config` with the checkpoint's weights, each linear in the format `formats` gives it."""
     config = config.get_text_config()
 
-    def linear(prefix: str, parts: list[str], weights: list[torch.Tensor] | None = None) -> nn.Module:
+    def linear(prefix: str, parts: tuple[str, ...], weights: list[torch.Tensor] | None = None) -> nn.Module:
         names = [f"{prefix}{p}" for p in parts]
         weights = weights or [tensors(f"{n}.weight") for n in names]
         return formats.make_parts(weights, [tensors(f"{n}.bias") for n in names], names, device, dtype)
@@ -74,22 +82,32 @@ def build(config, tensors: Tensors, formats: WeightFormat, device: torch.device,
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        q_norm, k_norm = tensors(f"{p}self_attn.q_norm.weight"), tensors(f"{p}self_attn.k_norm.weight")
+        q_norm, k_norm = tensors(f"{p}{Q_NORM}.weight"), tensors(f"{p}{K_NORM}.weight")
         attn = PagedAttention(
-            linear(p + "self_attn.", ["q_proj", "k_proj", "v_proj"]), linear(p + "self_attn.", ["o_proj"]),
-            heads, kv_heads, head_dim, i,
+            linear(p, QKV), linear(p, O_PROJ), heads, kv_heads, head_dim, i,
             norm(q_norm) if q_norm is not None else None, norm(k_norm) if k_norm is not None else None,
             sliding_window(config, i),
         )
-        mlp = GatedMLP(linear(p + "mlp.", ["gate_proj", "up_proj"]), linear(p + "mlp.", ["down_proj"]))
-        layers.append(DecoderLayer(norm(tensors(f"{p}input_layernorm.weight")), attn,
-                                   norm(tensors(f"{p}post_attention_layernorm.weight")), mlp))
-    embed = formats.embedding(tensors("model.embed_tokens.weight"), device, dtype)
-    untied = None if config.tie_word_embeddings else tensors("lm_head.weight")
-    head = formats.tied_head(embed) if untied is None else linear("", ["lm_head"], [untied])
+        mlp = GatedMLP(linear(p, GATE_UP), linear(p, DOWN))
+        layers.append(DecoderLayer(norm(tensors(f"{p}{INPUT_NORM}.weight")), attn,
+                                   norm(tensors(f"{p}{POST_NORM}.weight")), mlp))
+    embed = formats.embedding(tensors(EMBED), device, dtype)
+    untied = None if config.tie_word_embeddings else tensors(HEAD)
+    head = formats.tied_head(embed) if untied is None else linear("", (HEAD.removesuffix(".weight"),), [untied])
     rotary = RotaryEmbedding(config, head_dim).to(device)
-    return LlamaForCausalLM(config, embed, layers, norm(tensors("model.norm.weight")), head, rotary,
+    return LlamaForCausalLM(config, embed, layers, norm(tensors(FINAL_NORM)), head, rotary,
                             generation_config).eval()
+
+
+def checkpoint_names(config) -> list[str]:
+    """Every tensor name `build` may read from a checkpoint of `config`, optional ones (biases, q/k norms, an
+    untied head) included."""
+    names = []
+    for i in range(config.get_text_config().num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [f"{p}{part}.{kind}" for part in QKV + O_PROJ + GATE_UP + DOWN for kind in ("weight", "bias")]
+        names += [f"{p}{norm}.weight" for norm in (Q_NORM, K_NORM, INPUT_NORM, POST_NORM)]
+    return [EMBED, *names, FINAL_NORM, HEAD]
 
 
 def safetensors_tensors(directory: Path) -> Tensors:

@@ -14,40 +14,17 @@ from sluice.service.executor.layers.linear import PlainFormat
 from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
 from sluice.service.executor.models import gguf_weights, weights
 from tests.support import tiny
+from tests.support.gguf_files import random_blocks, reference_dequantize, write_tiny_gguf
 from tests.support.int8_rounding import RoundedActivations, int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import make_engine
 
 TYPES = list(BY_NAME)
-# Types gguf.quants cannot quantize: random codes, and small float16 scales at these bytes of a block.
-RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
-
-
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """uint8 [n, row_bytes] of valid blocks: gguf.quants.quantize of random floats where the package quantizes
-    the type, else random bytes with small finite float16 scales (RANDOM_SCALES)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    if qtype not in RANDOM_SCALES:
-        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
-    t = BY_NAME[qtype]
-    blocks = rng.integers(0, 256, (n * k // t.block_size, t.block_bytes), dtype=np.uint8)
-    for at in RANDOM_SCALES[qtype]:  # d (and dmin): element magnitudes around 0.1
-        d = (rng.random(len(blocks)) * {"Q6_K": 2e-5, "IQ4_NL": 1e-3}.get(qtype, 1e-4)).astype(np.float16)
-        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(n, -1)
 
 
 def stored(linear, *bounds) -> torch.Tensor:
     """A GGUF linear's rows (bounds: start, stop) as the file stores them."""
     return linear.method.stored_rows(linear, *bounds)
-
-
-def reference_dequantize(blocks: np.ndarray, qtype: str) -> torch.Tensor:
-    import gguf
-
-    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -167,85 +144,10 @@ def test_embedding_dequantizes_only_the_rows_looked_up():
     torch.testing.assert_close(embed(ids), reference_dequantize(blocks, "Q6_K")[ids], rtol=0, atol=0)
 
 
-# The tiny Llama's linears, in types that cover every block type and both a fused and a split q/k/v.
-LAYER_TYPES = [
-    {"q_proj": "Q4_K", "k_proj": "Q5_K", "v_proj": "Q4_K", "o_proj": "Q6_K", "gate_proj": "Q5_0", "up_proj": "Q5_0",
-     "down_proj": "Q8_0"},
-    {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q5_1", "gate_proj": "Q4_1", "up_proj": "Q4_1",
-     "down_proj": "Q4_K"},
-]
-GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-
-
-def tiny_config(arch: str = "llama"):
-    import transformers
-
-    tok = tiny.tokenizer()
-    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "qwen3": transformers.Qwen3Config}[arch]
-    return config(
-        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        tie_word_embeddings=True, **({"head_dim": 64} if arch == "qwen3" else {}))
-
-
-def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's q/k row order (the inverse of gguf_weights.reverse_permute)."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """(path, config, the float weights under transformers' names that the file's blocks stand for)."""
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "llama")
-
-
-def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None):
-    """A tiny `arch` model's GGUF file (Qwen2: q/k/v biases; Qwen3: q/k norms, as llama.cpp's converter names
-    them; only Llama's q/k rows are permuted; `rope_freqs`: Llama 3.1's rope factors, as llama.cpp stores them):
-    (path, config, the float weights under transformers' names)."""
-    import gguf
-
-    config = tiny_config(arch)
-    writer = gguf.GGUFWriter(str(path), arch)
-    floats: dict[str, torch.Tensor] = {}
-    rng = np.random.default_rng(3)
-
-    def quantized(hf: str, name: str, qtype: str, n: int, k: int, heads: int = 0) -> None:
-        blocks = random_blocks(qtype, n, k, seed=len(floats))
-        floats[hf] = reference_dequantize(blocks, qtype)
-        writer.add_tensor(name, llama_cpp_permute(blocks, heads) if heads else blocks,
-                          raw_dtype=gguf.GGMLQuantizationType[qtype])
-
-    def norm(hf: str, name: str, size: int = config.hidden_size, scale: float = 0.1) -> None:
-        floats[hf] = torch.from_numpy(1 + scale * rng.standard_normal(size).astype(np.float32))
-        writer.add_tensor(name, floats[hf].numpy())
-
-    quantized("model.embed_tokens.weight", "token_embd.weight", "Q6_K", config.vocab_size, config.hidden_size)
-    sizes = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
-             "gate_proj": (512, 256), "up_proj": (512, 256), "down_proj": (256, 512)}
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} if arch == "llama" else {}
-    for i, types in enumerate(LAYER_TYPES):
-        for part, qtype in types.items():
-            group = "self_attn" if part.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            quantized(f"model.layers.{i}.{group}.{part}.weight", f"blk.{i}.{GGUF_NAMES[part]}.weight", qtype,
-                      *sizes[part], heads.get(part, 0))
-            if arch == "qwen2" and part in ("q_proj", "k_proj", "v_proj"):
-                norm(f"model.layers.{i}.self_attn.{part}.bias", f"blk.{i}.{GGUF_NAMES[part]}.bias", sizes[part][0], 1)
-        if arch == "qwen3":
-            for part in ("q", "k"):
-                norm(f"model.layers.{i}.self_attn.{part}_norm.weight", f"blk.{i}.attn_{part}_norm.weight", 64)
-        norm(f"model.layers.{i}.input_layernorm.weight", f"blk.{i}.attn_norm.weight")
-        norm(f"model.layers.{i}.post_attention_layernorm.weight", f"blk.{i}.ffn_norm.weight")
-    norm("model.norm.weight", "output_norm.weight")
-    if rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path, config, floats
 
 
 def test_the_tensor_directory_reads_as_the_gguf_package_does(tmp_path):

@@ -1,14 +1,14 @@
 """A GGUF file's config and tokenizer read from its metadata: wherever the readers answer, the owned forward reads
 the same numbers as from transformers' GGUF support and the tokenizer is the same `tokenizers` object (tiny files
 of each family and pre-tokenizer, and the default model's own file); transformers wherever the file leaves
-something to it; a GGUF file served under --quantization gguf that never imports the model classes."""
+something to it; a GGUF file served as stored or dequantized that never imports the model classes."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,10 +19,9 @@ from sluice.service.executor.models.gguf_config import gguf_config
 from sluice.service.executor.models.gguf_file import read_gguf
 from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
 from tests.support import tiny
+from tests.support.gguf_files import add_shape, add_tiny_tokenizer, same_tokenizer
 from tests.support.parity import config_reading
 
-TEXTS = ["Hello world, how are you? 12345 3.14", "  two spaces\tand a tab\r\n\n", "你好世界 😀 ünïcödé",
-         "<|im_start|>user\nhi<|im_end|>\n", "don't I'll WE'RE", "<think>ok</think><|endoftext|>"]
 SHAPE = {"llama": {}, "qwen2": {}, "qwen3": {"key_length": 128}}  # Qwen3's head is not hidden / heads (32)
 
 
@@ -31,35 +30,17 @@ def write_gguf(path, arch: str = "llama", pre: str = "smollm", tied: bool = True
     converter writes it (its specials marked control, "<think>" user-defined), and its norms' tensors only."""
     import gguf
 
-    tok = tiny.tokenizer()
-    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda item: item[1])]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(512)
-    writer.add_embedding_length(128)
-    writer.add_feed_forward_length(256)
-    writer.add_block_count(2)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    if SHAPE[arch].get("key_length"):
-        writer.add_key_length(SHAPE[arch]["key_length"])
-        writer.add_value_length(SHAPE[arch]["key_length"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens + ["<think>"])
-    writer.add_token_types([3 if t in tiny.SPECIALS else 1 for t in tokens] + [4])
-    writer.add_token_merges([" ".join(m) for m in json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]])
-    writer.add_bos_token_id(tok.bos_token_id)
-    writer.add_eos_token_id(tok.eos_token_id)
-    writer.add_pad_token_id(tok.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tiny.CHAT_TEMPLATE)
+    add_shape(writer, SimpleNamespace(max_position_embeddings=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      rope_parameters={"rope_theta": 500000.0}, rms_norm_eps=1e-6,
+                                      head_dim=SHAPE[arch].get("key_length")))
+    add_tiny_tokenizer(writer, pre, ("<think>",))
     for key, value in extra.items():
         getattr(writer, f"add_{key}")(value)
     writer.add_tensor("output_norm.weight", np.ones(128, np.float32))
     if not tied:
-        writer.add_tensor("output.weight", np.zeros((len(tokens) + 1, 128), np.float32))
+        writer.add_tensor("output.weight", np.zeros((len(tiny.tokenizer()) + 1, 128), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -103,19 +84,6 @@ def write_spm_gguf(path, arch: str = "llama", **flags: bool):
 def ours(path):
     metadata, tensors = read_gguf(path, VOCABULARY)
     return gguf_config(metadata, tensors, str(path)), gguf_tokenizer(metadata)
-
-
-def same_tokenizer(mine, theirs) -> None:
-    assert json.loads(mine.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template", "all_special_tokens"):
-        assert getattr(mine, name) == getattr(theirs, name), name
-    chat = [{"role": "user", "content": TEXTS[2]}]
-    assert mine.apply_chat_template(chat, add_generation_prompt=True) == \
-        theirs.apply_chat_template(chat, add_generation_prompt=True)
-    for text in TEXTS:
-        assert mine(text).input_ids == theirs(text).input_ids
-        assert mine.decode(theirs(text).input_ids, skip_special_tokens=True) == \
-            theirs.decode(theirs(text).input_ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("arch", sorted(SHAPE))
@@ -185,16 +153,18 @@ def test_other_sentencepiece_vocabularies_go_to_transformers(tmp_path, change):
     assert gguf_tokenizer({k: v for k, v in {**metadata, **change}.items() if v is not None}) is None
 
 
-def test_serving_a_gguf_file_imports_no_model_class(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("quantization", ["gguf", "none"])  # the file's blocks as stored, or dequantized
+def test_serving_a_gguf_file_imports_no_model_class(tmp_path, smollm2_dir, quantization):
     path = tmp_path / default_gguf().name
     shutil.copyfile(default_gguf(), path)
     classes = [f"transformers.models.{t}" for t in ("llama", "gpt2", "qwen2")]
     code = ("import sys; from sluice.service.config import ModelConfig; from sluice.service.executor.model_loader "
             "import load_model; m, t = load_model(sys.argv[1], 'cpu', 'float32', settings=ModelConfig("
-            f"quantization='gguf')); print([m for m in {classes} if m in sys.modules], t.eos_token)")
+            f"quantization={quantization!r})); print([m for m in {classes} if m in sys.modules], type(m).__name__, "
+            "t.eos_token)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-2] == "[] <|im_end|>"
+    assert out.stdout.split("\n")[-2] == "[] LlamaForCausalLM <|im_end|>"
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999])  # cut inside the vocabulary, or inside the last tensor's bytes
@@ -206,9 +176,9 @@ def test_a_cut_off_file_is_refused_with_its_name(tmp_path, keep):
         read_gguf(cut, VOCABULARY)
 
 
-def test_the_config_is_owned_under_gguf_only_and_the_tokenizer_always(tmp_path):
-    """Without --quantization gguf transformers dequantizes the file into its own model, which needs its own config
-    class; the tokenizer is the file's either way. --hf-overrides leaves both to transformers."""
+def test_config_and_tokenizer_are_the_files_but_under_overrides(tmp_path):
+    """Both come from the file whatever the weight format (its weights are dequantized by Sluice, not by
+    transformers' model); --hf-overrides leaves both to transformers, and so does --no-owned-model the config."""
     from sluice.service.config import ModelConfig
     from sluice.service.executor import model_loader
 
@@ -217,8 +187,9 @@ def test_the_config_is_owned_under_gguf_only_and_the_tokenizer_always(tmp_path):
     def read(settings: ModelConfig, overrides: dict | None = None):
         return model_loader._read_owned(str(tmp_path), {"gguf_file": path.name}, overrides or {}, settings)
 
-    config, tokenizer = read(ModelConfig())
-    assert config is None and tokenizer is not None and tokenizer.chat_template == tiny.CHAT_TEMPLATE
-    config, tokenizer = read(ModelConfig(quantization="gguf"))
-    assert type(config) is PreTrainedConfig and tokenizer is not None
+    for settings in (ModelConfig(), ModelConfig(quantization="int4"), ModelConfig(quantization="gguf")):
+        config, tokenizer = read(settings)
+        assert type(config) is PreTrainedConfig and tokenizer.chat_template == tiny.CHAT_TEMPLATE
+    config, tokenizer = read(ModelConfig(owned_model=False))
+    assert config is None and tokenizer is not None
     assert read(ModelConfig(quantization="gguf"), {"rms_norm_eps": 1e-5}) == (None, None)
