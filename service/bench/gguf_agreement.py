@@ -1,7 +1,7 @@
 """Sluice serving a GGUF file's blocks as stored beside llama.cpp's llama-server on the same file: resident weights
 against the file size, process RSS, and greedy agreement: identical tokens until the first divergence, and
 teacher-forced (at each position of llama.cpp's reply, given its tokens so far, whether Sluice picks its next one).
-A third server, Sluice in float32 on the same file's weights dequantized (transformers' GGUF loader), picks at the
+A third server, Sluice in float32 on the same file's weights dequantized (gguf's dequantize), picks at the
 same positions: how often each integer path agrees with float arithmetic on the very same weights tells whose
 rounding moves the other's picks.
 
