@@ -13,7 +13,7 @@ from sluice.knobs import knob
 from sluice.kvcache.config import CacheConfig
 from sluice.scheduling.config import SchedulerConfig
 
-QUANTIZATIONS = ("none", "int8", "int4", "f16", "bf16", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "f16", "bf16", "gguf")
 
 
 class HFOverridesError(argparse.ArgumentTypeError, ValueError):
@@ -81,8 +81,11 @@ class ModelConfig:
         "batch size (start-up is quicker, each step slower: the host issues its kernels one by one).",
     )
     quantization: str = knob(
-        "none",
-        "Weight-only quantization at load, CPU with float32 activations only: 'none'; 'int8' (GGUF's Q8_0 "
+        "auto",
+        "Weight-only quantization at load, CPU with float32 activations only: 'auto' (a .gguf file's blocks as "
+        "stored, 'gguf', on CPU where Sluice serves every type the file holds and its dtype is auto or float32, "
+        "as llama.cpp and vLLM serve a GGUF file; 'none' for everything else); 'none' (float weights; a .gguf "
+        "file dequantized); 'int8' (GGUF's Q8_0 "
         "layout, a float16 scale per 32 inputs: 8.5 bits per weight); 'int4' (GGUF's Q4_1 layout, a float16 "
         "scale and minimum per 32 inputs: 5 bits per weight; activations rounded to int8 per 32, as llama.cpp "
         "runs Q4_1; the output head int8); 'f16', 'bf16' (every weight rounded to 16 bits, widened to float32 in the "

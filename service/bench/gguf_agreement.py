@@ -87,7 +87,7 @@ def run(gguf: Path, llama_server: Path, max_tokens: int, threads: int, workdir: 
                                        "llama_tokens": len(theirs), "llama_ids": theirs, "sluice": ours_text,
                                        "llama.cpp": reply["content"]})
     picks = {}
-    for name, command in (("sluice", sluice), ("float", [*serve, "--dtype", "float32"])):
+    for name, command in (("sluice", sluice), ("float", [*serve, "--dtype", "float32", "--quantization", "none"])):
         with ServerProcess(command, "/ready", workdir / f"{name}-forced.log") as server:
             picks[name] = forced_picks(server.base, prompts, out["prompts"])
             if name == "sluice":

@@ -38,15 +38,13 @@ class LLMEngine(ConstrainedDecoding):
     """Not thread-safe: call add_request / abort_request / step from one thread (AsyncEngine sees to it)."""
 
     def __init__(self, config: SluiceConfig | None = None, model=None, tokenizer=None) -> None:
-        import torch
-
         from sluice.service.executor.kv_sizing import format_bytes, model_context_length, model_weight_bytes
         from sluice.service.executor.model_loader import (
             apply_hf_overrides,
             auto_dtype,
             eos_token_ids,
             load_model,
-            resolve_device_dtype,
+            resolve_precision,
         )
         from sluice.service.executor.model_runner import ModelRunner
         from sluice.service.executor.weight_prep import prepare_weights
@@ -54,20 +52,17 @@ class LLMEngine(ConstrainedDecoding):
         config = config or SluiceConfig()
         config.validate()
         kv_events = KVEventsConfig.parse(config.server.kv_events_config)  # a bad one is refused before the load
-        self.device, self.dtype = resolve_device_dtype(config.model.device, config.model.dtype)
-        quantization = config.model.quantization
-        if quantization != "none":
-            if config.model.dtype == "auto":
-                self.dtype = torch.float32  # the quantized kernels take float32 activations
-            if self.device.type != "cpu" or self.dtype != torch.float32:
-                raise ValueError(f"--quantization {quantization} runs on CPU with float32 activations, not "
-                                 f"{self.device} {str(self.dtype).removeprefix('torch.')}")
-        elif config.model.dtype == "auto" and model is not None:  # a given model keeps the precision it was built in
-            self.dtype = next(model.parameters()).dtype
-            logger.info("dtype auto: %s, the given model's", str(self.dtype).removeprefix("torch."))
-        elif config.model.dtype == "auto":
-            logger.info("dtype auto: %s on %s, as %s", str(self.dtype).removeprefix("torch."), self.device,
-                        auto_dtype(self.device)[1])
+        self.device, self.dtype, settings = resolve_precision(config.model.model if model is None else "",
+                                                              config.model, config.model.device, config.model.dtype)
+        config = dataclasses.replace(config, model=settings)  # --quantization auto resolved
+        quantization = settings.quantization
+        if quantization == "none" and config.model.dtype == "auto":  # (a quantized format computes in float32)
+            if model is not None:  # a given model keeps the precision it was built in
+                self.dtype = next(model.parameters()).dtype
+                logger.info("dtype auto: %s, the given model's", str(self.dtype).removeprefix("torch."))
+            else:
+                logger.info("dtype auto: %s on %s, as %s", str(self.dtype).removeprefix("torch."), self.device,
+                            auto_dtype(self.device)[1])
         threads = configure_torch_threads(config.model.num_threads) if self.device.type == "cpu" else 0
         # From here on the config holds what the engine really runs with (the auto budget resolved).
         sched = config.scheduler.resolved(self.device.type, threads)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import shutil
 import subprocess
@@ -15,6 +17,8 @@ import torch
 from sluice.cpu import native_bf16_flags
 from sluice.machine import cache_root
 from sluice.service.config import ModelConfig, parse_hf_overrides
+
+logger = logging.getLogger("sluice.engine")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
@@ -68,6 +72,49 @@ def resolve_device_dtype(
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}") from None
 
 
+def resolve_precision(model: str, settings: ModelConfig, device: str | torch.device = "auto",
+                      dtype: str | torch.dtype = "auto") -> tuple[torch.device, torch.dtype, ModelConfig]:
+    """(device, dtype, settings) `model` is loaded with: `settings` with --quantization auto resolved
+    (`auto_quantization`), float32 activations under a quantized format where the dtype is auto, and a quantized
+    format refused off the CPU or with other activations."""
+    resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
+    quantization = settings.quantization
+    if quantization == "auto":
+        quantization = auto_quantization(model, settings, resolved_device, dtype)
+        settings = dataclasses.replace(settings, quantization=quantization)
+    if quantization != "none":
+        if str(dtype) == "auto":
+            resolved_dtype = torch.float32  # the quantized kernels take float32 activations
+        if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
+            raise ValueError(f"--quantization {quantization} runs on CPU with float32 activations, not "
+                             f"{resolved_device} {str(resolved_dtype).removeprefix('torch.')}")
+    return resolved_device, resolved_dtype, settings
+
+
+def auto_quantization(model: str, settings: ModelConfig, device: torch.device, dtype: str | torch.dtype) -> str:
+    """What --quantization auto means: a .gguf file's blocks as stored ('gguf', as llama.cpp and vLLM serve one) on
+    CPU with float32 or auto activations where Sluice's own forward reads the file (its family's shape, no
+    overrides) and serves every type it holds as stored; 'none' (float weights) otherwise."""
+    path = Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file() or device.type != "cpu" or settings.hf_overrides \
+            or not settings.owned_model:
+        return "none"
+    if str(dtype) != "auto" and resolve_device_dtype(device, dtype)[1] != torch.float32:
+        return "none"
+    from sluice.service.executor.layers.quant_types import BY_NAME
+    from sluice.service.executor.models.gguf_config import reads_shape
+    from sluice.service.executor.models.gguf_file import read_gguf
+    from sluice.service.executor.models.gguf_weights import FLOAT_TYPES
+
+    metadata, tensors = read_gguf(path)
+    others = sorted({t.type_name for t in tensors.values()} - set(BY_NAME) - set(FLOAT_TYPES))
+    if not reads_shape(metadata) or others:
+        logger.info("--quantization auto: %s dequantized (%s)", path.name,
+                    f"it holds {', '.join(others)} blocks" if others else "its shape is transformers' to read")
+        return "none"
+    return "gguf"
+
+
 def load_model(
     model: str,
     device: str | torch.device = "auto",
@@ -85,8 +132,7 @@ def load_model(
 
     from sluice.service.executor.weight_prep import load_owned, load_owned_gguf, owned_path, prepare_weights
 
-    settings = settings or ModelConfig()
-    device, dtype = resolve_device_dtype(device, dtype)
+    device, dtype, settings = resolve_precision(model, settings or ModelConfig(), device, dtype)
     kwargs: dict = {}
     if model in DEFAULT_MODEL_ALIASES:
         source = str(ensure_default_model(cache_dir))

@@ -24,6 +24,12 @@ from sluice.service.executor.models.llama import LlamaForCausalLM
 logger = logging.getLogger("sluice.engine")
 
 
+def float_weights(config: ModelConfig) -> bool:
+    """Whether `--quantization` keeps float weights: 'none', or 'auto' for a model that is no .gguf file (the engine
+    resolves auto where it knows the file: model_loader.resolve_precision)."""
+    return config.quantization in ("none", "auto")
+
+
 def weight_format(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> WeightFormat:
     """The weight format `--quantization` and `--prepack-weights` ask for on this device and precision."""
     if config.quantization == "gguf":
@@ -32,7 +38,7 @@ def weight_format(config: ModelConfig, device: torch.device, dtype: torch.dtype)
         return QuantizeFormat(config.quantization, native.load())
     if config.quantization in HALF_DTYPES:
         return HalfFormat(config.quantization, native.load())
-    if config.quantization != "none":
+    if not float_weights(config):
         raise ValueError(f"unknown quantization {config.quantization!r}: one of int8, int4, f16, bf16, gguf")
     if config.prepack_weights and can_prepack(device, dtype):
         return PackedFormat(device, dtype)
@@ -68,7 +74,7 @@ def prepare_weights(model: nn.Module, config: ModelConfig, device: torch.device,
     reason = owned_path(model.config, config)
     if reason is None:
         return _owned(lambda formats: weights.from_transformers(model, formats, device, dtype), config, device, dtype)
-    if config.quantization != "none":
+    if not float_weights(config):
         raise ValueError(f"--quantization {config.quantization} needs Sluice's own forward, which this model cannot "
                          f"run ({reason})")
     logger.info("model path: transformers' %s with the paged attention hook (%s)", type(model).__name__, reason)

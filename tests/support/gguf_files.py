@@ -66,10 +66,11 @@ def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None):
+def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None, raw: list | None = None):
     """A tiny `arch` model's GGUF file, its shape and tiny's tokenizer in the metadata (Qwen2: q/k/v biases; Qwen3:
     q/k norms, as llama.cpp's converter names them; only Llama's q/k rows are permuted; `rope_freqs`: Llama 3.1's
-    rope factors, as llama.cpp stores them): (path, config, the float weights under transformers' names)."""
+    rope factors, as llama.cpp stores them; `raw`: more tensors, (name, uint8 blocks, type name) each): (path,
+    config, the float weights under transformers' names)."""
     import gguf
 
     config = tiny_config(arch)
@@ -108,6 +109,8 @@ def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None):
     norm("model.norm.weight", "output_norm.weight")
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    for name, blocks, qtype in raw or ():
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[qtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -22,21 +22,39 @@ TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pa
 MEANING_KEYS = ("attention.sliding_window", "expert_count", "rope.scaling.factor", "attention.layer_norm_epsilon")
 
 
+def reads_shape(metadata: dict) -> bool:
+    """Whether the metadata states a shape the owned forward runs as these readers read it (a family of FAMILIES,
+    all of SHAPE_KEYS, none of MEANING_KEYS, a full rope over keys and values of one width)."""
+    if metadata.get("general.architecture") not in FAMILIES:
+        return False
+    stated = _stated(metadata)
+    if any(key in stated for key in MEANING_KEYS) or stated.get("rope.scaling.type", "none") != "none":
+        return False
+    if any(key not in stated for key in SHAPE_KEYS):  # an array (per-layer heads) is stepped over: absent here
+        return False
+    head_dim = _head_dim(stated)
+    # not a partial rope, nor values of another width than keys
+    return {stated.get("attention.value_length", head_dim), stated.get("rope.dimension_count", head_dim)} == {head_dim}
+
+
+def _stated(metadata: dict) -> dict:
+    arch = metadata["general.architecture"]
+    return {key[len(arch) + 1:]: value for key, value in metadata.items() if key.startswith(arch + ".")}
+
+
+def _head_dim(stated: dict) -> int:
+    return stated.get("attention.key_length", stated["embedding_length"] // stated["attention.head_count"])
+
+
 def gguf_config(metadata: dict, tensor_names, name_or_path: str):
     """The model config the metadata states (`read_gguf`'s, the token list included), as a `PreTrainedConfig`;
     None where transformers' own GGUF support must read it."""
-    arch = metadata.get("general.architecture")
-    if arch not in FAMILIES:
+    if not reads_shape(metadata):
         return None
-    stated = {key[len(arch) + 1:]: value for key, value in metadata.items() if key.startswith(arch + ".")}
-    if any(key in stated for key in MEANING_KEYS) or stated.get("rope.scaling.type", "none") != "none":
-        return None
-    if any(key not in stated for key in SHAPE_KEYS):  # an array (per-layer heads) is stepped over: absent here
-        return None
+    arch = metadata["general.architecture"]
+    stated = _stated(metadata)
     values = {name: stated[key] for key, name in SHAPE_KEYS.items()}
-    head_dim = stated.get("attention.key_length", values["hidden_size"] // values["num_attention_heads"])
-    if {stated.get("attention.value_length", head_dim), stated.get("rope.dimension_count", head_dim)} != {head_dim}:
-        return None  # a partial rope, or values of another width than keys
+    head_dim = _head_dim(stated)
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_size = stated.get("vocab_size", len(tokens) if tokens is not None else None)
     if vocab_size is None:

@@ -125,7 +125,7 @@ def test_int8_needs_cpu_float32_and_a_known_name():
         int8_engine(ours, 64, dtype="bfloat16")
     cfg = SluiceConfig()
     cfg.model.quantization = "int3"
-    with pytest.raises(ValueError, match="quantization must be one of none, int8"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
         LLMEngine(cfg, model=ours, tokenizer=tiny.tokenizer())
 
 

@@ -59,7 +59,7 @@ def test_a_gguf_file_loads_dequantized_into_the_format_asked_for(tmp_path, arch,
 @pytest.mark.parametrize("arch", TRANSFORMERS_READS)
 def test_the_weights_are_transformers_dequantized_weights(tmp_path, arch):
     path, _, _ = write_tiny_gguf(tmp_path / "tiny.gguf", arch)
-    plain = ModelConfig(prepack_weights=False)
+    plain = ModelConfig(quantization="none", prepack_weights=False)
     ours = load_model(str(path), "cpu", "float32", settings=plain)[0].state_dict()
     theirs = weights.from_transformers(transformers_dequantized(path), PlainFormat(CPU, torch.float32), CPU,
                                        torch.float32).state_dict()
@@ -113,5 +113,40 @@ def test_the_converted_directory_is_transformers_conversion(tmp_path, arch):
     same_tokenizer(AutoTokenizer.from_pretrained(ours), AutoTokenizer.from_pretrained(theirs))
     assert GenerationConfig.from_pretrained(ours).eos_token_id == GenerationConfig.from_pretrained(theirs).eos_token_id
     assert (ours / path.name).read_bytes() == path.read_bytes()  # --quantization gguf serves the file's blocks
+    dequantized = ModelConfig(quantization="none")
     model, _ = load_model(str(ours), "cpu", "float32")
-    assert greedy(model) == greedy(load_model(str(path), "cpu", "float32")[0])
+    assert greedy(model) == greedy(load_model(str(path), "cpu", "float32", settings=dequantized)[0])
+
+
+def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
+    """--quantization auto (the default): the file's blocks on CPU with float32 activations, as llama.cpp serves
+    them; float weights where the blocks cannot be served (a type without a kernel, bf16 activations, no owned
+    forward, overrides) or there is no GGUF file."""
+    from sluice.service.config import SluiceConfig
+    from sluice.service.engine.engine import LLMEngine
+    from sluice.service.executor.layers.gguf_linear import GgufLinear
+    from sluice.service.executor.model_loader import resolve_precision
+
+    path, _, _ = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    auto = ModelConfig()
+    assert auto.quantization == "auto"
+    device, dtype, settings = resolve_precision(str(path), auto)
+    assert (device, dtype, settings.quantization) == (CPU, torch.float32, "gguf")
+    for model, settings, dtype in [
+        (str(path), auto, "bfloat16"),
+        (str(path), ModelConfig(owned_model=False), "auto"),
+        (str(path), ModelConfig(hf_overrides='{"rms_norm_eps": 1e-5}'), "auto"),
+        (str(tmp_path), auto, "auto"),  # a directory
+    ]:
+        assert resolve_precision(model, settings, "cpu", dtype)[2].quantization == "none", (model, settings, dtype)
+    odd, _, _ = write_tiny_gguf(tmp_path / "q2_k.gguf", "llama",  # a type Sluice has no kernel for: dequantized
+                                raw=[("extra.weight", np.zeros((1, 84), np.uint8), "Q2_K")])
+    assert resolve_precision(str(odd), auto)[2].quantization == "none"
+    with pytest.raises(ValueError, match="runs on CPU with float32 activations"):
+        resolve_precision(str(path), ModelConfig(quantization="int4"), "cpu", "bfloat16")
+    config = SluiceConfig(model=ModelConfig(model=str(path)))
+    config.cache.num_kv_blocks = 32
+    engine = LLMEngine(config)
+    assert engine.config.model.quantization == "gguf" and engine.dtype == torch.float32
+    assert isinstance(engine.model.layers[0].mlp.down_proj, GgufLinear)
+
