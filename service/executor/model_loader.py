@@ -94,23 +94,18 @@ def resolve_precision(model: str, settings: ModelConfig, device: str | torch.dev
 def auto_quantization(model: str, settings: ModelConfig, device: torch.device, dtype: str | torch.dtype) -> str:
     """What --quantization auto means: a .gguf file's blocks as stored ('gguf', as llama.cpp and vLLM serve one) on
     CPU with float32 or auto activations where Sluice's own forward reads the file (its family's shape, no
-    overrides) and serves every type it holds as stored; 'none' (float weights) otherwise."""
+    overrides); 'none' (float weights) otherwise."""
     path = Path(model).expanduser()
     if path.suffix != ".gguf" or not path.is_file() or device.type != "cpu" or settings.hf_overrides \
             or not settings.owned_model:
         return "none"
     if str(dtype) != "auto" and resolve_device_dtype(device, dtype)[1] != torch.float32:
         return "none"
-    from sluice.service.executor.layers.quant_types import BY_NAME
     from sluice.service.executor.models.gguf_config import reads_shape
     from sluice.service.executor.models.gguf_file import read_gguf
-    from sluice.service.executor.models.gguf_weights import FLOAT_TYPES
 
-    metadata, tensors = read_gguf(path)
-    others = sorted({t.type_name for t in tensors.values()} - set(BY_NAME) - set(FLOAT_TYPES))
-    if not reads_shape(metadata) or others:
-        logger.info("--quantization auto: %s dequantized (%s)", path.name,
-                    f"it holds {', '.join(others)} blocks" if others else "its shape is transformers' to read")
+    if not reads_shape(read_gguf(path)[0]):
+        logger.info("--quantization auto: %s dequantized (its shape is transformers' to read)", path.name)
         return "none"
     return "gguf"
 

@@ -9,11 +9,10 @@ import json
 import numpy as np
 import torch
 
-from sluice.service.executor.layers.quant_types import BY_NAME
 from tests.support import tiny
 
 # Types gguf.quants cannot quantize: random codes, and small float16 scales at these bytes of a block.
-RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
+RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "Q3_K": (108,), "Q2_K": (80, 82)}
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -24,10 +23,11 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if qtype not in RANDOM_SCALES:
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
-    t = BY_NAME[qtype]
-    blocks = rng.integers(0, 256, (n * k // t.block_size, t.block_bytes), dtype=np.uint8)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, (n * k // block_size, block_bytes), dtype=np.uint8)
     for at in RANDOM_SCALES[qtype]:  # d (and dmin): element magnitudes around 0.1
-        d = (rng.random(len(blocks)) * {"Q6_K": 2e-5, "IQ4_NL": 1e-3}.get(qtype, 1e-4)).astype(np.float16)
+        d = (rng.random(len(blocks)) * {"Q6_K": 2e-5, "IQ4_NL": 1e-3, "Q3_K": 1e-3, "Q2_K": 2e-3}.get(qtype, 1e-4)
+             ).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
 
@@ -66,10 +66,10 @@ def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None, raw: list | None = None):
+def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None, types: list[dict] | None = None):
     """A tiny `arch` model's GGUF file, its shape and tiny's tokenizer in the metadata (Qwen2: q/k/v biases; Qwen3:
     q/k norms, as llama.cpp's converter names them; only Llama's q/k rows are permuted; `rope_freqs`: Llama 3.1's
-    rope factors, as llama.cpp stores them; `raw`: more tensors, (name, uint8 blocks, type name) each): (path,
+    rope factors, as llama.cpp stores them; `types`: each layer's linears' types, LAYER_TYPES' by default): (path,
     config, the float weights under transformers' names)."""
     import gguf
 
@@ -94,8 +94,8 @@ def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None, raw: 
     sizes = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
              "gate_proj": (512, 256), "up_proj": (512, 256), "down_proj": (256, 512)}
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads} if arch == "llama" else {}
-    for i, types in enumerate(LAYER_TYPES):
-        for part, qtype in types.items():
+    for i, layer_types in enumerate(types or LAYER_TYPES):
+        for part, qtype in layer_types.items():
             group = "self_attn" if part.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             quantized(f"model.layers.{i}.{group}.{part}.weight", f"blk.{i}.{GGUF_NAMES[part]}.weight", qtype,
                       *sizes[part], heads.get(part, 0))
@@ -109,8 +109,6 @@ def write_tiny_gguf(path, arch: str, rope_freqs: np.ndarray | None = None, raw: 
     norm("model.norm.weight", "output_norm.weight")
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    for name, blocks, qtype in raw or ():
-        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[qtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -20,7 +20,7 @@ import torch
 
 from sluice import native
 from sluice.service.executor.kv_sizing import format_bytes, model_weight_bytes
-from sluice.service.executor.layers.gguf_blocks import GgufBlocks
+from sluice.service.executor.layers.gguf_blocks import GgufBlocks, quantize
 from sluice.service.executor.layers.gguf_linear import GgufFormat
 from sluice.service.executor.layers.linear import WeightFormat
 from sluice.service.executor.layers.quant_types import BY_NAME
@@ -31,6 +31,9 @@ from sluice.service.executor.models.llama import LlamaForCausalLM
 logger = logging.getLogger("sluice.engine")
 
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # how numpy holds each
+# What a type without a kernel here is served in: 8.5 bits a weight, finer than any of those types (2-4.5 bits), so
+# its values come back within Q8_0's rounding (half a step of max|w| / 127 per 32 inputs).
+REQUANTIZED = "Q8_0"
 
 
 def reverse_permute(rows: int, heads: int) -> np.ndarray:
@@ -42,7 +45,8 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
 
 def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensors:
     """Access by transformers name to the file's tensors: float tensors of the file's own type (float32, float16,
-    bfloat16), and quantized ones as `GgufBlocks`, or as float32 where `dequantize`."""
+    bfloat16), and quantized ones as `GgufBlocks` (a type without a kernel here, Q2_K, Q3_K or an IQ type,
+    requantized into Q8_0), or as float32 where `dequantize`."""
     import gguf
     from gguf.quants import dequantize as dequantized
 
@@ -52,6 +56,7 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
     if arch is None:
         raise ValueError(f"{path.name}: unknown GGUF architecture {arch_name!r}")
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    requantized: set[str] = set()
     permuted = {"attn_q": config.num_attention_heads,
                 "attn_k": config.num_key_value_heads or config.num_attention_heads} if arch_name == "llama" else {}
 
@@ -62,9 +67,6 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
         if t is None:
             return None
         qtype = t.type_name
-        if qtype not in FLOAT_TYPES and not dequantize and qtype not in BY_NAME:
-            raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which Sluice cannot serve as stored "
-                             f"(one of {', '.join([*BY_NAME, *FLOAT_TYPES])}; another --quantization dequantizes it)")
         data = t.rows(FLOAT_TYPES.get(qtype, np.uint8))
         heads = permuted.get(gguf_name.rpartition(".")[2]) if suffix in ("weight", "bias") else None
         if heads:
@@ -73,13 +75,18 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
             return torch.from_numpy(np.array(data)).view(torch.bfloat16)
         if qtype in FLOAT_TYPES:  # F16 stays 16-bit: GgufFormat serves it as stored, a norm is widened
             return torch.from_numpy(np.array(data))
+        if qtype in BY_NAME and not dequantize:
+            return GgufBlocks(torch.from_numpy(np.array(data)), qtype, int(t.dims[0]))
+        try:
+            values = torch.from_numpy(dequantized(data, gguf.GGMLQuantizationType[qtype]))
+        except (KeyError, NotImplementedError) as error:
+            raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which gguf cannot dequantize") from error
         if dequantize:
-            try:
-                return torch.from_numpy(dequantized(data, gguf.GGMLQuantizationType[qtype]))
-            except (KeyError, NotImplementedError) as error:
-                raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which gguf cannot dequantize") \
-                    from error
-        return GgufBlocks(torch.from_numpy(np.array(data)), qtype, int(t.dims[0]))
+            return values
+        if qtype not in requantized:
+            logger.info("%s: %s has no kernel here; its tensors are served in Q8_0 blocks", path.name, qtype)
+            requantized.add(qtype)
+        return GgufBlocks(quantize(values, REQUANTIZED), REQUANTIZED, values.shape[1])
 
     return tensor
 

@@ -120,8 +120,8 @@ def test_the_converted_directory_is_transformers_conversion(tmp_path, arch):
 
 def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
     """--quantization auto (the default): the file's blocks on CPU with float32 activations, as llama.cpp serves
-    them; float weights where the blocks cannot be served (a type without a kernel, bf16 activations, no owned
-    forward, overrides) or there is no GGUF file."""
+    them; float weights where the blocks cannot be served (bf16 activations, no owned forward, overrides) or there
+    is no GGUF file."""
     from sluice.service.config import SluiceConfig
     from sluice.service.engine.engine import LLMEngine
     from sluice.service.executor.layers.gguf_linear import GgufLinear
@@ -139,9 +139,6 @@ def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
         (str(tmp_path), auto, "auto"),  # a directory
     ]:
         assert resolve_precision(model, settings, "cpu", dtype)[2].quantization == "none", (model, settings, dtype)
-    odd, _, _ = write_tiny_gguf(tmp_path / "q2_k.gguf", "llama",  # a type Sluice has no kernel for: dequantized
-                                raw=[("extra.weight", np.zeros((1, 84), np.uint8), "Q2_K")])
-    assert resolve_precision(str(odd), auto)[2].quantization == "none"
     with pytest.raises(ValueError, match="runs on CPU with float32 activations"):
         resolve_precision(str(path), ModelConfig(quantization="int4"), "cpu", "bfloat16")
     config = SluiceConfig(model=ModelConfig(model=str(path)))
@@ -150,3 +147,21 @@ def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
     assert engine.config.model.quantization == "gguf" and engine.dtype == torch.float32
     assert isinstance(engine.model.layers[0].mlp.down_proj, GgufLinear)
 
+
+
+def test_types_without_a_kernel_are_served_in_q8_0_blocks(tmp_path):
+    """Q3_K and Q2_K (a Q3_K_M or Q2_K file's) have no kernel here: as stored, their values go into Q8_0 blocks,
+    the file's values quantized as --quantization int8 quantizes a float weight."""
+    from sluice.service.executor.layers.gguf_blocks import quantize
+    from sluice.service.executor.layers.gguf_linear import GgufLinear
+    from tests.support.gguf_files import LAYER_TYPES
+
+    types = [{**LAYER_TYPES[0], "o_proj": "Q2_K", "down_proj": "Q3_K"}, LAYER_TYPES[1]]
+    path, config, floats = write_tiny_gguf(tmp_path / "k_quants.gguf", "llama", types=types)
+    model, _ = load_model(str(path), "cpu", "float32")  # --quantization auto: the blocks as stored
+    for name, linear in (("self_attn.o_proj", model.layers[0].self_attn.o_proj),
+                         ("mlp.down_proj", model.layers[0].mlp.down_proj)):
+        assert isinstance(linear, GgufLinear) and linear.method.qtype == "Q8_0", name
+        assert torch.equal(linear.method.stored_rows(linear), quantize(floats[f"model.layers.0.{name}.weight"],
+                                                                          "Q8_0")), name
+    assert len(greedy(model)[0]) == 10
