@@ -78,12 +78,13 @@ def resolve_precision(model: str, settings: ModelConfig, device: str | torch.dev
     (`auto_quantization`), float32 activations under a quantized format where the dtype is auto, and a quantized
     format refused off the CPU or with other activations."""
     resolved_device, resolved_dtype = resolve_device_dtype(device, dtype)
-    quantization = settings.quantization
+    dtype_auto, quantization = str(dtype) == "auto", settings.quantization
     if quantization == "auto":
-        quantization = auto_quantization(model, settings, resolved_device, dtype)
+        quantization = auto_quantization(model, settings, resolved_device,
+                                         float32=dtype_auto or resolved_dtype == torch.float32)
         settings = dataclasses.replace(settings, quantization=quantization)
     if quantization != "none":
-        if str(dtype) == "auto":
+        if dtype_auto:
             resolved_dtype = torch.float32  # the quantized kernels take float32 activations
         if resolved_device.type != "cpu" or resolved_dtype != torch.float32:
             raise ValueError(f"--quantization {quantization} runs on CPU with float32 activations, not "
@@ -91,15 +92,13 @@ def resolve_precision(model: str, settings: ModelConfig, device: str | torch.dev
     return resolved_device, resolved_dtype, settings
 
 
-def auto_quantization(model: str, settings: ModelConfig, device: torch.device, dtype: str | torch.dtype) -> str:
+def auto_quantization(model: str, settings: ModelConfig, device: torch.device, float32: bool) -> str:
     """What --quantization auto means: a .gguf file's blocks as stored ('gguf', as llama.cpp and vLLM serve one) on
-    CPU with float32 or auto activations where Sluice's own forward reads the file (its family's shape, no
-    overrides); 'none' (float weights) otherwise."""
+    CPU where the activations may be float32 (`float32`: dtype auto or float32) and Sluice's own forward reads the
+    file (its family's shape, no overrides); 'none' (float weights) otherwise."""
     path = Path(model).expanduser()
-    if path.suffix != ".gguf" or not path.is_file() or device.type != "cpu" or settings.hf_overrides \
-            or not settings.owned_model:
-        return "none"
-    if str(dtype) != "auto" and resolve_device_dtype(device, dtype)[1] != torch.float32:
+    if path.suffix != ".gguf" or not path.is_file() or device.type != "cpu" or not float32 \
+            or settings.hf_overrides or not settings.owned_model:
         return "none"
     from sluice.service.executor.models.gguf_config import reads_shape
     from sluice.service.executor.models.gguf_file import read_gguf
@@ -314,7 +313,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import GenerationConfig
 
     from sluice.service.executor.models import gguf_weights, weights
-    from sluice.service.executor.models.gguf_config import gguf_config
+    from sluice.service.executor.models.gguf_config import FAMILIES, gguf_config
     from sluice.service.executor.models.gguf_file import read_gguf
     from sluice.service.executor.models.gguf_tokenizer import VOCABULARY, gguf_tokenizer
 
@@ -327,8 +326,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
              if (t := tensors(name)) is not None}
     out_dir.mkdir(parents=True)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    described = {"architectures": [architecture[config.model_type]], "model_type": config.model_type,
+    described = {"architectures": [FAMILIES[config.model_type]], "model_type": config.model_type,
                  "dtype": "float32", **config.to_diff_dict()}
     (out_dir / "config.json").write_text(json.dumps(described, indent=2, sort_keys=True) + "\n")
     generation = GenerationConfig.from_model_config(config)

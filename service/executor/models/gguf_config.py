@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from sluice.service.executor.models.config_json import owned_config
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+# The GGUF architectures read here, and the transformers class each one's checkpoint directory names.
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SHAPE_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
