@@ -166,3 +166,16 @@ def same_tokenizer(mine, theirs) -> None:
         assert mine(text).input_ids == theirs(text).input_ids
         assert mine.decode(theirs(text).input_ids, skip_special_tokens=True) == \
             theirs.decode(theirs(text).input_ids, skip_special_tokens=True)
+
+
+PROMPTS = [[5, 17, 99, 3, 41, 8, 200, 13, 77, 6], list(range(30, 70)), [11, 12]]
+
+
+def greedy(model, prompts, tokens: int = 12) -> list[list[int]]:
+    """Each prompt's greedy continuation by an engine on `model`."""
+    from sluice.scheduling.sampling_params import SamplingParams
+    from tests.support.parity import make_engine
+
+    engine = make_engine(model, "recompute", num_blocks=64, budget=32)
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                         ignore_eos=True))]

@@ -14,7 +14,7 @@ from sluice.service.executor.layers.linear import PlainFormat
 from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
 from sluice.service.executor.models import gguf_weights, weights
 from tests.support import tiny
-from tests.support.gguf_files import random_blocks, reference_dequantize, write_tiny_gguf
+from tests.support.gguf_files import PROMPTS, greedy, random_blocks, reference_dequantize, write_tiny_gguf
 from tests.support.int8_rounding import RoundedActivations, int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import make_engine
@@ -220,15 +220,6 @@ def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     o = second.self_attn.o_proj  # Q5_1 (and layer 0's gate/up, Q5_0): regrouped with their fifth bits
     want = torch.from_numpy(np.array(_raw(path, "blk.1.attn_output.weight")))
     assert o.method.packed and torch.equal(stored(o), want)
-
-
-def greedy(model, prompts, tokens: int = 12) -> list[list[int]]:
-    engine = make_engine(model, "recompute", num_blocks=64, budget=32)
-    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                                         ignore_eos=True))]
-
-
-PROMPTS = [[5, 17, 99, 3, 41, 8, 200, 13, 77, 6], list(range(30, 70)), [11, 12]]
 
 
 class RoundedActivationsFormat(PlainFormat):

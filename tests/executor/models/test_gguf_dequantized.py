@@ -12,28 +12,20 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import ModelConfig
 from sluice.service.executor.layers.linear import PlainFormat
 from sluice.service.executor.model_loader import _convert_gguf, _dequantize, load_model
 from sluice.service.executor.models import gguf_weights, weights
 from sluice.service.executor.models.llama import LlamaForCausalLM
 from sluice.service.executor.weight_prep import weight_format
-from tests.support.gguf_files import llama_cpp_permute, same_tokenizer, write_tiny_gguf
-from tests.support.parity import config_reading, make_engine
+from tests.support.gguf_files import PROMPTS, greedy, llama_cpp_permute, same_tokenizer, write_tiny_gguf
+from tests.support.parity import config_reading
 
 CPU = torch.device("cpu")
 ARCHS = ["llama", "qwen2", "qwen3"]  # Llama's q/k rows permuted in the file, Qwen2's biases, Qwen3's q/k norms
 # transformers reads a Qwen3 file's head size as its class's default (128), not from attention.key_length: the tiny
 # Qwen3's heads of 64 are read right by Sluice only (its q/k norms are checked against the float values above).
 TRANSFORMERS_READS = ["llama", "qwen2"]
-
-
-def greedy(model, tokens: int = 10) -> list[list[int]]:
-    engine = make_engine(model, "recompute", num_blocks=64, budget=32)
-    prompts = [[5, 17, 99, 3, 41, 8, 200, 13], list(range(30, 60))]
-    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                                         ignore_eos=True))]
 
 
 def transformers_dequantized(path):
@@ -53,7 +45,7 @@ def test_a_gguf_file_loads_dequantized_into_the_format_asked_for(tmp_path, arch,
     reference = weights.build(config, floats.get, weight_format(settings, CPU, torch.float32), CPU, torch.float32)
     ours, want = model.state_dict(), reference.state_dict()
     assert ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
-    assert greedy(model) == greedy(reference)
+    assert greedy(model, PROMPTS) == greedy(reference, PROMPTS)
 
 
 @pytest.mark.parametrize("arch", TRANSFORMERS_READS)
@@ -115,7 +107,7 @@ def test_the_converted_directory_is_transformers_conversion(tmp_path, arch):
     assert (ours / path.name).read_bytes() == path.read_bytes()  # --quantization gguf serves the file's blocks
     dequantized = ModelConfig(quantization="none")
     model, _ = load_model(str(ours), "cpu", "float32")
-    assert greedy(model) == greedy(load_model(str(path), "cpu", "float32", settings=dequantized)[0])
+    assert greedy(model, PROMPTS) == greedy(load_model(str(path), "cpu", "float32", settings=dequantized)[0], PROMPTS)
 
 
 def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
@@ -164,4 +156,4 @@ def test_types_without_a_kernel_are_served_in_q8_0_blocks(tmp_path):
         assert isinstance(linear, GgufLinear) and linear.method.qtype == "Q8_0", name
         assert torch.equal(linear.method.stored_rows(linear), quantize(floats[f"model.layers.0.{name}.weight"],
                                                                           "Q8_0")), name
-    assert len(greedy(model)[0]) == 10
+    assert len(greedy(model, PROMPTS, 10)[0]) == 10
