@@ -12,7 +12,9 @@ import torch
 from tests.support import tiny
 
 # Types gguf.quants cannot quantize: random codes, and small float16 scales at these bytes of a block.
-RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "Q3_K": (108,), "Q2_K": (80, 82)}
+RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "Q3_K": (108,), "Q2_K": (80, 82),
+                 "IQ4_XS": (0,)}
+SCALE_SIZES = {"Q6_K": 2e-5, "IQ4_NL": 1e-3, "Q3_K": 1e-3, "Q2_K": 2e-3, "IQ4_XS": 3e-5}  # else 1e-4
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -26,8 +28,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     blocks = rng.integers(0, 256, (n * k // block_size, block_bytes), dtype=np.uint8)
     for at in RANDOM_SCALES[qtype]:  # d (and dmin): element magnitudes around 0.1
-        d = (rng.random(len(blocks)) * {"Q6_K": 2e-5, "IQ4_NL": 1e-3, "Q3_K": 1e-3, "Q2_K": 2e-3}.get(qtype, 1e-4)
-             ).astype(np.float16)
+        d = (rng.random(len(blocks)) * SCALE_SIZES.get(qtype, 1e-4)).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
 

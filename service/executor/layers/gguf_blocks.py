@@ -95,10 +95,33 @@ def _quantize_rows(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
 
+PACK_SLICE_BYTES = 8 << 20  # stored rows packed at a time
+
+
+def pack_in_slices(pack, data: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """pack(data) for one of the pack_* below, a slice of whole packs of rows at a time, into buffers allocated
+    once: a pack's temporaries are several times its input (pack_q6_k's about 7x), which over a vocabulary-sized
+    embedding added hundreds of MB to the load's peak. Every pack_* regroups each 16 rows on their own, so the
+    slices' packs are the whole one's."""
+    n = data.shape[0]
+    step = max(PACK_ROWS, PACK_SLICE_BYTES // max(1, data.shape[1]) // PACK_ROWS * PACK_ROWS)
+    if n <= step:
+        return pack(data)
+    out: tuple[torch.Tensor, ...] = ()
+    for start in range(0, n, step):
+        parts = pack(data[start:start + step])
+        if not out:
+            out = tuple(torch.empty(-(-n // PACK_ROWS), *p.shape[1:], dtype=p.dtype) for p in parts)
+        for whole, part in zip(out, parts, strict=True):
+            whole[start // PACK_ROWS:start // PACK_ROWS + len(part)] = part
+    return out
+
+
 def _interleave(codes: torch.Tensor) -> torch.Tensor:
     """Q4_1-ordered code bytes of blocks of 16 rows [P, 16, G, 16] → csrc/int4_linear.cpp's [P, G, 4, 16, 4] (chunk
     c, row o: bytes 4c..4c+3 of row o's group)."""
-    return codes.reshape(*codes.shape[:3], 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    words = codes.contiguous().view(torch.int32)  # [P, 16, G, 4]: four bytes move as one element
+    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(*words.shape[:1], words.shape[2], 4, 16, 4)
 
 
 def _deinterleave(nibbles: torch.Tensor) -> torch.Tensor:
@@ -308,7 +331,9 @@ def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [N/16, G, 16]. 34 bytes per 34, every bit kept (unpack_q8_0)."""
     n = data.shape[0]
     blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // 34, 34)
-    codes = (blocks[..., 2:] ^ 0x80).reshape(*blocks.shape[:3], 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    # Four codes move as one int32: a quarter of the elements for the permute to copy.
+    words = (blocks[..., 2:] ^ 0x80).view(torch.int32)  # [P, 16, G, 8]
+    codes = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(blocks.shape[0], blocks.shape[2], 8, 16, 4)
     scale = blocks[..., :2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
     return codes, scale
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from sluice import native
-from sluice.service.executor.layers.gguf_blocks import GROUP, PACK_ROWS, GgufBlocks, quantize
+from sluice.service.executor.layers.gguf_blocks import GROUP, PACK_ROWS, GgufBlocks, pack_in_slices, quantize
 from sluice.service.executor.layers.half_linear import HalfEmbedding, HalfLinear
 from sluice.service.executor.layers.linear import (
     KernelFacts,
@@ -65,7 +65,7 @@ class GgufMethod(LinearMethod):
             raise ValueError(f"{quant.name} rows of {blocks.data.shape[1]} bytes for {k} inputs")
         self.packed = self.kernel is not None and self.repack and quant.packing is not None
         if self.packed:
-            for name, t in zip(quant.packing.buffers, quant.packing.pack(blocks.data), strict=True):
+            for name, t in zip(quant.packing.buffers, pack_in_slices(quant.packing.pack, blocks.data), strict=True):
                 layer.register_buffer(name, t)
         else:
             layer.register_buffer("blocks", blocks.data)

@@ -9,6 +9,7 @@ stays gguf's (GGML_QUANT_SIZES).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -27,12 +28,23 @@ class GgufTensor:
     type_name: str
     dims: tuple[int, ...]
     data: np.ndarray  # uint8, mapped from the file
+    mapping: mmap.mmap | None = None  # the file's, where `data` lies
+    offset: int = 0  # of `data` in it
 
     def rows(self, dtype=np.uint8) -> np.ndarray:
         """The bytes as rows: [outer dims..., innermost] of `dtype` (float types), [rows, row bytes] (blocks)."""
         if dtype != np.uint8:
             return self.data.view(dtype).reshape(self.dims[::-1])
         return self.data.reshape(prod(self.dims[1:]), -1)
+
+    def release(self) -> None:
+        """Drop this tensor's pages from the process's resident set once its bytes are copied (the page cache keeps
+        them; a neighbour's page read again faults back in): a load that reads the whole file otherwise holds all
+        of it resident until its mapping closes, the file's size on top of the load's peak."""
+        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = self.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, self.offset + self.data.nbytes - start)
 
 
 class _Cursor:
@@ -82,7 +94,11 @@ def read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> tuple[dict, dict[str,
     metadata arrays named in `arrays` are read too, as lists."""
     import gguf
 
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as file:
+        if path.stat().st_size < 4:
+            raise ValueError(f"{path.name} is not a GGUF file")
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    buf = np.frombuffer(mapping, dtype=np.uint8)
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"{path.name} is not a GGUF file")
     cursor = _Cursor(buf)
@@ -104,7 +120,7 @@ def read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> tuple[dict, dict[str,
         size = prod(dims) // per_block * block_bytes
         if start + offset + size > len(buf):
             raise ValueError(f"{path.name}: tensor {name} runs past the end of the file (a truncated download?)")
-        tensors[name] = GgufTensor(kind.name, dims, buf[start + offset:start + offset + size])
+        tensors[name] = GgufTensor(kind.name, dims, buf[start + offset:start + offset + size], mapping, start + offset)
     return metadata, tensors
 
 

@@ -77,6 +77,24 @@ def test_packing_keeps_every_bit_in_the_files_size(qtype):
     assert sum(t.numel() * t.element_size() for t in packed) == raw.numel()
 
 
+@pytest.mark.parametrize("qtype", [t.name for t in BY_NAME.values() if t.packing is not None])
+def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypatch):
+    """Packed in slices of 16 and 32 rows (the load's bound on a pack's temporaries), the last one short and
+    padded: the same buffers as packing all 72 rows at once."""
+    from sluice.service.executor.layers import gguf_blocks
+    from tests.support.gguf_files import random_blocks
+
+    pack = BY_NAME[qtype].packing.pack
+    blocks = torch.from_numpy(random_blocks(qtype, 72, 512))
+    whole = pack(blocks)
+    for slice_rows in (16, 32):
+        monkeypatch.setattr(gguf_blocks, "PACK_SLICE_BYTES", slice_rows * blocks.shape[1])
+        sliced = gguf_blocks.pack_in_slices(pack, blocks)
+        assert len(sliced) == len(whole)
+        for a, b in zip(sliced, whole, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (qtype, slice_rows)
+
+
 def test_q8_0_codes_sit_where_the_kernel_reads_them():
     """Chunk c, lane o of a group: bytes q + 128 of inputs 4c..4c+3 of row o."""
     blocks = quantize(torch.arange(32.0).repeat(16, 1) - 16, "Q8_0")  # row o: -16..15, d = 16 / 127

@@ -193,3 +193,37 @@ def test_config_and_tokenizer_are_the_files_but_under_overrides(tmp_path):
     config, tokenizer = read(ModelConfig(owned_model=False))
     assert config is None and tokenizer is not None
     assert read(ModelConfig(quantization="gguf"), {"rms_norm_eps": 1e-5}) == (None, None)
+
+
+def mapped_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_tensors_pages_leave_the_resident_set_once_released(tmp_path):
+    """A load copies each tensor out of the mapped file and releases its pages: the file's size does not sit on
+    top of the load's peak."""
+    import gguf
+
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = np.arange(4 << 20, dtype=np.float32)  # 16 MiB
+    writer.add_tensor("output_norm.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _, tensors = read_gguf(path)
+    t = tensors["output_norm.weight"]
+    assert np.array_equal(np.array(t.rows(np.float32)), values)  # read: every page of it resident
+    assert mapped_kib(path) >= 16 << 10
+    t.release()
+    assert mapped_kib(path) < 64
+    assert np.array_equal(t.rows(np.float32), values)  # still readable: the pages come back from the page cache
