@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "linear on a GGUF type's packed layout, its kernel found by type id");
   m.def("quant_packed_dequantize", &quant_packed_dequantize, "a GGUF type's packed layout to float32 rows");
   m.def("quant_types", &quant_types, "the quant-type table: (name, id, block size, block bytes, packed, packed rows)");
+  m.def("q3_k_as_q6_k", &q3_k_as_q6_k, "Q3_K rows as Q6_K rows of the same values");
   m.def("requantize_q8_0", &requantize_q8_0, "a GGUF type without a kernel, as stored, to Q8_0 rows");
   m.def("requantized_types", &requantized_types, "the GGML type ids requantize_q8_0 reads");
   m.def("q6_k_dequantize", &q6_k_dequantize, "packed Q6_K blocks to float32 rows");

@@ -1,5 +1,6 @@
-"""The kernels' one-pass requantization of the GGUF types without a kernel (csrc/requantize_q8_0.cpp) gives the
-same bytes as the slow path it replaces: gguf's own dequantize, then `quantize` into Q8_0 blocks."""
+"""The GGUF types without a kernel, rewritten at load by csrc/requantize.cpp: Q3_K as Q6_K blocks of the same values,
+and the one-pass requantization into Q8_0 giving the same bytes as the slow path it replaces (gguf's own dequantize,
+then `quantize` into Q8_0 blocks)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,20 @@ def test_bad_input_is_refused(kernel):
         kernel.requantize_q8_0(blocks, REQUANTIZED["Q2_K"], 128)
     with pytest.raises(RuntimeError, match=r"w uint8 \[N, 168\]"):
         kernel.requantize_q8_0(blocks, REQUANTIZED["Q2_K"], 512)
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (37, 512), (64, 1536)])
+def test_q3_k_as_q6_k_keeps_every_value(kernel, shape):
+    for seed in range(3):
+        blocks = random_blocks("Q3_K", *shape, seed=seed)
+        q6_k = kernel.q3_k_as_q6_k(torch.from_numpy(blocks), shape[1])
+        assert q6_k.shape == (shape[0], shape[1] // 256 * 210)
+        assert torch.equal(reference_dequantize(q6_k.numpy(), "Q6_K"), reference_dequantize(blocks, "Q3_K")), seed
+
+
+def test_q3_k_as_q6_k_refuses_bad_input(kernel):
+    blocks = torch.from_numpy(random_blocks("Q3_K", 2, 256))
+    with pytest.raises(RuntimeError, match="whole 256-weight blocks"):
+        kernel.q3_k_as_q6_k(blocks, 100)
+    with pytest.raises(RuntimeError, match=r"w uint8 \[N, 220\]"):
+        kernel.q3_k_as_q6_k(blocks, 512)
