@@ -65,7 +65,8 @@ class GgufMethod(LinearMethod):
             raise ValueError(f"{quant.name} rows of {blocks.data.shape[1]} bytes for {k} inputs")
         self.packed = self.kernel is not None and self.repack and quant.packing is not None
         if self.packed:
-            for name, t in zip(quant.packing.buffers, pack_in_slices(quant.packing.pack, blocks.data), strict=True):
+            packed = pack_in_slices(quant.packing.packer(self.kernel), blocks.data.contiguous())
+            for name, t in zip(quant.packing.buffers, packed, strict=True):
                 layer.register_buffer(name, t)
         else:
             layer.register_buffer("blocks", blocks.data)

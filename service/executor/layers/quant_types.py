@@ -62,6 +62,11 @@ class Packing:
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     unpack: Callable[..., torch.Tensor]
     rows: Callable[..., torch.Tensor] | None = None
+    native_pack: str | None = None  # the built kernels' op doing `pack` in one pass (the same bytes), if any
+
+    def packer(self, kernel) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+        """`pack`, or its native op where `kernel` (the built extension, or None) has one."""
+        return getattr(kernel, self.native_pack) if kernel is not None and self.native_pack else self.pack
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +159,8 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True)),
     # Prefill in float: SmolLM2's Q4_K_M file keeps its first layers' down projections in Q6_K, and a prefill of
     # those on int8-rounded activations changed its greedy answers.
-    QuantType("Q6_K", 14, 256, 210, _q6_k, Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k),
+    QuantType("Q6_K", 14, 256, 210, _q6_k,
+              Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k, native_pack="pack_q6_k"),
               Prefill.FLOAT),
     QuantType("IQ4_NL", 20, 32, 18, _iq4_nl),
 )}

@@ -95,6 +95,20 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypat
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (qtype, slice_rows)
 
 
+def test_the_native_q6_k_pack_is_the_torch_one_in_every_instruction_set(kernel):
+    """csrc/q6_k_pack.cpp, the load's pack of Q6_K rows, gives pack_q6_k's bytes: on valid blocks of 40 rows (the
+    last pack padded) and on any bytes (a permutation of every bit, NaN scales too)."""
+    raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (33, 2 * 210), dtype=np.uint8))
+    for blocks in (quantized("Q6_K", 40, 512, seed=4), raw):
+        want = pack_q6_k(blocks)
+        for isa in ("native", *variant_isas()):
+            ops = kernel if isa == "native" else integer_kernels(isa)
+            got = ops.pack_q6_k(blocks)
+            assert [t.dtype for t in got] == [t.dtype for t in want], isa
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), isa
+
+
 def test_q8_0_codes_sit_where_the_kernel_reads_them():
     """Chunk c, lane o of a group: bytes q + 128 of inputs 4c..4c+3 of row o."""
     blocks = quantize(torch.arange(32.0).repeat(16, 1) - 16, "Q8_0")  # row o: -16..15, d = 16 / 127

@@ -9,6 +9,7 @@ import torch
 
 from sluice.service.executor.layers.gguf_blocks import quantize
 from tests.support.gguf_files import random_blocks, reference_dequantize
+from tests.support.kernels import integer_kernels, variant_isas
 
 REQUANTIZED = {"Q2_K": 10, "Q3_K": 11, "IQ4_XS": 23}  # GGML type ids
 
@@ -68,3 +69,15 @@ def test_q3_k_as_q6_k_refuses_bad_input(kernel):
         kernel.q3_k_as_q6_k(blocks, 100)
     with pytest.raises(RuntimeError, match=r"w uint8 \[N, 220\]"):
         kernel.q3_k_as_q6_k(blocks, 512)
+
+
+def test_every_instruction_set_rewrites_the_same(kernel):
+    """The portable loops and the AVX2 build (where this CPU runs it) give the native build's bytes."""
+    blocks = {qtype: torch.from_numpy(random_blocks(qtype, 19, 512, seed=5)) for qtype in REQUANTIZED}
+    want = {qtype: kernel.requantize_q8_0(b, REQUANTIZED[qtype], 512) for qtype, b in blocks.items()}
+    want_q6_k = kernel.q3_k_as_q6_k(blocks["Q3_K"], 512)
+    for isa in variant_isas():
+        ops = integer_kernels(isa)
+        for qtype, b in blocks.items():
+            assert torch.equal(ops.requantize_q8_0(b, REQUANTIZED[qtype], 512), want[qtype]), (isa, qtype)
+        assert torch.equal(ops.q3_k_as_q6_k(blocks["Q3_K"], 512), want_q6_k), isa
