@@ -10,6 +10,7 @@ stays gguf's (GGML_QUANT_SIZES).
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -95,7 +96,7 @@ def read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> tuple[dict, dict[str,
     import gguf
 
     with open(path, "rb") as file:
-        if path.stat().st_size < 4:
+        if os.fstat(file.fileno()).st_size < 4:  # mmap refuses an empty file
             raise ValueError(f"{path.name} is not a GGUF file")
         mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     buf = np.frombuffer(mapping, dtype=np.uint8)

@@ -62,7 +62,7 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
     rewritten: set[str] = set()
     # The types the kernels requantize in one pass (the same bytes as gguf's dequantize and `quantize`, about 10x
     # faster); any other goes through those two.
-    kernel = native.load()
+    kernel = None if dequantize else native.load()
     native_requantized = set(kernel.requantized_types()) if kernel is not None else set()
     permuted = {"attn_q": config.num_attention_heads,
                 "attn_k": config.num_key_value_heads or config.num_attention_heads} if arch_name == "llama" else {}

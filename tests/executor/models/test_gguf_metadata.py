@@ -176,6 +176,14 @@ def test_a_cut_off_file_is_refused_with_its_name(tmp_path, keep):
         read_gguf(cut, VOCABULARY)
 
 
+@pytest.mark.parametrize("content", [b"", b"GG", b"not a gguf file at all"])
+def test_an_empty_or_foreign_file_is_refused_with_its_name(tmp_path, content):
+    path = tmp_path / "other.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="other.gguf is not a GGUF file"):
+        read_gguf(path)
+
+
 def test_config_and_tokenizer_are_the_files_but_under_overrides(tmp_path):
     """Both come from the file whatever the weight format (its weights are dequantized by Sluice, not by
     transformers' model); --hf-overrides leaves both to transformers, and so does --no-owned-model the config."""
