@@ -155,7 +155,8 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q8_0", 8, 32, 34, _q8_0, Packing(("blocks", "scale"), pack_q8_0, unpack_q8_0, q8_0_rows),
               max_rows=PACKED_MAX_ROWS),
     QuantType("Q4_K", 12, 256, 144, lambda b: _k4(b, five=False),
-              Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k), max_rows=PACKED_MAX_ROWS),
+              Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k, native_pack="pack_q4_k"),
+              max_rows=PACKED_MAX_ROWS),
     QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True)),
     # Prefill in float: SmolLM2's Q4_K_M file keeps its first layers' down projections in Q6_K, and a prefill of
     # those on int8-rounded activations changed its greedy answers.

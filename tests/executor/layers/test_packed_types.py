@@ -95,18 +95,22 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypat
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (qtype, slice_rows)
 
 
-def test_the_native_q6_k_pack_is_the_torch_one_in_every_instruction_set(kernel):
-    """csrc/q6_k_pack.cpp, the load's pack of Q6_K rows, gives pack_q6_k's bytes: on valid blocks of 40 rows (the
-    last pack padded) and on any bytes (a permutation of every bit, NaN scales too)."""
-    raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (33, 2 * 210), dtype=np.uint8))
-    for blocks in (quantized("Q6_K", 40, 512, seed=4), raw):
-        want = pack_q6_k(blocks)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_native_k_quant_packs_are_the_torch_ones_in_every_instruction_set(qtype, kernel):
+    """csrc/k_quant_pack.cpp, the load's pack of Q4_K and Q6_K rows, gives pack_q4_k's and pack_q6_k's bytes: on
+    valid blocks of 40 rows (the last pack padded) and on any bytes (a permutation of every bit, NaN scales too)."""
+    from tests.support.gguf_files import random_blocks
+
+    t = BY_NAME[qtype]
+    raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (33, 2 * t.block_bytes), dtype=np.uint8))
+    for blocks in (torch.from_numpy(random_blocks(qtype, 40, 512, seed=4)), raw):
+        want = t.packing.pack(blocks)
         for isa in ("native", *variant_isas()):
             ops = kernel if isa == "native" else integer_kernels(isa)
-            got = ops.pack_q6_k(blocks)
-            assert [t.dtype for t in got] == [t.dtype for t in want], isa
+            got = getattr(ops, t.packing.native_pack)(blocks)
+            assert [x.dtype for x in got] == [x.dtype for x in want], isa
             for a, b in zip(got, want, strict=True):
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), isa
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), isa
 
 
 def test_q8_0_codes_sit_where_the_kernel_reads_them():

@@ -1,0 +1,172 @@
+// Q4_K and Q6_K rows as a file stores them regrouped for q4_k_linear and q6_k_linear: gguf_blocks.py's pack_q4_k and
+// pack_q6_k in one pass each (the torch versions stay the reference and the fallback; tests/executor/layers/
+// test_packed_types.py holds the two to the same bytes). Rows past N read as zero blocks, as the torch versions pad
+// them.
+//
+// A Q4_K block (ggml's block_q4_K, 144 bytes): d, dmin (float16), scales[12] (eight 6-bit scales and minimums, as
+// gguf_blocks.k4_scales reads them), qs[128] (weight 32 g + l in the low nibble of qs[32 (g / 2) + l] for even g, the
+// high one for odd g). Packed as int4_linear.cpp's nibbles, scales_mins [P, G, 2, 16] and supers [P, nb, 2, 16]
+// (d and -dmin, the sign bit flipped).
+//
+// A Q6_K block (ggml's block_q6_K, 210 bytes): ql[128], qh[64], scales[16] (int8, one per 16 weights), d (float16);
+// weight 128 n + 32 i + l has its low nibble in ql[64 n + 32 (i % 2) + l] (the high nibble where i >= 2) and its two
+// high bits at bit 2i of qh[32 n + l]. The packed layout is q6_k_dequantize.cpp's.
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kRows = 16, kGroup = 32, kSuper = 256, kQ6KBytes = 210, kQ4KBytes = 144, kGroupsPerSuper = 8;
+
+// A block's 256 six-bit codes in weight order.
+void codes_of(const uint8_t* b, uint8_t* codes) {
+#if defined(SLUICE_AVX2)
+  const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    for (int i = 0; i < 4; ++i) {  // 16-bit shifts, then a byte mask: no bit crosses into the byte it lands in
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (i % 2)));
+      const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (i / 2))), nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), pair);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 128 * n + 32 * i),
+                          _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
+    }
+  }
+#else
+  for (int e = 0; e < kSuper; ++e) {
+    const int n = e / 128, i = e % 128 / 32, l = e % 32;
+    const uint8_t low = b[64 * n + 32 * (i % 2) + l] >> (4 * (i / 2)) & 15;
+    codes[e] = uint8_t(low | ((b[128 + 32 * n + l] >> (2 * i)) & 3) << 4);
+  }
+#endif
+}
+
+// Pack p's 16 rows of Q6_K.
+void pack_q6_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* high_scales,
+               uint16_t* supers) {
+  const int64_t G = nb * kGroupsPerSuper;
+  static const uint8_t kZero[kQ6KBytes] = {};
+  uint8_t codes[kSuper];
+  for (int64_t o = 0; o < kRows; ++o) {
+    const int64_t row = p * kRows + o;
+    for (int64_t s = 0; s < nb; ++s) {
+      const uint8_t* b = row < N ? data + (row * nb + s) * kQ6KBytes : kZero;
+      codes_of(b, codes);
+      std::memcpy(&supers[(p * nb + s) * kRows + o], b + 208, 2);
+      for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
+        const int64_t g = s * kGroupsPerSuper + gs;
+        const uint8_t* c = codes + gs * kGroup;
+        uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
+        uint8_t* planes = high_scales + (p * G + g) * 160;     // [2 planes][16 rows][4 bytes], then [2][16] scales
+#if defined(SLUICE_AVX2) && defined(__BMI2__)
+        // Bit 4 + plane of the 32 codes as one mask (bit k: code k), and plane byte t its bits t, t + 4, ..., t + 28.
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+        const uint32_t masks[2] = {uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(v, 3))),
+                                   uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(v, 2)))};
+        const __m256i low = _mm256_and_si256(v, _mm256_set1_epi8(15));
+        const __m128i bytes = _mm_or_si128(_mm256_castsi256_si128(low),
+                                           _mm_slli_epi16(_mm256_extracti128_si256(low, 1), 4));
+        alignas(16) uint32_t words[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(words), bytes);
+        for (int chunk = 0; chunk < 4; ++chunk) std::memcpy(nib + (chunk * kRows + o) * 4, &words[chunk], 4);
+        for (int plane = 0; plane < 2; ++plane)
+          for (int t = 0; t < 4; ++t)
+            planes[(plane * kRows + o) * 4 + t] = uint8_t(_pext_u32(masks[plane], 0x11111111u << t));
+#else
+        for (int chunk = 0; chunk < 4; ++chunk)
+          for (int t = 0; t < 4; ++t) {
+            const int j = 4 * chunk + t;
+            nib[(chunk * kRows + o) * 4 + t] = uint8_t((c[j] & 15) | (c[16 + j] & 15) << 4);
+          }
+        for (int plane = 0; plane < 2; ++plane)
+          for (int t = 0; t < 4; ++t) {
+            uint8_t byte = 0;
+            for (int half = 0; half < 2; ++half)
+              for (int chunk = 0; chunk < 4; ++chunk)
+                byte |= uint8_t((c[16 * half + 4 * chunk + t] >> (4 + plane) & 1) << (4 * half + chunk));
+            planes[(plane * kRows + o) * 4 + t] = byte;
+          }
+#endif
+        for (int half = 0; half < 2; ++half) planes[128 + half * kRows + o] = b[192 + 2 * gs + half];
+      }
+    }
+  }
+}
+
+// Pack p's 16 rows of Q4_K.
+void pack_q4_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* scales_mins,
+                    uint16_t* supers) {
+  const int64_t G = nb * kGroupsPerSuper;
+  static const uint8_t kZero[kQ4KBytes] = {};
+  for (int64_t o = 0; o < kRows; ++o) {
+    const int64_t row = p * kRows + o;
+    for (int64_t s = 0; s < nb; ++s) {
+      const uint8_t* b = row < N ? data + (row * nb + s) * kQ4KBytes : kZero;
+      uint16_t d, dmin;
+      std::memcpy(&d, b, 2);
+      std::memcpy(&dmin, b + 2, 2);
+      supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
+      supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
+      const uint8_t* sc = b + 4;
+      for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
+        const int64_t g = s * kGroupsPerSuper + gs;
+        const uint8_t scale = gs < 4 ? sc[gs] & 63 : (sc[4 + gs] & 15) | ((sc[gs - 4] >> 2) & 48);
+        const uint8_t minimum = gs < 4 ? sc[4 + gs] & 63 : (sc[4 + gs] >> 4) | ((sc[gs] >> 2) & 48);
+        scales_mins[(g * 2 + 0) * kRows + o + p * G * 2 * kRows] = scale;
+        scales_mins[(g * 2 + 1) * kRows + o + p * G * 2 * kRows] = minimum;
+        const uint8_t* qs = b + 16 + 32 * (gs / 2);
+        const int shift = 4 * (gs % 2);
+        uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
+        for (int chunk = 0; chunk < 4; ++chunk)
+          for (int t = 0; t < 4; ++t) {
+            const int j = 4 * chunk + t;
+            nib[(chunk * kRows + o) * 4 + t] = uint8_t((qs[j] >> shift & 15) | (qs[16 + j] >> shift & 15) << 4);
+          }
+      }
+    }
+  }
+}
+
+using PackRows = void (*)(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* middle,
+                          uint16_t* supers);
+
+// `data`'s packs, made pack by pack on every thread: the nibbles [P, G, 4, 16, 4], the type's per-group buffer
+// [P, G, middle...] and its float16 supers [P, nb, supers...].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed(const at::Tensor& data, const char* name, int64_t block_bytes,
+                                                      std::vector<int64_t> middle, std::vector<int64_t> supers,
+                                                      PackRows pack_rows) {
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.size(1) > 0 &&
+                  data.size(1) % block_bytes == 0 && data.is_contiguous(),
+              name, ": data uint8 [N, whole ", block_bytes, "-byte blocks], contiguous");
+  const int64_t N = data.size(0), nb = data.size(1) / block_bytes, P = (N + kRows - 1) / kRows;
+  const int64_t G = nb * kGroupsPerSuper;
+  middle.insert(middle.begin(), {P, G});
+  supers.insert(supers.begin(), {P, nb});
+  at::Tensor nibbles = at::empty({P, G, 4, kRows, 4}, data.options());
+  at::Tensor per_group = at::empty(middle, data.options());
+  at::Tensor per_block = at::empty(supers, data.options().dtype(at::kHalf));
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* np = nibbles.data_ptr<uint8_t>();
+  uint8_t* mp = per_group.data_ptr<uint8_t>();
+  uint16_t* sp = reinterpret_cast<uint16_t*>(per_block.data_ptr<at::Half>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) pack_rows(src, N, nb, p, np, mp, sp);
+  });
+  return {nibbles, per_group, per_block};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data) {
+  return packed(data, "pack_q4_k", kQ4KBytes, {2, kRows}, {2, kRows}, pack_q4_k_rows);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q6_k(const at::Tensor& data) {
+  return packed(data, "pack_q6_k", kQ6KBytes, {160}, {kRows}, pack_q6_k_rows);
+}
