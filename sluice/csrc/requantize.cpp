@@ -1,6 +1,6 @@
 // GGUF types without a kernel here, rewritten at load into types with one (gguf_weights.py). Q3_K goes into Q6_K
-// blocks, which hold its values exactly (q3_k_as_q6_k). Q2_K, IQ4_XS and Q3_K without that step are requantized
-// into Q8_0 rows (requantize_q8_0) in one pass over the file's bytes: each super-block of 256 weights is dequantized
+// blocks, which hold its values exactly (q3_k_as_q6_k). Q2_K and IQ4_XS are requantized into Q8_0 rows
+// (requantize_q8_0) in one pass over the file's bytes: each super-block of 256 weights is dequantized
 // with the float32 operations gguf's own (numpy) dequantize performs, in its order, so the values are the same bit
 // for bit; each 32 of them then become a Q8_0 block exactly as gguf_blocks.quantize rounds one: d = half(max|w| /
 // 127), q = w / d rounded half to even. tests/executor/models/test_gguf_requantize.py holds both to the slow path.
@@ -49,29 +49,6 @@ void q2_k(const uint8_t* b, float* w) {
   }
 }
 
-// Q3_K, 110 bytes: hmask[32] (weight 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (the
-// low two bits, as Q2_K's), scales[12] (sixteen 6-bit scales: s's low nibble in byte s % 8 at bit 4 (s / 8), its high
-// two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). w = d * (sc - 32) * q.
-void q3_k(const uint8_t* b, float* w) {
-  const uint8_t* hmask = b;
-  const uint8_t* qs = b + 32;
-  const uint8_t* sc = b + 96;
-  const float d = half_at(b + 108);
-  for (int i = 0; i < kSuper / kGroup; ++i) {
-    float dl[2];
-    for (int half = 0; half < 2; ++half) {
-      const int s = 2 * i + half;
-      const int scale = ((sc[s % 8] >> (4 * (s / 8))) & 15) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4);
-      dl[half] = d * float(scale - 32);
-    }
-    const uint8_t* bytes = qs + 32 * (i / 4);
-    for (int l = 0; l < kGroup; ++l) {
-      const int q = ((bytes[l] >> (2 * (i % 4))) & 3) - 4 + 4 * ((hmask[l] >> i) & 1);
-      w[kGroup * i + l] = dl[l / 16] * float(q);
-    }
-  }
-}
-
 // IQ4_XS, 136 bytes: d (float16), scales_h (uint16: group g's high two bits at bit 2g), scales_l[4] (group g's low
 // nibble in byte g / 2 at bit 4 (g % 2)), qs[128] (group g's 32 weights in bytes 16 g..16 g + 15, the low nibbles
 // then the high ones). w = d * (sc - 32) * level, the level IQ4_NL's table.
@@ -93,8 +70,10 @@ void iq4_xs(const uint8_t* b, float* w) {
 }
 
 // Q3_K, 110 bytes → Q6_K, 210 bytes, the same values: Q6_K's w = d * scale * (code - 32) with an int8 scale per 16
-// weights and d per 256 holds Q3_K's d * (sc - 32) * q exactly (scale = sc - 32, code = q + 32, q in -4..3). Q6_K's
-// layout (ggml's block_q6_K): ql[128], qh[64], scales[16] (int8), d; weight 128 n + 32 t + l has its low nibble in
+// weights and d per 256 holds Q3_K's d * (sc - 32) * q exactly (scale = sc - 32, code = q + 32, q in -4..3). Q3_K's
+// layout: hmask[32] (weight 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (its low two
+// bits in bits 2 (i % 4) and up of byte 32 (i / 4) + l), scales[12] (sixteen 6-bit scales: s's low nibble in byte
+// s % 8 at bit 4 (s / 8), its high two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). Q6_K's layout (ggml's block_q6_K): ql[128], qh[64], scales[16] (int8), d; weight 128 n + 32 t + l has its low nibble in
 // ql[64 n + 32 (t % 2) + l] (the high nibble where t >= 2), its two high bits at bit 2t of qh[32 n + l].
 void q3_k_as_q6_k(const uint8_t* b, uint8_t* out) {
   const uint8_t* hmask = b;
@@ -123,7 +102,7 @@ struct Dequantizer {
 };
 
 // By GGML type id (ggml.h's enum, gguf's GGMLQuantizationType).
-constexpr Dequantizer kDequantizers[] = {{10, 84, q2_k}, {11, 110, q3_k}, {23, 136, iq4_xs}};
+constexpr Dequantizer kDequantizers[] = {{10, 84, q2_k}, {23, 136, iq4_xs}};
 
 // 32 weights → a Q8_0 block (float16 d, then 32 int8 codes).
 void q8_0_block(const float* w, uint8_t* out) {
