@@ -118,15 +118,16 @@ def pack_in_slices(pack, data: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _interleave(codes: torch.Tensor) -> torch.Tensor:
-    """Q4_1-ordered code bytes of blocks of 16 rows [P, 16, G, 16] → csrc/int4_linear.cpp's [P, G, 4, 16, 4] (chunk
-    c, row o: bytes 4c..4c+3 of row o's group)."""
-    words = codes.contiguous().view(torch.int32)  # [P, 16, G, 4]: four bytes move as one element
-    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(*words.shape[:1], words.shape[2], 4, 16, 4)
+    """A group's code bytes in blocks of 16 rows [P, 16, G, B] (B: 16 bytes of Q4_1-ordered nibbles, or Q8_0's 32
+    codes) → csrc/int4_linear.cpp's [P, G, B / 4, 16, 4] (chunk c, row o: bytes 4c..4c+3 of row o's group)."""
+    words = codes.contiguous().view(torch.int32)  # [P, 16, G, B / 4]: four bytes move as one element
+    packs, _, groups, chunks = words.shape
+    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(packs, groups, chunks, PACK_ROWS, 4)
 
 
-def _deinterleave(nibbles: torch.Tensor) -> torch.Tensor:
+def _deinterleave(codes: torch.Tensor) -> torch.Tensor:
     """The inverse of _interleave."""
-    return nibbles.permute(0, 3, 1, 2, 4).reshape(nibbles.shape[0], PACK_ROWS, nibbles.shape[1], 16)
+    return codes.permute(0, 3, 1, 2, 4).reshape(codes.shape[0], PACK_ROWS, codes.shape[1], -1)
 
 
 def _by_block(t: torch.Tensor) -> torch.Tensor:
@@ -335,9 +336,7 @@ def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [N/16, G, 16]. 34 bytes per 34, every bit kept (unpack_q8_0)."""
     n = data.shape[0]
     blocks = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, PACK_ROWS, data.shape[1] // 34, 34)
-    # Four codes move as one int32: a quarter of the elements for the permute to copy.
-    words = (blocks[..., 2:] ^ 0x80).view(torch.int32)  # [P, 16, G, 8]
-    codes = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(blocks.shape[0], blocks.shape[2], 8, 16, 4)
+    codes = _interleave(blocks[..., 2:] ^ 0x80)
     scale = blocks[..., :2].contiguous().view(torch.float16)[..., 0].transpose(1, 2).contiguous()
     return codes, scale
 
@@ -345,7 +344,7 @@ def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_q8_0(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_q8_0: the first n rows as Q8_0 blocks, uint8 [n, G * 34]."""
     packs, groups = codes.shape[:2]
-    q = (codes ^ 0x80).permute(0, 3, 1, 2, 4).reshape(packs, PACK_ROWS, groups, 32)
+    q = _deinterleave(codes ^ 0x80)
     d = scale.transpose(1, 2).contiguous().view(torch.uint8).reshape(packs, PACK_ROWS, groups, 2)
     return torch.cat([d, q], dim=-1).reshape(packs * PACK_ROWS, -1)[:n]
 
