@@ -26,6 +26,7 @@ from sluice.service.executor.layers.gguf_blocks import (
 )
 from sluice.service.executor.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear
 from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
+from tests.support.gguf_files import random_blocks
 from tests.support.int8_rounding import int8_rounded
 from tests.support.kernels import integer_kernels, variant_isas
 
@@ -50,17 +51,9 @@ def packs(linear) -> list[torch.Tensor]:
 
 
 def quantized(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Rows of `qtype` blocks that gguf's own quantizer made from random floats; Q6_K, which it cannot make: random
-    codes and scales with a small d (elements around 0.1)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    if qtype == "Q6_K":
-        blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
-        blocks[:, 208:] = (rng.random(len(blocks)) * 2e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        return torch.from_numpy(blocks.reshape(n, -1))
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype]))
+    """Rows of `qtype` blocks as a tensor: gguf's own quantizer's of random floats; Q6_K, which it cannot make,
+    random codes and scales with a small d (elements around 0.1) (tests/support/gguf_files.py)."""
+    return torch.from_numpy(random_blocks(qtype, n, k, seed))
 
 
 @pytest.mark.parametrize("qtype", list(PACKS))
@@ -82,10 +75,9 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypat
     """Packed in slices of 16 and 32 rows (the load's bound on a pack's temporaries), the last one short and
     padded: the same buffers as packing all 72 rows at once."""
     from sluice.service.executor.layers import gguf_blocks
-    from tests.support.gguf_files import random_blocks
 
     pack = BY_NAME[qtype].packing.pack
-    blocks = torch.from_numpy(random_blocks(qtype, 72, 512))
+    blocks = quantized(qtype, 72, 512, seed=0)
     whole = pack(blocks)
     for slice_rows in (16, 32):
         monkeypatch.setattr(gguf_blocks, "PACK_SLICE_BYTES", slice_rows * blocks.shape[1])
@@ -99,11 +91,9 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypat
 def test_the_native_k_quant_packs_are_the_torch_ones_in_every_instruction_set(qtype, kernel):
     """csrc/k_quant_pack.cpp, the load's pack of Q4_K and Q6_K rows, gives pack_q4_k's and pack_q6_k's bytes: on
     valid blocks of 40 rows (the last pack padded) and on any bytes (a permutation of every bit, NaN scales too)."""
-    from tests.support.gguf_files import random_blocks
-
     t = BY_NAME[qtype]
     raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (33, 2 * t.block_bytes), dtype=np.uint8))
-    for blocks in (torch.from_numpy(random_blocks(qtype, 40, 512, seed=4)), raw):
+    for blocks in (quantized(qtype, 40, 512, seed=4), raw):
         want = t.packing.pack(blocks)
         for isa in ("native", *variant_isas()):
             ops = kernel if isa == "native" else integer_kernels(isa)

@@ -19,6 +19,7 @@ from sluice.service.executor.layers.quant_types import (
     quant_type,
 )
 from sluice.service.executor.models import gguf_weights
+from tests.support.gguf_files import random_blocks, reference_dequantize
 from tests.support.int8_rounding import int8_rounded
 
 
@@ -52,16 +53,11 @@ def test_types_outside_the_table_are_refused(kernel):
 
 def iq4_nl_blocks(n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [n, k / 32 * 18]: random level indices, small float16 d (elements around 0.1)."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n * k // 32, 18), dtype=np.uint8)
-    blocks[:, :2] = (rng.random(len(blocks)) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(n, -1)
+    return random_blocks("IQ4_NL", n, k, seed)
 
 
 def reference(blocks: np.ndarray) -> torch.Tensor:
-    import gguf
-
-    return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.IQ4_NL).astype(np.float32))
+    return reference_dequantize(blocks, "IQ4_NL")
 
 
 def test_iq4_nl_dequantizes_as_the_gguf_package_does():
