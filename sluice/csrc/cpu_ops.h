@@ -26,6 +26,16 @@ at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // of 256.
 at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
                        const at::Tensor& supers, int64_t N);
+// The same kernel on Q5_K weights: Q4_K's with a fifth bit per code; per group high_scales_mins uint8
+// [ceil(N / 16), K / 32, 96] (the fifth bits as q5_0_linear's, then the 6-bit scale and minimum [2, 16]); supers as
+// Q4_K's.
+at::Tensor q5_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& high_scales_mins,
+                       const at::Tensor& supers, int64_t N);
+// The same kernel on IQ4_XS weights: nibbles packed as int4_linear's, each the index of one of IQ4_NL's 16 levels;
+// scales int8 [ceil(N / 16), K / 32, 16] (the file's 6-bit scale less 32), d float16 supers [ceil(N / 16), K / 256,
+// 16]; element = d * sc * level. K a multiple of 256.
+at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                         const at::Tensor& supers, int64_t N);
 // The same kernel on Q5_0 and Q5_1 weights: their low four bits packed as int4_linear's, the fifth bits as
 // int4_linear.cpp lays them out (fifth uint8 [ceil(N / 16), K / 32, 16, 4]), d float16 [ceil(N / 16), K / 32, 16]
 // (Q5_0: element = (q - 16) d) or d and m [ceil(N / 16), K / 32, 2, 16] (Q5_1: element = q d + m).

@@ -142,23 +142,46 @@ struct Q8_0 {
 // (llama.cpp's kvalues_iq4nl). One byte shuffle per half where built for AVX2.
 constexpr int8_t kIq4NlLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// 16 bytes of nibbles (Q4_0's order) to the 32 levels they pick.
+inline void unpack_levels(const uint8_t* qs, int8_t* q) {
+#ifdef SLUICE_AVX2
+  const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlLevels));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(levels, _mm_and_si128(v, mask)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = kIq4NlLevels[qs[j] & 15];
+    q[j + 16] = kIq4NlLevels[qs[j] >> 4];
+  }
+#endif
+}
+
 struct IQ4_NL {
   static constexpr int kQK = 32, kBytes = 18;
   static void unpack(const uint8_t* b, Unpacked<32>& u) {
-#ifdef SLUICE_AVX2
-    const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlLevels));
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(15);
-    _mm_store_si128(reinterpret_cast<__m128i*>(u.q), _mm_shuffle_epi8(levels, _mm_and_si128(v, mask)));
-    _mm_store_si128(reinterpret_cast<__m128i*>(u.q + 16),
-                    _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
-#else
-    for (int j = 0; j < 16; ++j) {
-      u.q[j] = kIq4NlLevels[b[2 + j] & 15];
-      u.q[j + 16] = kIq4NlLevels[b[2 + j] >> 4];
-    }
-#endif
+    unpack_levels(b + 2, u.q);
     u.scale[0] = u.scale[1] = f16(b);
     u.offset[0] = 0.f;
+  }
+};
+
+// IQ4_XS: IQ4_NL's levels in super-blocks of 256: d (float16), scales_h (uint16: group g's high two bits at bit 2g),
+// scales_l[4] (group g's low nibble in byte g / 2 at bit 4 (g % 2)), then each group's 16 bytes of nibbles. Element
+// = d * (sc - 32) * level.
+struct IQ4_XS {
+  static constexpr int kQK = 256, kBytes = 136;
+  static void unpack(const uint8_t* b, Unpacked<256>& u) {
+    const float d = f16(b);
+    uint16_t scales_h;
+    std::memcpy(&scales_h, b + 2, 2);
+    for (int g = 0; g < 8; ++g) {
+      unpack_levels(b + 8 + 16 * g, u.q + 32 * g);
+      const int sc = ((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((scales_h >> (2 * g)) & 3) << 4);
+      u.scale[2 * g] = u.scale[2 * g + 1] = d * static_cast<float>(sc - 32);
+      u.offset[g] = 0.f;
+    }
   }
 };
 
@@ -404,9 +427,10 @@ constexpr sluice::QuantTraits kQuantTypes[] = {
     row<Q5<true>>("Q5_1", 7, q5_1_linear),
     row<Q8_0>("Q8_0", 8, two_buffers<q8_0_packed_linear>),
     row<QK4<false>>("Q4_K", 12, q4_k_linear),
-    row<QK4<true>>("Q5_K", 13),
+    row<QK4<true>>("Q5_K", 13, q5_k_linear),
     row<Q6_K>("Q6_K", 14, q6_k_linear, q6_k_dequantize),
     row<IQ4_NL>("IQ4_NL", 20),
+    row<IQ4_XS>("IQ4_XS", 23, iq4_xs_linear),
 };
 
 }  // namespace

@@ -1,8 +1,8 @@
-// Weight-only int4 (and int5, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q8_0 weights, int8 activations) for
-// calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a
+// Weight-only int4 (and int5, int6, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 or IQ4_XS weights, int8
+// activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a
 // float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element (q - 8) d; Q4_K: each group's scale
 // d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's element (q - 16) d; Q8_0: a byte per
-// code, kept as q + 128; the policies below). Each input row is quantized per group of 32 to int8 (qx, scale
+// code, kept as q + 128; IQ4_XS: a nibble picks one of 16 levels; the policies below). Each input row is quantized per group of 32 to int8 (qx, scale
 // dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
@@ -32,6 +32,10 @@
 #include "quantize_rows.h"
 #include "row_blocks.h"
 
+// IQ4_NL's 16 levels (llama.cpp's kvalues_iq4nl), which IQ4_XS's nibbles pick, plus 128: bytes 1..241 for vpdpbusd,
+// their 128 taken off the integer sum as Q8_0's is (or by i8_dot where it sums signed bytes).
+alignas(16) constexpr uint8_t kLevelBytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 // 16 outputs per vector, one vector per block.
@@ -58,6 +62,11 @@ inline ivec i4_bit(ivec v, int from, int to) {
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 inline ivec i8_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w: bytes 0..255
+// Nibbles 0..15 to kLevelBytes: one in-lane byte shuffle of the table, repeated in every 128-bit lane.
+inline ivec i4_levels(ivec nibbles) {
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevelBytes))),
+                             nibbles);
+}
 constexpr bool kSignedByteDot = false;  // i8_dot sums the stored bytes u = q + 128
 inline fvec f_zero() { return _mm512_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm512_set1_ps(v); }
@@ -109,6 +118,10 @@ inline ivec i8_dot(ivec acc, ivec u, ivec x) {
   const ivec pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+inline ivec i4_levels(ivec nibbles) {  // as the AVX-512 one
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevelBytes))),
+                             nibbles);
+}
 inline fvec f_zero() { return _mm256_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm256_set1_ps(v); }
 inline fvec f_cvt(ivec v) { return _mm256_cvtepi32_ps(v); }
@@ -154,7 +167,7 @@ using sluice::quantize_rows;
 // Q4_1: float16 [blocks, G, 16] each.
 struct Q4_1Scales {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
-                        kByteCodes = false, kMinimum = true;
+                        kByteCodes = false, kMinimum = true, kLevels = false;
   static constexpr int32_t kCodeBias = 0;
   const uint16_t* d;
   const uint16_t* m;
@@ -171,21 +184,27 @@ struct Q4_1Scales {
   float minimum_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(m[(b * G + g) * kBlock + o]); }
 };
 
-// Q4_K as the file has it: per group a 6-bit scale and minimum (uint8 [blocks, G, 2, 16]), per eight groups a
-// float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
-struct Q4_KScales {
-  static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
-                        kByteCodes = false, kMinimum = true;
+// Q4_K and Q5_K as the file has them: per group a 6-bit scale and minimum (Q4_K: uint8 [blocks, G, 2, 16]; Q5_K:
+// uint8 [blocks, G, 96], the codes' fifth bits in Q5_0's order [16, 4], then the scales and minimums [2, 16]), per
+// eight groups a float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
+template <bool Five>
+struct KScales {
+  static constexpr bool kFifthBit = Five, kSixthBit = false, kHalfScales = false, kCodeSum = false,
+                        kByteCodes = false, kMinimum = true, kLevels = false;
   static constexpr int32_t kCodeBias = 0;
+  static constexpr int64_t kGroupHigh = Five ? 96 : 32;
   const uint8_t* sm;
   const uint16_t* super;
   int64_t G;
-  const uint8_t* six_bit(int64_t b, int64_t g, int which) const { return sm + ((b * G + g) * 2 + which) * kBlock; }
+  const uint8_t* fifth_bits(int64_t b, int64_t g) const { return sm + (b * G + g) * kGroupHigh; }
+  const uint8_t* six_bit(int64_t b, int64_t g, int which) const {
+    return fifth_bits(b, g) + (Five ? 4 * kBlock : 0) + which * kBlock;
+  }
   const uint16_t* supers(int64_t b, int64_t g, int which) const {
     return super + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
   }
-  void prefetch(int64_t b, int64_t g) const {  // 2 bytes where the codes take 16
-    sluice::prefetch(six_bit(b, g, 0) + sluice::kPrefetchBytes / 8, 2 * kBlock);
+  void prefetch(int64_t b, int64_t g) const {  // Q4_K: 2 bytes where the codes take 16; Q5_K: 6
+    sluice::prefetch(fifth_bits(b, g) + sluice::kPrefetchBytes * kGroupHigh / 256, kGroupHigh);
   }
 #ifdef I4_LANES
   fvec scale(int64_t b, int64_t g, int h) const {
@@ -201,7 +220,13 @@ struct Q4_KScales {
   float minimum_at(int64_t b, int64_t g, int64_t o) const {
     return static_cast<float>(six_bit(b, g, 1)[o]) * half_to_float(supers(b, g, 1)[o]);
   }
+  int low_upper(int64_t b, int64_t g, int64_t o, int c, int t) const { return fifth_bits(b, g)[o * 4 + t] >> c & 1; }
+  int high_upper(int64_t b, int64_t g, int64_t o, int c, int t) const {
+    return fifth_bits(b, g)[o * 4 + t] >> (4 + c) & 1;
+  }
 };
+using Q4_KScales = KScales<false>;
+using Q5_KScales = KScales<true>;
 
 // Q5_0 and Q5_1: Q4_1's nibbles with a fifth bit per code, uint8 [blocks, G, 16, 4]: output o's four bytes of a
 // group line up with its four code bytes of each chunk c, byte t holding in bit c the fifth bit of input 4c + t
@@ -211,7 +236,7 @@ struct Q4_KScales {
 template <bool WithMinimum>
 struct Q5Scales {
   static constexpr bool kFifthBit = true, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = false, kMinimum = WithMinimum;
+                        kByteCodes = false, kMinimum = WithMinimum, kLevels = false;
   static constexpr int32_t kCodeBias = WithMinimum ? 0 : 16;
   static constexpr int64_t kHalves = WithMinimum ? 2 : 1;
   const uint8_t* fifth;
@@ -241,7 +266,7 @@ struct Q5Scales {
 template <bool ByteCodes, int32_t CodeBias>
 struct ScaleOnly {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = ByteCodes, kMinimum = false;
+                        kByteCodes = ByteCodes, kMinimum = false, kLevels = false;
   static constexpr int32_t kCodeBias = CodeBias;
   const uint16_t* d;
   int64_t G;
@@ -268,7 +293,7 @@ using Q8_0Scales = ScaleOnly<true, kSignedByteDot ? 0 : 128>;
 // -32 q offset comes off its integer sum: 32 times the sum of that half's activation codes (`xsum`, [G, 2] a row).
 struct Q6_KScales {
   static constexpr bool kFifthBit = true, kSixthBit = true, kHalfScales = true, kCodeSum = true, kByteCodes = false,
-                        kMinimum = false;
+                        kMinimum = false, kLevels = false;
   static constexpr int32_t kCodeBias = 0;  // -32 per half, in the half-scale branch
   static constexpr int64_t kGroupHigh = 160;
   const uint8_t* high;
@@ -299,6 +324,30 @@ struct Q6_KScales {
   }
 };
 
+// IQ4_XS: Q4_0's nibbles, each the index of a level (kLevelBytes: level + 128), element = d * sc * level with a
+// signed sc per group (int8 [blocks, G, 16], the file's 6-bit scale less 32) and a float16 d per 256 inputs
+// ([blocks, G / 8, 16]). The levels' 128 comes off the integer sum as Q8_0's does.
+struct IQ4_XSScales {
+  static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
+                        kByteCodes = false, kMinimum = false, kLevels = true;
+  static constexpr int32_t kCodeBias = kSignedByteDot ? 0 : 128;
+  const int8_t* sc;
+  const uint16_t* d;
+  int64_t G;
+  const uint16_t* super(int64_t b, int64_t g) const { return d + (b * (G / 8) + g / 8) * kBlock; }
+  void prefetch(int64_t b, int64_t g) const {  // 1 byte where the codes take 16
+    sluice::prefetch(sc + (b * G + g) * kBlock + sluice::kPrefetchBytes / 16, kBlock);
+  }
+#ifdef I4_LANES
+  fvec scale(int64_t b, int64_t g, int h) const {
+    return f_mul(f_i8(sc + (b * G + g) * kBlock + h * I4_LANES), f_half(super(b, g) + h * I4_LANES));
+  }
+#endif
+  float scale_at(int64_t b, int64_t g, int64_t o) const {
+    return static_cast<float>(sc[(b * G + g) * kBlock + o]) * half_to_float(super(b, g)[o]);
+  }
+};
+
 // Bytes of one group of one block: 16 outputs x 16 bytes of nibbles, or 32 bytes of codes.
 template <class Scales>
 constexpr int64_t group_bytes() {
@@ -320,8 +369,8 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
     float out[Rows][kBlock];
 #ifdef I4_LANES
     constexpr int kVecs = kBlock / I4_LANES;
-    // Codes of 4 bits sum a group in i4_dot_short's narrow lanes.
-    constexpr bool kShort = !Scales::kFifthBit && !Scales::kByteCodes;
+    // Codes of 4 bits sum a group in i4_dot_short's narrow lanes; levels are bytes, summed as Q8_0's codes are.
+    constexpr bool kShort = !Scales::kFifthBit && !Scales::kByteCodes && !Scales::kLevels;
     // Sums per row: low and high nibbles (Q8_0: chunks 0-3 and 4-7) apart, so each group's chain is half as long,
     // up to four rows; more rows are chains enough. AVX2's narrow sums add in one cycle and need no second.
     // Q6_K keeps them apart at any row count: each half has its own scale.
@@ -332,6 +381,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
     // A group's integer sums: narrow for 4-bit codes, widened once per group; 32-bit for wider codes.
     const auto dot = [](ivec acc, ivec w, ivec x) {
       if constexpr (kShort) return i4_dot_short(acc, w, x);
+      else if constexpr (Scales::kLevels) return i8_dot(acc, w, x);
       else return i4_dot(acc, w, x);
     };
     const auto widen = [](ivec acc) {
@@ -377,6 +427,10 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
               const ivec sixth = i4_load(scales.sixth_bits(b, g) + h * I4_LANES * 4);
               wl = i4_or(wl, i4_bit(sixth, c, 5));
               wh = i4_or(wh, i4_bit(sixth, 4 + c, 5));
+            }
+            if constexpr (Scales::kLevels) {
+              wl = i4_levels(wl);
+              wh = i4_levels(wh);
             }
             for (int r = 0; r < Rows; ++r) {
               const int8_t* xg = qx + at(r, g) * kGroup;
@@ -435,6 +489,10 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
               if constexpr (Scales::kFifthBit) {
                 low |= scales.low_upper(b, g, o, c, t) << 4;
                 high |= scales.high_upper(b, g, o, c, t) << 4;
+              }
+              if constexpr (Scales::kLevels) {
+                low = kLevelBytes[low];
+                high = kLevelBytes[high];
               }
               dot[0] += low * xg[4 * c + t];
               dot[1] += high * xg[16 + 4 * c + t];
@@ -559,6 +617,30 @@ at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                 "[ceil(N / 16), K / 256, 2, 16], contiguous");
     return Q4_KScales{scales_mins.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()),
                       G};
+  });
+}
+
+at::Tensor q5_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& high_scales_mins,
+                       const at::Tensor& supers, int64_t N) {
+  return packed_linear("q5_k_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(G % 8 == 0, "q5_k_linear: K must be a multiple of 256");
+    TORCH_CHECK(has_shape(high_scales_mins, at::kByte, {blocks, G, Q5_KScales::kGroupHigh}) &&
+                    has_shape(supers, at::kHalf, {blocks, G / 8, 2, kBlock}),
+                "q5_k_linear: high_scales_mins uint8 [ceil(N / 16), K / 32, 96], supers float16 "
+                "[ceil(N / 16), K / 256, 2, 16], contiguous");
+    return Q5_KScales{high_scales_mins.data_ptr<uint8_t>(),
+                      reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()), G};
+  });
+}
+
+at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                         const at::Tensor& supers, int64_t N) {
+  return packed_linear("iq4_xs_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(G % 8 == 0, "iq4_xs_linear: K must be a multiple of 256");
+    TORCH_CHECK(has_shape(scales, at::kChar, {blocks, G, kBlock}) && has_shape(supers, at::kHalf, {blocks, G / 8, kBlock}),
+                "iq4_xs_linear: scales int8 [ceil(N / 16), K / 32, 16], supers float16 [ceil(N / 16), K / 256, 16], "
+                "contiguous");
+    return IQ4_XSScales{scales.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()), G};
   });
 }
 

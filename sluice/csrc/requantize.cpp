@@ -1,5 +1,5 @@
 // GGUF types without a kernel here, rewritten at load into types with one (gguf_weights.py). Q3_K goes into Q6_K
-// blocks, which hold its values exactly (q3_k_as_q6_k). Q2_K and IQ4_XS are requantized into Q8_0 rows
+// blocks, which hold its values exactly (q3_k_as_q6_k). Q2_K is requantized into Q8_0 rows
 // (requantize_q8_0) in one pass over the file's bytes: each super-block of 256 weights is dequantized
 // with the float32 operations gguf's own (numpy) dequantize performs, in its order, so the values are the same bit
 // for bit; each 32 of them then become a Q8_0 block exactly as gguf_blocks.quantize rounds one: d = half(max|w| /
@@ -49,26 +49,6 @@ void q2_k(const uint8_t* b, float* w) {
   }
 }
 
-// IQ4_XS, 136 bytes: d (float16), scales_h (uint16: group g's high two bits at bit 2g), scales_l[4] (group g's low
-// nibble in byte g / 2 at bit 4 (g % 2)), qs[128] (group g's 32 weights in bytes 16 g..16 g + 15, the low nibbles
-// then the high ones). w = d * (sc - 32) * level, the level IQ4_NL's table.
-void iq4_xs(const uint8_t* b, float* w) {
-  static constexpr int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-  const float d = half_at(b);
-  uint16_t scales_h;
-  std::memcpy(&scales_h, b + 2, 2);
-  const uint8_t* scales_l = b + 4;
-  const uint8_t* qs = b + 8;
-  for (int g = 0; g < kSuper / kGroup; ++g) {
-    const int scale = ((scales_l[g / 2] >> (4 * (g % 2))) & 15) | (((scales_h >> (2 * g)) & 3) << 4);
-    const float dl = d * float(scale - 32);
-    for (int i = 0; i < kGroup; ++i) {
-      const uint8_t byte = qs[16 * g + i % 16];
-      w[kGroup * g + i] = dl * float(kLevels[i < 16 ? byte & 15 : byte >> 4]);
-    }
-  }
-}
-
 // Q3_K, 110 bytes → Q6_K, 210 bytes, the same values: Q6_K's w = d * scale * (code - 32) with an int8 scale per 16
 // weights and d per 256 holds Q3_K's d * (sc - 32) * q exactly (scale = sc - 32, code = q + 32, q in -4..3). Q3_K's
 // layout: hmask[32] (weight 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (its low two
@@ -102,7 +82,7 @@ struct Dequantizer {
 };
 
 // By GGML type id (ggml.h's enum, gguf's GGMLQuantizationType).
-constexpr Dequantizer kDequantizers[] = {{10, 84, q2_k}, {23, 136, iq4_xs}};
+constexpr Dequantizer kDequantizers[] = {{10, 84, q2_k}};
 
 // 32 weights → a Q8_0 block (float16 d, then 32 int8 codes).
 void q8_0_block(const float* w, uint8_t* out) {

@@ -19,6 +19,7 @@ from sluice.service.bench.peer_plan import (
     AB_SLOTS,
     C_SLOTS,
     E_SLOT_CTX,
+    NAMED_ONLY,
     PAIRS,
     SCALES,
     Launch,
@@ -59,6 +60,8 @@ def test_sizes_and_formats_parse_by_either_name():
     assert parse_formats("fp32,f16") == parse_formats("F32,F16") == (("fp32", "F32"), ("f16", "F16"))
     assert parse_formats("gguf") == parse_formats("q4_k_m") == (("Q4_K", "Q4_K_M"),)
     assert parse_formats("q4_0") == (("Q4_0", "Q4_0"),)  # one name, both sides
+    assert parse_formats("iq4_xs,Q5_K") == (("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS"))  # only where named
+    assert not {("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS")} & set(default_pairs([]) + default_pairs(["avx512_bf16"]))
     with pytest.raises(ValueError, match="unknown sizes"):
         parse_sizes("7b")
     with pytest.raises(ValueError, match="unknown weight formats"):
@@ -108,9 +111,10 @@ def test_plan_without_bf16_with_a_baseline_and_other_layouts():
 
 
 def test_run_estimate_fits_the_time_budget_and_bounds_every_server_run():
-    lines = plan(ALL)
+    lines = plan(ALL, tuple(p for p in PAIRS if p not in NAMED_ONLY))
     total = sum(estimate_s(x) for x in lines)
-    assert 40 * 60 <= total <= 75 * 60  # every pair: both float pairs, Sluice fp32 and f16 each a server
+    assert 40 * 60 <= total <= 75 * 60  # every pair named or not: both float pairs, Sluice fp32 and f16 each a server
+    assert sum(estimate_s(x) for x in plan(ALL, NAMED_ONLY)) <= 35 * 60  # Q5_K_M and IQ4_XS, when named
     for flags in ([], ["amx_bf16"]):  # a run with the CPU's own float pairs takes about an hour
         assert 30 * 60 <= sum(estimate_s(x) for x in plan(ALL, default_pairs(flags), bf16=bool(flags))) <= 65 * 60
     assert max(workload_s(x, w) for x in lines for launch in x.launches for w in launch.workloads) <= 95

@@ -13,7 +13,7 @@ from tests.support import tiny
 
 # Types gguf.quants cannot quantize: random codes, and small float16 scales at these bytes of a block.
 RANDOM_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "Q3_K": (108,), "Q2_K": (80, 82),
-                 "IQ4_XS": (0,)}
+                 "IQ4_XS": (0,), "IQ3_S": (0,)}
 SCALE_SIZES = {"Q6_K": 2e-5, "IQ4_NL": 1e-3, "Q3_K": 1e-3, "Q2_K": 2e-3, "IQ4_XS": 3e-5}  # else 1e-4
 
 
@@ -41,10 +41,10 @@ def reference_dequantize(blocks: np.ndarray, qtype: str) -> torch.Tensor:
 
 # The tiny Llama's linears, in types that cover every block type and both a fused and a split q/k/v.
 LAYER_TYPES = [
-    {"q_proj": "Q4_K", "k_proj": "Q5_K", "v_proj": "Q4_K", "o_proj": "Q6_K", "gate_proj": "Q5_0", "up_proj": "Q5_0",
+    {"q_proj": "Q4_K", "k_proj": "IQ4_NL", "v_proj": "Q5_K", "o_proj": "Q6_K", "gate_proj": "Q5_0", "up_proj": "Q5_0",
      "down_proj": "Q8_0"},
     {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q5_1", "gate_proj": "Q4_1", "up_proj": "Q4_1",
-     "down_proj": "Q4_K"},
+     "down_proj": "IQ4_XS"},
 ]
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

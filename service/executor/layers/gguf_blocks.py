@@ -186,14 +186,15 @@ def _negated(half: torch.Tensor) -> torch.Tensor:
     return (half.view(torch.int16) ^ -0x8000).view(torch.float16)
 
 
-def pack_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows uint8 [N, nb * 144] → q4_k_linear's blocks of 16 rows (N padded with zero rows): the codes as
-    int4_linear's nibbles [N/16, G, 4, 16, 4] (G = 8 nb groups of 32), each group's 6-bit scale and minimum uint8
-    [N/16, G, 2, 16], each 256 inputs' d and -dmin float16 [N/16, nb, 2, 16]. Every bit of the file is kept
-    (unpack_q4_k gives the rows back), in 148 bytes per 144."""
-    n, nb = data.shape[0], data.shape[1] // 144
-    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 144)
-    codes = split_nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # group 2j: chunk j's low nibbles, 2j+1 high
+_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
+def _k4_packs(b: torch.Tensor, nb: int, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K or Q5_K blocks [16 P * nb, bytes] and their 128 bytes of nibbles → the codes' low four bits as
+    int4_linear's nibbles [P, G, 4, 16, 4], each group's 6-bit scale and minimum [P, G, 2, 16], d and -dmin [P, nb, 2,
+    16] (pack_q4_k)."""
+    codes = split_nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # group 2j: chunk j's low nibbles, 2j+1 high
     nibbles = _interleave((codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, PACK_ROWS, nb * 8, 16))
     scale, minimum = k4_scales(b[:, 4:16])
     scales_mins = _by_block(torch.stack([scale, minimum], dim=-1).reshape(-1, nb * 8, 2))
@@ -202,17 +203,89 @@ def pack_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return nibbles, scales_mins, supers
 
 
-def unpack_q4_k(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of pack_q4_k: the first n rows as Q4_K blocks, uint8 [n, nb * 144]."""
-    nb = nibbles.shape[1] // 8
+def _k4_fields(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of _k4_packs: each block's first 16 bytes (d, dmin, the 12 bytes of scales) and its 128 bytes
+    of nibbles."""
     rows = _deinterleave(nibbles).reshape(-1, 8, 16)
     codes = torch.cat([rows & 15, rows >> 4], dim=-1).reshape(-1, 4, 2, 32)  # chunk j: group 2j low, 2j+1 high
     qs = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(-1, 128)
     sm = _by_row(scales_mins).reshape(-1, 8, 2)
     d_dmin = _by_row(supers).reshape(-1, 2)
     head = torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
-    blocks = torch.cat([head, _k4_scale_bytes(sm[..., 0], sm[..., 1]), qs], dim=-1)
-    return blocks.reshape(-1, nb * 144)[:n]
+    return torch.cat([head, _k4_scale_bytes(sm[..., 0], sm[..., 1])], dim=-1), qs
+
+
+def pack_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows uint8 [N, nb * 144] → q4_k_linear's blocks of 16 rows (N padded with zero rows): the codes as
+    int4_linear's nibbles [N/16, G, 4, 16, 4] (G = 8 nb groups of 32), each group's 6-bit scale and minimum uint8
+    [N/16, G, 2, 16], each 256 inputs' d and -dmin float16 [N/16, nb, 2, 16]. Every bit of the file is kept
+    (unpack_q4_k gives the rows back), in 148 bytes per 144."""
+    n, nb = data.shape[0], data.shape[1] // 144
+    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 144)
+    return _k4_packs(b, nb, b[:, 16:])
+
+
+def unpack_q4_k(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q4_k: the first n rows as Q4_K blocks, uint8 [n, nb * 144]."""
+    head, qs = _k4_fields(nibbles, scales_mins, supers)
+    return torch.cat([head, qs], dim=-1).reshape(-1, nibbles.shape[1] // 8 * 144)[:n]
+
+
+def pack_q5_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K rows uint8 [N, nb * 176] → q5_k_linear's blocks of 16 rows (N padded with zero rows): pack_q4_k's
+    buffers, the codes' fifth bits (bit i of qh[l]: input 32 i + l's) ahead of each group's scales and minimums in
+    one uint8 [N/16, G, 96] (the bits in pack_q5_0's order [16, 4], then [2, 16]). 180 bytes per 176, every bit kept."""
+    n, nb = data.shape[0], data.shape[1] // 176
+    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 176)
+    nibbles, scales_mins, supers = _k4_packs(b, nb, b[:, 48:])
+    fifth = ((b[:, 16:48, None] >> _BYTE_SHIFTS) & 1).transpose(1, 2).reshape(-1, 32)  # [rows * G, 32]
+    planes = _bit_plane(fifth).reshape(-1, PACK_ROWS, nb * 8, 4).transpose(1, 2).reshape(-1, nb * 8, 64)
+    return nibbles, torch.cat([planes, scales_mins.reshape(-1, nb * 8, 32)], dim=-1), supers
+
+
+def unpack_q5_k(nibbles: torch.Tensor, high_scales_mins: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q5_k: the first n rows as Q5_K blocks, uint8 [n, nb * 176]."""
+    packs, groups = nibbles.shape[:2]
+    head, qs = _k4_fields(nibbles, high_scales_mins[..., 64:].reshape(packs, groups, 2, PACK_ROWS), supers)
+    planes = high_scales_mins[..., :64].reshape(packs, groups, PACK_ROWS, 4).transpose(1, 2).reshape(-1, 4)
+    bits = _plane_bits(planes).reshape(-1, 8, 32)  # [blocks, group i, l]
+    qh = (bits.transpose(1, 2) << _BYTE_SHIFTS).sum(-1, dtype=torch.uint8)
+    return torch.cat([head, qh, qs], dim=-1).reshape(-1, groups // 8 * 176)[:n]
+
+
+def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks [nb, 136] → their eight 6-bit scales uint8 [nb, 8]: group g's low nibble in byte 4 + g / 2 at
+    bit 4 (g % 2), its high two bits in scales_h (bytes 2-3) at bit 2g."""
+    low = torch.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], dim=-1).reshape(-1, 8)
+    high = ((b[:, 2:4, None] >> _PAIR_SHIFTS) & 3).reshape(-1, 8)
+    return low | (high << 4)
+
+
+def _iq4_xs_scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """The inverse of iq4_xs_scales: [nb, 8] → bytes 2-7 of each block."""
+    high = ((scales >> 4).reshape(-1, 2, 4) << _PAIR_SHIFTS).sum(-1, dtype=torch.uint8)
+    return torch.cat([high, (scales[:, 0::2] & 15) | ((scales[:, 1::2] & 15) << 4)], dim=-1)
+
+
+def pack_iq4_xs(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ4_XS rows uint8 [N, nb * 136] → iq4_xs_linear's blocks of 16 rows (N padded with zero rows): each group's
+    nibbles (Q4_0's order) as int4_linear's [N/16, G, 4, 16, 4], its scale less 32 int8 [N/16, G, 16], each 256
+    inputs' d float16 [N/16, nb, 16]. 138 bytes per 136, every bit kept (unpack_iq4_xs)."""
+    n, nb = data.shape[0], data.shape[1] // 136
+    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 136)
+    nibbles = _interleave(b[:, 8:].reshape(-1, PACK_ROWS, nb * 8, 16))
+    scales = _by_block((iq4_xs_scales(b).view(torch.int8) - 32).reshape(-1, nb * 8, 1)).reshape(-1, nb * 8, PACK_ROWS)
+    supers = _by_block(b[:, :2].contiguous().view(torch.float16).reshape(-1, nb, 1)).reshape(-1, nb, PACK_ROWS)
+    return nibbles, scales, supers
+
+
+def unpack_iq4_xs(nibbles: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_iq4_xs: the first n rows as IQ4_XS blocks, uint8 [n, nb * 136]."""
+    packs, groups = nibbles.shape[:2]
+    qs = _deinterleave(nibbles).reshape(-1, 128)
+    sixbit = (_by_row(scales.reshape(packs, groups, 1, PACK_ROWS)).reshape(-1, 8) + 32).view(torch.uint8)
+    d = _by_row(supers.reshape(packs, groups // 8, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
+    return torch.cat([d, _iq4_xs_scale_bytes(sixbit), qs], dim=-1).reshape(-1, groups // 8 * 136)[:n]
 
 
 def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
@@ -286,13 +359,10 @@ def unpack_q5_1(nibbles: torch.Tensor, fifth: torch.Tensor, scale_min: torch.Ten
     return _unpack_q5(nibbles, fifth, scale_min, n, 4)
 
 
-_Q6_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-
-
 def _q6_k_codes(b: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [B, 210] → their 6-bit codes in input order, uint8 [B, 256]."""
     ql = split_nibbles(b[:, :128].reshape(-1, 2, 64))  # per 128 inputs: bytes 0..63's low nibbles, then their high ones
-    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> _Q6_HIGH_SHIFTS[:, None]) & 3  # input 32i + l: byte l, bits 2i, 2i+1
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> _PAIR_SHIFTS[:, None]) & 3  # input 32i + l: byte l, bits 2i, 2i+1
     return (ql | (qh.reshape(-1, 2, 128) << 4)).reshape(-1, 256)
 
 
@@ -323,7 +393,7 @@ def unpack_q6_k(nibbles: torch.Tensor, high_scales: torch.Tensor, supers: torch.
     codes = torch.cat([rows & 15, rows >> 4], dim=-1) | (high[:, 0] << 4) | (high[:, 1] << 5)
     e = codes.reshape(-1, 2, 2, 64)  # per 128 inputs: 0..63, 64..127
     ql = (e[:, :, 0] & 15) | ((e[:, :, 1] & 15) << 4)  # [B, 2, 64]
-    qh = ((e.reshape(-1, 2, 4, 32) >> 4) << _Q6_HIGH_SHIFTS[:, None]).sum(2, dtype=torch.uint8)  # [B, 2, 32]
+    qh = ((e.reshape(-1, 2, 4, 32) >> 4) << _PAIR_SHIFTS[:, None]).sum(2, dtype=torch.uint8)  # [B, 2, 32]
     scales = _by_row(high_scales[..., 128:].reshape(packs, groups, 2, PACK_ROWS)).reshape(-1, 16)
     d = _by_row(supers.reshape(packs, nb, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
     blocks = torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), scales, d], dim=-1)

@@ -19,21 +19,26 @@ import torch
 from sluice.service.executor.layers.gguf_blocks import (
     bits32,
     half_at,
+    iq4_xs_scales,
     k4_scales,
+    pack_iq4_xs,
     pack_q4_0,
     pack_q4_1,
     pack_q4_k,
     pack_q5_0,
     pack_q5_1,
+    pack_q5_k,
     pack_q6_k,
     pack_q8_0,
     q8_0_rows,
     split_nibbles,
+    unpack_iq4_xs,
     unpack_q4_0,
     unpack_q4_1,
     unpack_q4_k,
     unpack_q5_0,
     unpack_q5_1,
+    unpack_q5_k,
     unpack_q6_k,
     unpack_q8_0,
 )
@@ -143,6 +148,12 @@ def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     return half_at(b, 0) * IQ4_NL_VALUES[split_nibbles(b[:, 2:]).long()]
 
 
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks: IQ4_NL's levels in eight groups of 32, each d * (its 6-bit scale - 32) * level."""
+    scale = half_at(b, 0) * (iq4_xs_scales(b).float() - 32)
+    return (scale[:, :, None] * IQ4_NL_VALUES[split_nibbles(b[:, 8:].reshape(-1, 8, 16)).long()]).reshape(-1, 256)
+
+
 QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q4_0", 2, 32, 18, _q4_0, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0),
               max_rows=PACKED_MAX_ROWS),
@@ -157,13 +168,16 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q4_K", 12, 256, 144, lambda b: _k4(b, five=False),
               Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k, native_pack="pack_q4_k"),
               max_rows=PACKED_MAX_ROWS),
-    QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True)),
+    QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True),
+              Packing(("blocks", "high_scales_mins", "supers"), pack_q5_k, unpack_q5_k), max_rows=PACKED_MAX_ROWS),
     # Prefill in float: SmolLM2's Q4_K_M file keeps its first layers' down projections in Q6_K, and a prefill of
     # those on int8-rounded activations changed its greedy answers.
     QuantType("Q6_K", 14, 256, 210, _q6_k,
               Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k, native_pack="pack_q6_k"),
               Prefill.FLOAT),
     QuantType("IQ4_NL", 20, 32, 18, _iq4_nl),
+    QuantType("IQ4_XS", 23, 256, 136, _iq4_xs, Packing(("blocks", "scales", "supers"), pack_iq4_xs, unpack_iq4_xs),
+              max_rows=PACKED_MAX_ROWS),
 )}
 BY_NAME: dict[str, QuantType] = {t.name: t for t in QUANT_TYPES.values()}
 

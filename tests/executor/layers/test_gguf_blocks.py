@@ -15,7 +15,7 @@ from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS,
 from sluice.service.executor.models import gguf_weights, weights
 from tests.support import tiny
 from tests.support.gguf_files import PROMPTS, greedy, random_blocks, reference_dequantize, write_tiny_gguf
-from tests.support.int8_rounding import RoundedActivations, int8_rounded
+from tests.support.int8_rounding import RoundedActivations, int8_rounded, k_quant_reference
 from tests.support.kernels import integer_kernels, variant_isas
 from tests.support.parity import make_engine
 
@@ -83,18 +83,6 @@ def test_q4_k_packing_keeps_every_bit_of_the_file(kernel):
     assert sum(t.numel() * t.element_size() for t in pack_q4_k(raw)) == raw.numel() * 148 // 144
 
 
-def q4_k_reference(x: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """What q4_k_linear computes, in float64: the int8-rounded activations times d * sc * q, plus each group's
-    minimum (-dmin * m) times the float sum of its inputs."""
-    b = blocks.reshape(-1, 144)
-    dmin = b[:, 2:4].contiguous().view(torch.float16).double()
-    m = torch.cat([b[:, 8:12] & 63, (b[:, 12:16] >> 4) | ((b[:, 8:12] >> 2) & 48)], dim=-1).double()  # 6-bit
-    minimum = (-dmin * m).reshape(blocks.shape[0], k // 32)  # [N, G]
-    codes_part = dequantize(blocks, "Q4_K", k).double() - minimum.repeat_interleave(32, dim=1)
-    sums = x.double().reshape(x.shape[0], -1, 32).sum(-1)
-    return int8_rounded(x).double() @ codes_part.T + sums @ minimum.T
-
-
 @pytest.mark.parametrize("rows", [1, 3, 33, 70])
 def test_packed_q4_k_kernel_computes_the_int8_activation_linear(rows, kernel):
     n, k = 40, 768
@@ -104,7 +92,7 @@ def test_packed_q4_k_kernel_computes_the_int8_activation_linear(rows, kernel):
     assert torch.equal(stored(linear), blocks) and torch.equal(stored(linear, 5, 21), blocks[5:21])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # an all-zero group: scale 0
-    got, want = linear(x), q4_k_reference(x, blocks, k)
+    got, want = linear(x), k_quant_reference(x, blocks, "Q4_K", k)
     scale = (x.abs() @ dequantize(blocks, "Q4_K", k).abs().T).amax()
     assert ((got.double() - want).abs() > 1e-5 * scale).sum() <= max(1, got.numel() // 40)  # rounding ties
     op = linear.kernel_facts().op  # the fused layer's linear: the same kernel
@@ -125,7 +113,7 @@ def test_every_instruction_set_computes_packed_q4_k_the_same(kernel):
         kernel.q4_k_linear(x, packed[0], packed[1].float(), packed[2], 48)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_K", "Q6_K"])  # not the packed types (int8 activations)
+@pytest.mark.parametrize("qtype", ["Q6_K"])  # a type whose prefill is float (not int8 activations)
 @pytest.mark.parametrize("native", [True, False])
 def test_linear_prefill_tiles_equal_float_matmul(qtype, native, kernel):
     n, k = 300, 512
@@ -201,17 +189,17 @@ def test_tiny_llama_gguf_loads_its_blocks_as_stored(tiny_gguf, kernel):
     assert isinstance(model.embed_tokens, GgufEmbedding) and isinstance(model.lm_head, GgufLinear)
     assert model.lm_head is model.embed_tokens.table  # tied: one copy of the bytes
     first, second = model.layers
-    assert isinstance(first.self_attn.qkv_proj, MergedLinear)  # Q4_K, Q5_K, Q4_K: side by side
-    assert [p.method.qtype for p in first.self_attn.qkv_proj.parts] == ["Q4_K", "Q5_K", "Q4_K"]
+    assert isinstance(first.self_attn.qkv_proj, MergedLinear)  # Q4_K, IQ4_NL, Q5_K: side by side
+    assert [p.method.qtype for p in first.self_attn.qkv_proj.parts] == ["Q4_K", "IQ4_NL", "Q5_K"]
     assert isinstance(second.self_attn.qkv_proj, GgufLinear) and second.self_attn.qkv_proj.out_features == 512
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "in_features")]
     assert all(isinstance(m, (GgufLinear, MergedLinear)) for m in linears)
     modules = [m for m in model.modules() if isinstance(m, (GgufLinear, GgufEmbedding))]
     buffers = [t for m in modules for t in m.buffers(recurse=False)]
-    assert {t.dtype for t in buffers} <= {torch.uint8, torch.float16}  # no float copy of any weight
+    assert {t.dtype for t in buffers} <= {torch.uint8, torch.int8, torch.float16}  # no float copy of any weight
     blocks = sum(t.numel() * t.element_size() for t in buffers)
     assert blocks < path.stat().st_size  # the blocks as they are, nothing dequantized beside them
-    v = first.self_attn.qkv_proj.parts[2]  # Q4_K: regrouped for the packed kernel, every bit kept (not q: the
+    v = first.self_attn.qkv_proj.parts[2]  # Q5_K: regrouped with its fifth bits, every bit kept (not q: the
     # loader reorders q's rows for the rotary layout)
     assert v.method.packed and torch.equal(stored(v), torch.from_numpy(np.array(_raw(path, "blk.0.attn_v.weight"))))
     packed = second.mlp.gate_up_proj  # Q4_1: regrouped for the packed kernel, the same bytes
@@ -298,7 +286,8 @@ def test_method_describes_the_types_it_served(tiny_gguf):
     path, config, _ = tiny_gguf
     method = GgufFormat(torch.float32)
     weights.build(config, gguf_weights.read_tensors(path, config), method, torch.device("cpu"), torch.float32)
-    assert method.made == {"Q4_K": 3, "Q5_K": 1, "Q6_K": 2, "Q5_0": 1, "Q8_0": 1, "Q4_0": 1, "Q5_1": 1, "Q4_1": 1}
+    assert method.made == {"Q4_K": 1, "IQ4_NL": 1, "Q5_K": 1, "Q6_K": 2, "Q5_0": 1, "Q8_0": 1, "Q4_0": 1, "Q5_1": 1,
+                           "Q4_1": 1, "IQ4_XS": 1}
 
 
 def _raw(path, name: str) -> np.ndarray:
@@ -318,7 +307,7 @@ def test_tiny_gguf_decodes_through_the_fused_layer_as_through_python(tmp_path, a
     biases = [name for name, _ in model.named_parameters() if name.endswith("bias")]
     assert {name.split(".")[1] for name in biases} == ({"0", "1"} if arch == "qwen2" else set()), biases
     assert all((layer.self_attn.q_norm is not None) == (arch == "qwen3") for layer in model.layers)
-    # Layer 0 holds types read as stored (Q5_K) and Q6_K, whose prefill is float; layer 1's are all packed.
+    # Layer 0 holds a type read as stored (IQ4_NL) and Q6_K, whose prefill is float; layer 1's are all packed.
     assert [layer._layer_ops_rows for layer in model.layers] == [STORED_MAX_ROWS, PACKED_MAX_ROWS]
     fused = greedy(model, PROMPTS)
     for layer in model.layers:

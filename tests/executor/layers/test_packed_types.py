@@ -1,8 +1,8 @@
-"""Q4_0, Q5_0, Q5_1, Q6_K and Q8_0 regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear, q5_1_linear,
-q6_k_linear, q8_0_packed_linear): every bit of the file kept, the kernel against the exact product of the
-int8-rounded activations and the file's weights, every instruction set the same, and the fused layer's linear on the
-same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1 and Q8_0 linears through the fused layer and
-the Python path)."""
+"""Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 and IQ4_XS regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear,
+q5_1_linear, q5_k_linear, q6_k_linear, q8_0_packed_linear, iq4_xs_linear): every bit of the file kept, the kernel
+against the exact product of the int8-rounded activations and the file's weights, every instruction set the same,
+and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1, Q5_K, Q8_0
+and IQ4_XS linears through the fused layer and the Python path)."""
 
 from __future__ import annotations
 
@@ -12,32 +12,45 @@ import torch
 
 from sluice.service.executor.layers.gguf_blocks import (
     GgufBlocks,
+    pack_iq4_xs,
     pack_q4_0,
     pack_q5_0,
     pack_q5_1,
+    pack_q5_k,
     pack_q6_k,
     pack_q8_0,
     quantize,
+    unpack_iq4_xs,
     unpack_q4_0,
     unpack_q5_0,
     unpack_q5_1,
+    unpack_q5_k,
     unpack_q6_k,
     unpack_q8_0,
 )
 from sluice.service.executor.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear
 from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
 from tests.support.gguf_files import random_blocks
-from tests.support.int8_rounding import int8_rounded
+from tests.support.int8_rounding import int8_rounded, k_quant_reference
 from tests.support.kernels import integer_kernels, variant_isas
 
 PACKS = {"Q4_0": (pack_q4_0, unpack_q4_0, "q4_0_linear"),
          "Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
-         "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"), "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear")}
+         "Q5_K": (pack_q5_k, unpack_q5_k, "q5_k_linear"), "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"),
+         "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear"),
+         "IQ4_XS": (pack_iq4_xs, unpack_iq4_xs, "iq4_xs_linear")}
 SHAPES = {"Q4_0": [(3, 16, 4, 16, 4), (3, 16, 16)],  # codes (nibbles), scales
           "Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
           "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
+          "Q5_K": [(3, 16, 4, 16, 4), (3, 16, 96), (3, 2, 2, 16)],  # nibbles, fifth bits and scales, d and -dmin
           "Q6_K": [(3, 16, 4, 16, 4), (3, 16, 160), (3, 2, 16)],  # nibbles, high bits and scales, d per 256
-          "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)]}  # codes (bytes), scales
+          "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)],  # codes (bytes), scales
+          "IQ4_XS": [(3, 16, 4, 16, 4), (3, 16, 16), (3, 2, 16)]}  # nibbles (levels), scales less 32, d per 256
+# The packs' bytes per block of the file where they take more: the 6-bit scales (and minimums) a byte each.
+PACKED_BYTES = {"Q5_K": 180, "IQ4_XS": 138}
+# The error naming a three-buffer type's middle buffer.
+MIDDLE = {"Q5_0": "fifth uint8", "Q5_1": "fifth uint8", "Q5_K": "high_scales_mins uint8", "Q6_K": "high_scales uint8",
+          "IQ4_XS": "scales int8"}
 
 
 def rows_of(linear, *bounds) -> torch.Tensor:
@@ -65,9 +78,9 @@ def test_packing_keeps_every_bit_in_the_files_size(qtype):
     assert [tuple(t.shape) for t in packed] == SHAPES[qtype] and packed[-1].dtype == torch.float16
     assert torch.equal(unpack(*packed, 40), blocks)
     raw = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (48, 16 * nbytes), dtype=np.uint8))
-    packed = pack(raw)  # any bytes, NaN scales too: a permutation
+    packed = pack(raw)  # any bytes, NaN scales too: every bit kept
     assert torch.equal(unpack(*packed, 48), raw)
-    assert sum(t.numel() * t.element_size() for t in packed) == raw.numel()
+    assert sum(t.numel() * t.element_size() for t in packed) == raw.numel() // nbytes * PACKED_BYTES.get(qtype, nbytes)
 
 
 @pytest.mark.parametrize("qtype", [t.name for t in BY_NAME.values() if t.packing is not None])
@@ -202,7 +215,9 @@ def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     weight = dequantize(blocks, qtype, k).double()
     # Q4_0's (q - 8), Q5_0's (q - 16) and Q5_1's minimum all multiply the rounded activations: the exact product is
     # the reference, only the float sums' order differs (and, rarely, an activation within an ulp of a rounding tie).
-    got, want = linear(x).double(), int8_rounded(x).double() @ weight.T
+    # Q5_K's minimum multiplies the float sums of the inputs, as llama.cpp's Q8_K activations carry them.
+    got = linear(x).double()
+    want = k_quant_reference(x, blocks, qtype, k) if qtype == "Q5_K" else int8_rounded(x).double() @ weight.T
     scale = (x.double().abs() @ weight.abs().T).amax()
     assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
     assert (got - x.double() @ weight.T).abs().max() <= 0.01 * scale  # the int8 rounding, no more
@@ -242,7 +257,7 @@ def test_every_instruction_set_computes_the_same(qtype, kernel):
         getattr(kernel, op)(x, pack_q5_0(quantized("Q5_0", 48, 512, 6))[0] if qtype == "Q8_0" else
                             pack_q8_0(quantized("Q8_0", 48, 512, 6))[0], *packed[1:], 48)
     if len(packed) == 3:  # a middle buffer of the wrong shape
-        with pytest.raises(RuntimeError, match="high_scales uint8" if qtype == "Q6_K" else "fifth uint8"):
+        with pytest.raises(RuntimeError, match=MIDDLE[qtype]):
             getattr(kernel, op)(x, packed[0], packed[1][:, :, :8].contiguous(), packed[2], 48)
 
 
@@ -258,21 +273,30 @@ def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
         embed(torch.tensor([40]))  # a padding row of the last block of 16 is no token
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
-def test_largest_five_bit_codes_against_the_largest_activations_sum_exactly(qtype, kernel):
-    # Every code 31 against every activation code +-127: the largest sums a group's products reach, exact in every
-    # instruction set (16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 such products).
-    n, k = 16, 256
-    head = 2 if qtype == "Q5_0" else 4
+def extreme_blocks(qtype: str, n: int, k: int) -> torch.Tensor:
+    """Rows of one block repeated: every code at its largest (Q5_0, Q5_1: 31; Q5_K: 31 at scale 63) with d = 1 and
+    no minimum; IQ4_XS: scale 31, each group's first 16 inputs level -127 and its last 16 level 113."""
     block = torch.full((BY_NAME[qtype].block_bytes,), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
-    block[:head] = torch.tensor([1.0, 0.0][:head // 2], dtype=torch.float16).view(torch.uint8)  # d = 1 (m = 0)
-    blocks = block.repeat(n, k // 32)
+    halves = {"Q5_0": [1.0], "Q5_1": [1.0, 0.0], "Q5_K": [1.0, 0.0], "IQ4_XS": [1.0]}[qtype]  # d = 1 (m = dmin = 0)
+    block[:2 * len(halves)] = torch.tensor(halves, dtype=torch.float16).view(torch.uint8)
+    if qtype == "IQ4_XS":
+        block[8:] = 0xF0
+    return block.repeat(n, k // BY_NAME[qtype].block_size)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "IQ4_XS"])
+def test_the_largest_codes_against_the_largest_activations_sum_exactly(qtype, kernel):
+    # Against every activation code +-127: the largest sums a group's products reach, exact in every instruction
+    # set. 16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 five-bit products; pmaddubsw's pair sums of
+    # IQ4_XS's kernel bytes (level + 128: 241) against 127 would saturate, so AVX2 sums the levels' signed bytes.
+    n, k = 16, 512
+    blocks = extreme_blocks(qtype, n, k)
     x = torch.full((3, k), 1.0)
     x[1] = -1.0
     x[2, ::2] = -1.0
     linear = GgufLinear(GgufBlocks(blocks, qtype, k), None, kernel)
     want = int8_rounded(x).double() @ dequantize(blocks, qtype, k).double().T
-    assert torch.equal(linear(x).double(), want)
-    for isa in variant_isas():
-        op = getattr(integer_kernels(isa), PACKS[qtype][2])
-        assert torch.equal(op(x, *packs(linear), n).double(), want)
+    for isa in ("native", *variant_isas()):
+        op = getattr(kernel if isa == "native" else integer_kernels(isa), PACKS[qtype][2])
+        error = (op(x, *packs(linear), n).double() - want).abs().max()
+        assert error <= (0 if qtype in ("Q5_0", "Q5_1") else 1e-6 * want.abs().max()), isa

@@ -142,16 +142,16 @@ def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
 
 
 def test_types_without_a_kernel_are_served_in_types_with_one(tmp_path):
-    """Q3_K, Q2_K and IQ4_XS (a Q3_K_M, Q2_K or IQ4_XS file's) have no kernel here. As stored, Q3_K's values go into
+    """Q3_K, Q2_K and IQ3_S (a Q3_K_M, Q2_K or IQ3_S file's) have no kernel here. As stored, Q3_K's values go into
     Q6_K blocks exactly (where the kernels are built); the others' into Q8_0 blocks, the file's values quantized as
-    --quantization int8 quantizes a float weight."""
+    --quantization int8 quantizes a float weight (Q2_K's in one native pass, IQ3_S's through gguf's dequantize)."""
     from sluice import native
     from sluice.service.executor.layers.gguf_blocks import quantize
     from sluice.service.executor.layers.gguf_linear import GgufLinear
     from sluice.service.executor.layers.quant_types import dequantize
     from tests.support.gguf_files import LAYER_TYPES
 
-    types = [{**LAYER_TYPES[0], "o_proj": "Q2_K", "down_proj": "Q3_K"}, {**LAYER_TYPES[1], "o_proj": "IQ4_XS"}]
+    types = [{**LAYER_TYPES[0], "o_proj": "Q2_K", "down_proj": "Q3_K"}, {**LAYER_TYPES[1], "o_proj": "IQ3_S"}]
     path, config, floats = write_tiny_gguf(tmp_path / "k_quants.gguf", "llama", types=types)
     model, _ = load_model(str(path), "cpu", "float32")  # --quantization auto: the blocks as stored
     q3_k_served = "Q8_0" if native.load() is None else "Q6_K"
