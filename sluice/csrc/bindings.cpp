@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "int4 linear (Q4_1 weights, int8 activations), few rows");
   m.def("q4_0_linear", &q4_0_linear, "int4 linear on Q4_0 weights (packed codes, no minimum)");
   m.def("q4_k_linear", &q4_k_linear, "int4 linear on Q4_K weights (packed codes, the file's scales), few rows");
+  m.def("iq4_nl_linear", &iq4_nl_linear, "int4 linear on IQ4_NL weights (packed level indices, as Q4_0's)");
   m.def("q5_k_linear", &q5_k_linear, "int4 linear on Q5_K weights (packed codes and fifth bits, the file's scales)");
   m.def("iq4_xs_linear", &iq4_xs_linear, "int4 linear on IQ4_XS weights (packed level indices, the file's scales)");
   m.def("q5_0_linear", &q5_0_linear, "int4 linear on Q5_0 weights (packed codes and fifth bits)");

@@ -20,6 +20,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // The same kernel on Q4_0 weights, their codes packed as int4_linear's, d float16 [ceil(N / 16), K / 32, 16];
 // element = (q - 8) d.
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N);
+// The same kernel on IQ4_NL weights, packed as Q4_0's, each nibble the index of one of its 16 levels; element =
+// level * d.
+at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N);
 // The same kernel on Q4_K weights, their codes packed as int4_linear's and their scales as the file has them:
 // scales_mins uint8 [ceil(N / 16), K / 32, 2, 16] (each group's 6-bit scale sc and minimum m), supers float16
 // [ceil(N / 16), K / 256, 2, 16] (d and -dmin per 256 inputs); element = q * d * sc + m * (-dmin). K a multiple

@@ -429,7 +429,7 @@ constexpr sluice::QuantTraits kQuantTypes[] = {
     row<QK4<false>>("Q4_K", 12, q4_k_linear),
     row<QK4<true>>("Q5_K", 13, q5_k_linear),
     row<Q6_K>("Q6_K", 14, q6_k_linear, q6_k_dequantize),
-    row<IQ4_NL>("IQ4_NL", 20),
+    row<IQ4_NL>("IQ4_NL", 20, two_buffers<iq4_nl_linear>),
     row<IQ4_XS>("IQ4_XS", 23, iq4_xs_linear),
 };
 

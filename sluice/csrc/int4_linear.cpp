@@ -1,8 +1,8 @@
-// Weight-only int4 (and int5, int6, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 or IQ4_XS weights, int8
-// activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a
+// Weight-only int4 (and int5, int6, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL or IQ4_XS
+// weights, int8 activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a
 // float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element (q - 8) d; Q4_K: each group's scale
 // d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's element (q - 16) d; Q8_0: a byte per
-// code, kept as q + 128; IQ4_XS: a nibble picks one of 16 levels; the policies below). Each input row is quantized per group of 32 to int8 (qx, scale
+// code, kept as q + 128; IQ4_NL and IQ4_XS: a nibble picks one of 16 levels; the policies below). Each input row is quantized per group of 32 to int8 (qx, scale
 // dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
@@ -32,7 +32,7 @@
 #include "quantize_rows.h"
 #include "row_blocks.h"
 
-// IQ4_NL's 16 levels (llama.cpp's kvalues_iq4nl), which IQ4_XS's nibbles pick, plus 128: bytes 1..241 for vpdpbusd,
+// IQ4_NL's 16 levels (llama.cpp's kvalues_iq4nl), which its and IQ4_XS's nibbles pick, plus 128: bytes 1..241 for vpdpbusd,
 // their 128 taken off the integer sum as Q8_0's is (or by i8_dot where it sums signed bytes).
 alignas(16) constexpr uint8_t kLevelBytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -263,10 +263,10 @@ struct Q5Scales {
 
 // One float16 scale d per group and output, [blocks, G, 16], and no minimum: the codes' offset comes off the integer
 // sum (that offset times the group's activation codes), so a group costs two float operations, not Q4_1's three.
-template <bool ByteCodes, int32_t CodeBias>
+template <bool ByteCodes, int32_t CodeBias, bool Levels = false>
 struct ScaleOnly {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = ByteCodes, kMinimum = false, kLevels = false;
+                        kByteCodes = ByteCodes, kMinimum = false, kLevels = Levels;
   static constexpr int32_t kCodeBias = CodeBias;
   const uint16_t* d;
   int64_t G;
@@ -286,6 +286,10 @@ using Q4_0Scales = ScaleOnly<false, 8>;
 // block; pack_q8_0): u = q + 128 as uint8 for vpdpbusd, element = (u - 128) d; the 128 comes off the integer sum,
 // where i8_dot has not taken it off already.
 using Q8_0Scales = ScaleOnly<true, kSignedByteDot ? 0 : 128>;
+
+// IQ4_NL: Q4_0's nibbles, each the index of a level (kLevelBytes: level + 128), element = level * d; the 128 as
+// Q8_0's.
+using IQ4_NLScales = ScaleOnly<false, kSignedByteDot ? 0 : 128, true>;
 
 // Q6_K: codes of 6 bits, element = d * sc * (q - 32), with a signed 8-bit sc per 16 inputs (a group's low nibbles,
 // then its high ones) and a float16 d per 256 inputs. Per group uint8 [blocks, G, 160]: the codes' bit 4 and bit 5
@@ -599,12 +603,27 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   });
 }
 
-at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N) {
-  return packed_linear("q4_0_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
-    TORCH_CHECK(has_shape(scale, at::kHalf, {blocks, G, kBlock}),
-                "q4_0_linear: scale float16 [ceil(N / 16), K / 32, 16], contiguous");
-    return Q4_0Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), G};
+namespace {
+
+// The kernel on a type of one float16 scale per group and output (ScaleOnly): scale [ceil(N / 16), K / 32, 16].
+template <class Scales>
+at::Tensor scale_only_linear(const char* name, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                             int64_t N) {
+  return packed_linear(name, x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(has_shape(scale, at::kHalf, {blocks, G, kBlock}), name,
+                ": scale float16 [ceil(N / 16), K / 32, 16], contiguous");
+    return Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), G};
   });
+}
+
+}  // namespace
+
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N) {
+  return scale_only_linear<Q4_0Scales>("q4_0_linear", x, qs, scale, N);
+}
+
+at::Tensor iq4_nl_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N) {
+  return scale_only_linear<IQ4_NLScales>("iq4_nl_linear", x, qs, scale, N);
 }
 
 at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
@@ -674,11 +693,7 @@ at::Tensor q5_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }
 
 at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N) {
-  return packed_linear("q8_0_packed_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
-    TORCH_CHECK(has_shape(scale, at::kHalf, {blocks, G, kBlock}),
-                "q8_0_packed_linear: scale float16 [ceil(N / 16), K / 32, 16], contiguous");
-    return Q8_0Scales{reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()), G};
-  });
+  return scale_only_linear<Q8_0Scales>("q8_0_packed_linear", x, qs, scale, N);
 }
 
 at::Tensor q6_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& high_scales,

@@ -175,7 +175,8 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q6_K", 14, 256, 210, _q6_k,
               Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k, native_pack="pack_q6_k"),
               Prefill.FLOAT),
-    QuantType("IQ4_NL", 20, 32, 18, _iq4_nl),
+    QuantType("IQ4_NL", 20, 32, 18, _iq4_nl, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0),
+              max_rows=PACKED_MAX_ROWS),  # Q4_0's block layout, levels for codes
     QuantType("IQ4_XS", 23, 256, 136, _iq4_xs, Packing(("blocks", "scales", "supers"), pack_iq4_xs, unpack_iq4_xs),
               max_rows=PACKED_MAX_ROWS),
 )}

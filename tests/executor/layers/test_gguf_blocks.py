@@ -307,7 +307,7 @@ def test_tiny_gguf_decodes_through_the_fused_layer_as_through_python(tmp_path, a
     biases = [name for name, _ in model.named_parameters() if name.endswith("bias")]
     assert {name.split(".")[1] for name in biases} == ({"0", "1"} if arch == "qwen2" else set()), biases
     assert all((layer.self_attn.q_norm is not None) == (arch == "qwen3") for layer in model.layers)
-    # Layer 0 holds a type read as stored (IQ4_NL) and Q6_K, whose prefill is float; layer 1's are all packed.
+    # Layer 0 holds Q6_K, whose prefill is float; layer 1's are all packed for every call size.
     assert [layer._layer_ops_rows for layer in model.layers] == [STORED_MAX_ROWS, PACKED_MAX_ROWS]
     fused = greedy(model, PROMPTS)
     for layer in model.layers:

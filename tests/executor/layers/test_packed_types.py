@@ -1,8 +1,8 @@
-"""Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 and IQ4_XS regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear,
-q5_1_linear, q5_k_linear, q6_k_linear, q8_0_packed_linear, iq4_xs_linear): every bit of the file kept, the kernel
-against the exact product of the int8-rounded activations and the file's weights, every instruction set the same,
-and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1, Q5_K, Q8_0
-and IQ4_XS linears through the fused layer and the Python path)."""
+"""Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS regrouped for csrc/int4_linear.cpp (q4_0_linear, q5_0_linear,
+q5_1_linear, q5_k_linear, q6_k_linear, q8_0_packed_linear, iq4_nl_linear, iq4_xs_linear): every bit of the file kept,
+the kernel against the exact product of the int8-rounded activations and the file's weights, every instruction set
+the same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1,
+Q5_K, Q8_0 and IQ4_XS linears through the fused layer and the Python path)."""
 
 from __future__ import annotations
 
@@ -38,13 +38,14 @@ PACKS = {"Q4_0": (pack_q4_0, unpack_q4_0, "q4_0_linear"),
          "Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
          "Q5_K": (pack_q5_k, unpack_q5_k, "q5_k_linear"), "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"),
          "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear"),
-         "IQ4_XS": (pack_iq4_xs, unpack_iq4_xs, "iq4_xs_linear")}
+         "IQ4_NL": (pack_q4_0, unpack_q4_0, "iq4_nl_linear"), "IQ4_XS": (pack_iq4_xs, unpack_iq4_xs, "iq4_xs_linear")}
 SHAPES = {"Q4_0": [(3, 16, 4, 16, 4), (3, 16, 16)],  # codes (nibbles), scales
           "Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
           "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
           "Q5_K": [(3, 16, 4, 16, 4), (3, 16, 96), (3, 2, 2, 16)],  # nibbles, fifth bits and scales, d and -dmin
           "Q6_K": [(3, 16, 4, 16, 4), (3, 16, 160), (3, 2, 16)],  # nibbles, high bits and scales, d per 256
           "Q8_0": [(3, 16, 8, 16, 4), (3, 16, 16)],  # codes (bytes), scales
+          "IQ4_NL": [(3, 16, 4, 16, 4), (3, 16, 16)],  # as Q4_0's
           "IQ4_XS": [(3, 16, 4, 16, 4), (3, 16, 16), (3, 2, 16)]}  # nibbles (levels), scales less 32, d per 256
 # The packs' bytes per block of the file where they take more: the 6-bit scales (and minimums) a byte each.
 PACKED_BYTES = {"Q5_K": 180, "IQ4_XS": 138}
@@ -275,20 +276,20 @@ def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
 
 def extreme_blocks(qtype: str, n: int, k: int) -> torch.Tensor:
     """Rows of one block repeated: every code at its largest (Q5_0, Q5_1: 31; Q5_K: 31 at scale 63) with d = 1 and
-    no minimum; IQ4_XS: scale 31, each group's first 16 inputs level -127 and its last 16 level 113."""
+    no minimum; IQ4_NL, IQ4_XS (at scale 31): each group's first 16 inputs level -127 and its last 16 level 113."""
     block = torch.full((BY_NAME[qtype].block_bytes,), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
-    halves = {"Q5_0": [1.0], "Q5_1": [1.0, 0.0], "Q5_K": [1.0, 0.0], "IQ4_XS": [1.0]}[qtype]  # d = 1 (m = dmin = 0)
+    halves = {"Q5_1": [1.0, 0.0], "Q5_K": [1.0, 0.0]}.get(qtype, [1.0])  # d = 1 (m = dmin = 0)
     block[:2 * len(halves)] = torch.tensor(halves, dtype=torch.float16).view(torch.uint8)
-    if qtype == "IQ4_XS":
-        block[8:] = 0xF0
+    if qtype in ("IQ4_NL", "IQ4_XS"):
+        block[{"IQ4_NL": 2, "IQ4_XS": 8}[qtype]:] = 0xF0
     return block.repeat(n, k // BY_NAME[qtype].block_size)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_the_largest_codes_against_the_largest_activations_sum_exactly(qtype, kernel):
     # Against every activation code +-127: the largest sums a group's products reach, exact in every instruction
     # set. 16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 five-bit products; pmaddubsw's pair sums of
-    # IQ4_XS's kernel bytes (level + 128: 241) against 127 would saturate, so AVX2 sums the levels' signed bytes.
+    # the IQ4 types' kernel bytes (level + 128: 241) against 127 would saturate, so AVX2 sums the levels' signed bytes.
     n, k = 16, 512
     blocks = extreme_blocks(qtype, n, k)
     x = torch.full((3, k), 1.0)

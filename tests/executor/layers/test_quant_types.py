@@ -1,7 +1,7 @@
 """The quant-type table: csrc/gguf_linear.cpp's kQuantTypes agrees with quant_types.py row for row (and both with the
-gguf package), and the type added in the table's shape, IQ4_NL (one row and one block unpacker), serves: its
-dequantizer against the gguf package's, its GEMV on the blocks as stored and its prefill tiles against float matmul,
-its blocks read from a .gguf file as stored."""
+gguf package), and a type's row serves, IQ4_NL's here (its packed kernel is test_packed_types'): its dequantizer
+against the gguf package's, its GEMV on the blocks as stored and its prefill tiles against float matmul, its blocks
+read from a .gguf file as stored."""
 
 from __future__ import annotations
 
@@ -46,9 +46,6 @@ def test_types_outside_the_table_are_refused(kernel):
         quant_type("IQ2_XS")
     with pytest.raises(RuntimeError, match="no kernels for GGML type 99"):
         kernel.gguf_linear(torch.randn(1, 32), torch.zeros(1, 18, dtype=torch.uint8), 99)
-    empty = torch.empty(0)
-    with pytest.raises(RuntimeError, match="IQ4_NL has no packed kernel"):
-        kernel.quant_linear(torch.randn(1, 32), quant_type("IQ4_NL").type_id, empty, empty, empty, 1)
 
 
 def iq4_nl_blocks(n: int, k: int, seed: int) -> np.ndarray:
@@ -72,8 +69,8 @@ def test_iq4_nl_decodes_on_the_gemv_of_its_blocks_as_stored(rows, kernel):
     weight = reference(blocks)
     torch.testing.assert_close(dequantize(torch.from_numpy(blocks), "IQ4_NL", k, kernel), weight, rtol=2e-7,
                                atol=1e-9)
-    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), "IQ4_NL", k), None, kernel)
-    assert not linear.method.packed and linear.method.max_rows == STORED_MAX_ROWS  # no packed layout: as stored
+    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), "IQ4_NL", k), None, kernel, repack=False)
+    assert not linear.method.packed and linear.method.max_rows == STORED_MAX_ROWS  # as stored
     assert linear.kernel_facts().op is not None  # csrc/llama_layer.cpp finds its GEMV by its id
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = linear(x)
@@ -88,7 +85,8 @@ def test_iq4_nl_decodes_on_the_gemv_of_its_blocks_as_stored(rows, kernel):
 def test_iq4_nl_prefills_on_float_tiles(native, kernel):
     n, k = 300, 512
     blocks = iq4_nl_blocks(n, k, seed=7)
-    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), "IQ4_NL", k), torch.randn(n), kernel if native else None)
+    linear = GgufLinear(GgufBlocks(torch.from_numpy(blocks), "IQ4_NL", k), torch.randn(n), kernel if native else None,
+                        repack=False)
     linear.method.tile_rows = 64  # several tiles, the last one partial
     x = torch.randn(2, 17, k)  # 34 rows: past the GEMV's
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, reference(blocks), linear.bias), rtol=1e-5,
