@@ -54,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("requantize_q8_0", &requantize_q8_0, "a GGUF type without a kernel, as stored, to Q8_0 rows");
   m.def("requantized_types", &requantized_types, "the GGML type ids requantize_q8_0 reads");
   m.def("pack_q4_k", &pack_q4_k, "Q4_K rows regrouped for q4_k_linear");
+  m.def("pack_q5_k", &pack_q5_k, "Q5_K rows regrouped for q5_k_linear");
   m.def("pack_q6_k", &pack_q6_k, "Q6_K rows regrouped for q6_k_linear");
   m.def("q6_k_dequantize", &q6_k_dequantize, "packed Q6_K blocks to float32 rows");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");

@@ -188,9 +188,11 @@ std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> quan
 at::Tensor q3_k_as_q6_k(const at::Tensor& w, int64_t K);
 at::Tensor requantize_q8_0(const at::Tensor& w, int64_t type, int64_t K);
 std::vector<int64_t> requantized_types();
-// Q4_K rows uint8 [N, K / 256 * 144] and Q6_K rows [N, K / 256 * 210] → q4_k_linear's and q6_k_linear's buffers
-// (gguf_blocks.py's pack_q4_k and pack_q6_k, the same bytes; k_quant_pack.cpp).
+// Q4_K rows uint8 [N, K / 256 * 144], Q5_K rows [N, K / 256 * 176] and Q6_K rows [N, K / 256 * 210] → q4_k_linear's,
+// q5_k_linear's and q6_k_linear's buffers (gguf_blocks.py's pack_q4_k, pack_q5_k and pack_q6_k, the same bytes;
+// k_quant_pack.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q6_k(const at::Tensor& data);
 // q6_k_linear's packed Q6_K blocks (pack_q6_k) as float32 rows [16 P, K].
 at::Tensor q6_k_dequantize(const at::Tensor& nibbles, const at::Tensor& high_scales,

@@ -1,12 +1,13 @@
-// Q4_K and Q6_K rows as a file stores them regrouped for q4_k_linear and q6_k_linear: gguf_blocks.py's pack_q4_k and
-// pack_q6_k in one pass each (the torch versions stay the reference and the fallback; tests/executor/layers/
+// Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for q4_k_linear, q5_k_linear and q6_k_linear:
+// gguf_blocks.py's pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay the reference and the fallback; tests/executor/layers/
 // test_packed_types.py holds the two to the same bytes). Rows past N read as zero blocks, as the torch versions pad
 // them.
 //
 // A Q4_K block (ggml's block_q4_K, 144 bytes): d, dmin (float16), scales[12] (eight 6-bit scales and minimums, as
 // gguf_blocks.k4_scales reads them), qs[128] (weight 32 g + l in the low nibble of qs[32 (g / 2) + l] for even g, the
 // high one for odd g). Packed as int4_linear.cpp's nibbles, scales_mins [P, G, 2, 16] and supers [P, nb, 2, 16]
-// (d and -dmin, the sign bit flipped).
+// (d and -dmin, the sign bit flipped). A Q5_K block (176 bytes) adds qh[32] (bit i of qh[l]: weight 32 i + l's fifth
+// bit) before its qs; packed as Q4_K's with the fifth bits ahead of each group's scales and minimums.
 //
 // A Q6_K block (ggml's block_q6_K, 210 bytes): ql[128], qh[64], scales[16] (int8, one per 16 weights), d (float16);
 // weight 128 n + 32 i + l has its low nibble in ql[64 n + 32 (i % 2) + l] (the high nibble where i >= 2) and its two
@@ -22,7 +23,8 @@
 
 namespace {
 
-constexpr int64_t kRows = 16, kGroup = 32, kSuper = 256, kQ6KBytes = 210, kQ4KBytes = 144, kGroupsPerSuper = 8;
+constexpr int64_t kRows = 16, kGroup = 32, kSuper = 256, kQ6KBytes = 210, kQ4KBytes = 144, kQ5KBytes = 176,
+                  kGroupsPerSuper = 8;
 
 // A block's 256 six-bit codes in weight order.
 void codes_of(const uint8_t* b, uint8_t* codes) {
@@ -99,15 +101,18 @@ void pack_q6_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8
   }
 }
 
-// Pack p's 16 rows of Q4_K.
-void pack_q4_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* scales_mins,
-                    uint16_t* supers) {
+// Pack p's 16 rows of Q4_K, or of Q5_K (Five: its fifth bits, bit gs of qh[l] for weight 32 gs + l, go ahead of each
+// group's scales and minimums in pack_q5_0's order).
+template <bool Five>
+void pack_k4_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* per_group,
+                  uint16_t* supers) {
+  constexpr int64_t kBytes = Five ? kQ5KBytes : kQ4KBytes, kGroupBytes = Five ? 96 : 32, kScalesAt = Five ? 64 : 0;
   const int64_t G = nb * kGroupsPerSuper;
-  static const uint8_t kZero[kQ4KBytes] = {};
+  static const uint8_t kZero[kBytes] = {};
   for (int64_t o = 0; o < kRows; ++o) {
     const int64_t row = p * kRows + o;
     for (int64_t s = 0; s < nb; ++s) {
-      const uint8_t* b = row < N ? data + (row * nb + s) * kQ4KBytes : kZero;
+      const uint8_t* b = row < N ? data + (row * nb + s) * kBytes : kZero;
       uint16_t d, dmin;
       std::memcpy(&d, b, 2);
       std::memcpy(&dmin, b + 2, 2);
@@ -116,11 +121,10 @@ void pack_q4_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8
       const uint8_t* sc = b + 4;
       for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
         const int64_t g = s * kGroupsPerSuper + gs;
-        const uint8_t scale = gs < 4 ? sc[gs] & 63 : (sc[4 + gs] & 15) | ((sc[gs - 4] >> 2) & 48);
-        const uint8_t minimum = gs < 4 ? sc[4 + gs] & 63 : (sc[4 + gs] >> 4) | ((sc[gs] >> 2) & 48);
-        scales_mins[(g * 2 + 0) * kRows + o + p * G * 2 * kRows] = scale;
-        scales_mins[(g * 2 + 1) * kRows + o + p * G * 2 * kRows] = minimum;
-        const uint8_t* qs = b + 16 + 32 * (gs / 2);
+        uint8_t* group = per_group + (p * G + g) * kGroupBytes;
+        group[kScalesAt + o] = gs < 4 ? sc[gs] & 63 : (sc[4 + gs] & 15) | ((sc[gs - 4] >> 2) & 48);
+        group[kScalesAt + kRows + o] = gs < 4 ? sc[4 + gs] & 63 : (sc[4 + gs] >> 4) | ((sc[gs] >> 2) & 48);
+        const uint8_t* qs = b + (Five ? 48 : 16) + 32 * (gs / 2);
         const int shift = 4 * (gs % 2);
         uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
         for (int chunk = 0; chunk < 4; ++chunk)
@@ -128,6 +132,13 @@ void pack_q4_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8
             const int j = 4 * chunk + t;
             nib[(chunk * kRows + o) * 4 + t] = uint8_t((qs[j] >> shift & 15) | (qs[16 + j] >> shift & 15) << 4);
           }
+        for (int t = 0; t < 4 && Five; ++t) {  // byte t: bit c input 4c + t's fifth bit, bit 4 + c 16 + 4c + t's
+          uint8_t byte = 0;
+          for (int half = 0; half < 2; ++half)
+            for (int chunk = 0; chunk < 4; ++chunk)
+              byte |= uint8_t((b[16 + 16 * half + 4 * chunk + t] >> gs & 1) << (4 * half + chunk));
+          group[o * 4 + t] = byte;
+        }
       }
     }
   }
@@ -164,7 +175,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed(const at::Tensor& data, co
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data) {
-  return packed(data, "pack_q4_k", kQ4KBytes, {2, kRows}, {2, kRows}, pack_q4_k_rows);
+  return packed(data, "pack_q4_k", kQ4KBytes, {2, kRows}, {2, kRows}, pack_k4_rows<false>);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data) {
+  return packed(data, "pack_q5_k", kQ5KBytes, {96}, {2, kRows}, pack_k4_rows<true>);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q6_k(const at::Tensor& data) {

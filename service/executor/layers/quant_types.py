@@ -169,7 +169,8 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
               Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k, native_pack="pack_q4_k"),
               max_rows=PACKED_MAX_ROWS),
     QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True),
-              Packing(("blocks", "high_scales_mins", "supers"), pack_q5_k, unpack_q5_k), max_rows=PACKED_MAX_ROWS),
+              Packing(("blocks", "high_scales_mins", "supers"), pack_q5_k, unpack_q5_k, native_pack="pack_q5_k"),
+              max_rows=PACKED_MAX_ROWS),
     # Prefill in float: SmolLM2's Q4_K_M file keeps its first layers' down projections in Q6_K, and a prefill of
     # those on int8-rounded activations changed its greedy answers.
     QuantType("Q6_K", 14, 256, 210, _q6_k,
