@@ -138,26 +138,24 @@ struct Q8_0 {
   }
 };
 
-// IQ4_NL: d and 16 bytes of nibbles laid out as Q4_0's, each nibble the index of one of 16 non-linear levels
-// (llama.cpp's kvalues_iq4nl). One byte shuffle per half where built for AVX2.
-constexpr int8_t kIq4NlLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-// 16 bytes of nibbles (Q4_0's order) to the 32 levels they pick.
+// 16 bytes of nibbles (Q4_0's order) to the 32 levels (sluice::kIq4Levels) they pick: one byte shuffle per half where
+// built for AVX2.
 inline void unpack_levels(const uint8_t* qs, int8_t* q) {
 #ifdef SLUICE_AVX2
-  const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlLevels));
+  const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sluice::kIq4Levels));
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(15);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(levels, _mm_and_si128(v, mask)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
                    _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
 #else
   for (int j = 0; j < 16; ++j) {
-    q[j] = kIq4NlLevels[qs[j] & 15];
-    q[j + 16] = kIq4NlLevels[qs[j] >> 4];
+    q[j] = sluice::kIq4Levels[qs[j] & 15];
+    q[j + 16] = sluice::kIq4Levels[qs[j] >> 4];
   }
 #endif
 }
 
+// IQ4_NL: d and 16 bytes of nibbles laid out as Q4_0's, each nibble the index of one of the 16 levels.
 struct IQ4_NL {
   static constexpr int kQK = 32, kBytes = 18;
   static void unpack(const uint8_t* b, Unpacked<32>& u) {

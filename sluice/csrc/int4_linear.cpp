@@ -1,9 +1,9 @@
 // Weight-only int4 (and int5, int6, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL or IQ4_XS
-// weights, int8 activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an output row, 32 nibbles q with a
-// float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element (q - 8) d; Q4_K: each group's scale
-// d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's element (q - 16) d; Q8_0: a byte per
-// code, kept as q + 128; IQ4_NL and IQ4_XS: a nibble picks one of 16 levels; the policies below). Each input row is quantized per group of 32 to int8 (qx, scale
-// dx = max|x| / 127), so
+// weights, int8 activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an
+// output row, 32 nibbles q with a float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element
+// (q - 8) d; Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's
+// element (q - 16) d; Q8_0: a byte per code, kept as q + 128; IQ4_NL and IQ4_XS: a nibble picks one of 16 levels;
+// the policies below). Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
 // activations carry it). Q4_0, Q5_0 and Q8_0 have no minimum: their codes' offset (8, 16, 128) comes off the
@@ -26,15 +26,22 @@
 
 #include <algorithm>
 #include <cmath>
+#include <array>
 #include <cstring>
 #include <type_traits>
 
+#include "quant_types.h"
 #include "quantize_rows.h"
 #include "row_blocks.h"
 
-// IQ4_NL's 16 levels (llama.cpp's kvalues_iq4nl), which its and IQ4_XS's nibbles pick, plus 128: bytes 1..241 for vpdpbusd,
-// their 128 taken off the integer sum as Q8_0's is (or by i8_dot where it sums signed bytes).
-alignas(16) constexpr uint8_t kLevelBytes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// The IQ4 levels (quant_types.h) plus 128: bytes 1..241 for vpdpbusd, their 128 taken off the integer sum as Q8_0's
+// is (or by i8_dot where it sums signed bytes).
+constexpr std::array<uint8_t, 16> level_bytes() {
+  std::array<uint8_t, 16> bytes{};
+  for (int i = 0; i < 16; ++i) bytes[i] = static_cast<uint8_t>(sluice::kIq4Levels[i] + 128);
+  return bytes;
+}
+alignas(16) constexpr std::array<uint8_t, 16> kLevelBytes = level_bytes();
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -64,8 +71,8 @@ inline ivec i4_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 inline ivec i8_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w: bytes 0..255
 // Nibbles 0..15 to kLevelBytes: one in-lane byte shuffle of the table, repeated in every 128-bit lane.
 inline ivec i4_levels(ivec nibbles) {
-  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevelBytes))),
-                             nibbles);
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kLevelBytes.data()));
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), nibbles);
 }
 constexpr bool kSignedByteDot = false;  // i8_dot sums the stored bytes u = q + 128
 inline fvec f_zero() { return _mm512_setzero_ps(); }
@@ -119,8 +126,8 @@ inline ivec i8_dot(ivec acc, ivec u, ivec x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 inline ivec i4_levels(ivec nibbles) {  // as the AVX-512 one
-  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevelBytes))),
-                             nibbles);
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kLevelBytes.data()));
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles);
 }
 inline fvec f_zero() { return _mm256_setzero_ps(); }
 inline fvec f_set1(float v) { return _mm256_set1_ps(v); }
@@ -656,7 +663,8 @@ at::Tensor iq4_xs_linear(const at::Tensor& x, const at::Tensor& qs, const at::Te
                          const at::Tensor& supers, int64_t N) {
   return packed_linear("iq4_xs_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
     TORCH_CHECK(G % 8 == 0, "iq4_xs_linear: K must be a multiple of 256");
-    TORCH_CHECK(has_shape(scales, at::kChar, {blocks, G, kBlock}) && has_shape(supers, at::kHalf, {blocks, G / 8, kBlock}),
+    TORCH_CHECK(has_shape(scales, at::kChar, {blocks, G, kBlock}) &&
+                    has_shape(supers, at::kHalf, {blocks, G / 8, kBlock}),
                 "iq4_xs_linear: scales int8 [ceil(N / 16), K / 32, 16], supers float16 [ceil(N / 16), K / 256, 16], "
                 "contiguous");
     return IQ4_XSScales{scales.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()), G};

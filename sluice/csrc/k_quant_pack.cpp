@@ -1,7 +1,7 @@
 // Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for q4_k_linear, q5_k_linear and q6_k_linear:
-// gguf_blocks.py's pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay the reference and the fallback; tests/executor/layers/
-// test_packed_types.py holds the two to the same bytes). Rows past N read as zero blocks, as the torch versions pad
-// them.
+// gguf_blocks.py's pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay the reference and the
+// fallback; tests/executor/layers/test_packed_types.py holds the two to the same bytes). Rows past N read as zero
+// blocks, as the torch versions pad them.
 //
 // A Q4_K block (ggml's block_q4_K, 144 bytes): d, dmin (float16), scales[12] (eight 6-bit scales and minimums, as
 // gguf_blocks.k4_scales reads them), qs[128] (weight 32 g + l in the low nibble of qs[32 (g / 2) + l] for even g, the
@@ -49,9 +49,19 @@ void codes_of(const uint8_t* b, uint8_t* codes) {
 #endif
 }
 
+// Byte t of one bit plane of a group in int4_linear.cpp's order: in bit c, bit `bit` of src[4c + t] (input 4c + t's),
+// in bit 4 + c that of src[16 + 4c + t].
+uint8_t plane_byte(const uint8_t* src, int bit, int t) {
+  uint8_t byte = 0;
+  for (int half = 0; half < 2; ++half)
+    for (int chunk = 0; chunk < 4; ++chunk)
+      byte |= uint8_t((src[16 * half + 4 * chunk + t] >> bit & 1) << (4 * half + chunk));
+  return byte;
+}
+
 // Pack p's 16 rows of Q6_K.
 void pack_q6_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* high_scales,
-               uint16_t* supers) {
+                    uint16_t* supers) {
   const int64_t G = nb * kGroupsPerSuper;
   static const uint8_t kZero[kQ6KBytes] = {};
   uint8_t codes[kSuper];
@@ -87,13 +97,7 @@ void pack_q6_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8
             nib[(chunk * kRows + o) * 4 + t] = uint8_t((c[j] & 15) | (c[16 + j] & 15) << 4);
           }
         for (int plane = 0; plane < 2; ++plane)
-          for (int t = 0; t < 4; ++t) {
-            uint8_t byte = 0;
-            for (int half = 0; half < 2; ++half)
-              for (int chunk = 0; chunk < 4; ++chunk)
-                byte |= uint8_t((c[16 * half + 4 * chunk + t] >> (4 + plane) & 1) << (4 * half + chunk));
-            planes[(plane * kRows + o) * 4 + t] = byte;
-          }
+          for (int t = 0; t < 4; ++t) planes[(plane * kRows + o) * 4 + t] = plane_byte(c, 4 + plane, t);
 #endif
         for (int half = 0; half < 2; ++half) planes[128 + half * kRows + o] = b[192 + 2 * gs + half];
       }
@@ -132,13 +136,7 @@ void pack_k4_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t
             const int j = 4 * chunk + t;
             nib[(chunk * kRows + o) * 4 + t] = uint8_t((qs[j] >> shift & 15) | (qs[16 + j] >> shift & 15) << 4);
           }
-        for (int t = 0; t < 4 && Five; ++t) {  // byte t: bit c input 4c + t's fifth bit, bit 4 + c 16 + 4c + t's
-          uint8_t byte = 0;
-          for (int half = 0; half < 2; ++half)
-            for (int chunk = 0; chunk < 4; ++chunk)
-              byte |= uint8_t((b[16 + 16 * half + 4 * chunk + t] >> gs & 1) << (4 * half + chunk));
-          group[o * 4 + t] = byte;
-        }
+        for (int t = 0; t < 4 && Five; ++t) group[o * 4 + t] = plane_byte(b + 16, int(gs), t);
       }
     }
   }

@@ -1,11 +1,14 @@
 // The GGUF quant types the kernels serve: one row each in gguf_linear.cpp's kQuantTypes, keyed by GGML type id as
-// service/executor/layers/quant_types.py's table is (tests/executor/layers/test_quant_types.py checks that they agree). A row
-// names the type's kernels; the bindings, gguf_linear and llama_layer.cpp find them here by id.
+// service/executor/layers/quant_types.py's table is (tests/executor/layers/test_quant_types.py checks that they
+// agree). A row names the type's kernels; the bindings, gguf_linear and llama_layer.cpp find them here by id.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 namespace sluice {
+
+// IQ4_NL's 16 non-linear levels (llama.cpp's kvalues_iq4nl): each nibble of an IQ4_NL or IQ4_XS block picks one.
+inline constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // On a weight's blocks as stored, w uint8 [N, row_bytes]: y = x @ W.T for few rows of x float32 [M, K]
 // (activations rounded to int8 per 32), and W as float32 rows [N, K].

@@ -53,7 +53,8 @@ void q2_k(const uint8_t* b, float* w) {
 // weights and d per 256 holds Q3_K's d * (sc - 32) * q exactly (scale = sc - 32, code = q + 32, q in -4..3). Q3_K's
 // layout: hmask[32] (weight 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (its low two
 // bits in bits 2 (i % 4) and up of byte 32 (i / 4) + l), scales[12] (sixteen 6-bit scales: s's low nibble in byte
-// s % 8 at bit 4 (s / 8), its high two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). Q6_K's layout (ggml's block_q6_K): ql[128], qh[64], scales[16] (int8), d; weight 128 n + 32 t + l has its low nibble in
+// s % 8 at bit 4 (s / 8), its high two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). Q6_K's layout (ggml's
+// block_q6_K): ql[128], qh[64], scales[16] (int8), d; weight 128 n + 32 t + l has its low nibble in
 // ql[64 n + 32 (t % 2) + l] (the high nibble where t >= 2), its two high bits at bit 2t of qh[32 n + l].
 void q3_k_as_q6_k(const uint8_t* b, uint8_t* out) {
   const uint8_t* hmask = b;
