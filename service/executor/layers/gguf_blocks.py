@@ -31,10 +31,18 @@ def split_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
+_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
 def bits32(qh: torch.Tensor) -> torch.Tensor:
     """[nb, 4] bytes → [nb, 32]: bit j of the little-endian 32-bit word."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    return ((qh[:, :, None] >> shifts) & 1).reshape(-1, 32)
+    return ((qh[:, :, None] >> _BYTE_SHIFTS) & 1).reshape(-1, 32)
+
+
+def k5_fifth_bits(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [nb, 176] → their codes' fifth bits uint8 [nb, 8, 32]: sub-block i, input l is bit i of qh[l]."""
+    return ((b[:, 16:48, None] >> _BYTE_SHIFTS) & 1).transpose(1, 2)
 
 
 def k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,10 +194,6 @@ def _negated(half: torch.Tensor) -> torch.Tensor:
     return (half.view(torch.int16) ^ -0x8000).view(torch.float16)
 
 
-_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
-_PAIR_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
-
-
 def _k4_packs(b: torch.Tensor, nb: int, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K or Q5_K blocks [16 P * nb, bytes] and their 128 bytes of nibbles → the codes' low four bits as
     int4_linear's nibbles [P, G, 4, 16, 4], each group's 6-bit scale and minimum [P, G, 2, 16], d and -dmin [P, nb, 2,
@@ -238,8 +242,8 @@ def pack_q5_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     n, nb = data.shape[0], data.shape[1] // 176
     b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 176)
     nibbles, scales_mins, supers = _k4_packs(b, nb, b[:, 48:])
-    fifth = ((b[:, 16:48, None] >> _BYTE_SHIFTS) & 1).transpose(1, 2).reshape(-1, 32)  # [rows * G, 32]
-    planes = _bit_plane(fifth).reshape(-1, PACK_ROWS, nb * 8, 4).transpose(1, 2).reshape(-1, nb * 8, 64)
+    planes = _bit_plane(k5_fifth_bits(b).reshape(-1, 32))  # [rows * G, 4]
+    planes = planes.reshape(-1, PACK_ROWS, nb * 8, 4).transpose(1, 2).reshape(-1, nb * 8, 64)
     return nibbles, torch.cat([planes, scales_mins.reshape(-1, nb * 8, 32)], dim=-1), supers
 
 

@@ -21,6 +21,7 @@ from sluice.service.executor.layers.gguf_blocks import (
     half_at,
     iq4_xs_scales,
     k4_scales,
+    k5_fifth_bits,
     pack_iq4_xs,
     pack_q4_0,
     pack_q4_1,
@@ -126,7 +127,7 @@ def _k4(b: torch.Tensor, five: bool) -> torch.Tensor:
     qs = b[:, 48:] if five else b[:, 16:]
     q = split_nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-block 2j: chunk j's low nibbles, 2j+1 high
     if five:
-        q = q | (((b[:, 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1).transpose(1, 2) << 4)
+        q = q | (k5_fifth_bits(b) << 4)
     d = half_at(b, 0)[:, :, None] * scale[:, :, None]
     return (d * q.float() - half_at(b, 2)[:, :, None] * minimum[:, :, None]).reshape(-1, 256)
 

@@ -49,7 +49,7 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
 def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensors:
     """Access by transformers name to the file's tensors: float tensors of the file's own type (float32, float16,
     bfloat16), and quantized ones as `GgufBlocks` (a type without a kernel here in one with a kernel: Q3_K as Q6_K
-    blocks of the same values, Q2_K or an IQ type requantized into Q8_0), or as float32 where `dequantize`."""
+    blocks of the same values, Q2_K or another IQ type requantized into Q8_0), or as float32 where `dequantize`."""
     import gguf
     from gguf.quants import dequantize as dequantized
 
