@@ -3,8 +3,11 @@ call with 32 long prompts is prefilled, and a one-line chat sent meanwhile (`slu
 
 Before the latency budget and fair shares the stream fell to ~6% of its idle rate and the chat waited for the
 whole batch (17 s at 16 x 1,024 tokens on 2 cores). The design keeps the stream at half its idle rate or better
-(bench figures in the issue's note); this test asks for 40% with three tries, so that a neighbour taking the
-cores for a few seconds cannot fail it, while any return of the stall still does: that is 6%, in every try.
+and the batch within 2.5x its time alone (bench figures in the issue's note); this test asks for 40% and 3x with
+three tries, so that a neighbour taking the cores for a few seconds cannot fail it, while any return of the stall
+still does: that is 6%, in every try. The slowdown is the ratio of two single timings a few seconds apart: on a
+shared machine it spread from 1.55x to 2.68x over six runs of the same build, where a batch the target starved
+(a block every few steps) takes 8x or more.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from tests.support.server import Server
 pytestmark = [pytest.mark.slow, pytest.mark.canary, pytest.mark.deep, pytest.mark.anyio, pytest.mark.timeout(600)]
 MIN_RATE_RATIO = 0.4  # of the stream's idle rate, per try (the design gives >= 0.5)
 CHAT_TTFT_S = 5.0  # the issue's bound on a one-line chat's first token
-MAX_SLOWDOWN = 2.5  # the batch beside the stream against alone (the issue's bound)
+MAX_SLOWDOWN = 3.0  # the batch beside the stream against alone, per try (the issue asks 2.5; the design gives it)
 TRIES = 3
 
 
