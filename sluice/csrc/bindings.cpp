@@ -48,7 +48,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored, few rows");
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks as stored to float32 rows");
   m.def("quant_linear", &quant_linear, "linear on a GGUF type's packed layout, its kernel found by type id");
-  m.def("quant_packed_dequantize", &quant_packed_dequantize, "a GGUF type's packed layout to float32 rows");
   m.def("quant_types", &quant_types, "the quant-type table: (name, id, block size, block bytes, packed, packed rows)");
   m.def("q3_k_as_q6_k", &q3_k_as_q6_k, "Q3_K rows as Q6_K rows of the same values");
   m.def("requantize_q8_0", &requantize_q8_0, "a GGUF type without a kernel, as stored, to Q8_0 rows");
@@ -56,7 +55,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_q4_k", &pack_q4_k, "Q4_K rows regrouped for q4_k_linear");
   m.def("pack_q5_k", &pack_q5_k, "Q5_K rows regrouped for q5_k_linear");
   m.def("pack_q6_k", &pack_q6_k, "Q6_K rows regrouped for q6_k_linear");
-  m.def("q6_k_dequantize", &q6_k_dequantize, "packed Q6_K blocks to float32 rows");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
   pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")
       .def(pybind11::init<int64_t, at::Tensor, at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>>())

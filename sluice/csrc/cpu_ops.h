@@ -173,15 +173,14 @@ std::string paged_decode_isa();
 bool paged_decode_vector_covers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 // Linears on GGUF blocks (gguf_linear.cpp), each type's kernels found by GGML type id in its kQuantTypes
 // (quant_types.h). gguf_linear and gguf_dequantize: on blocks as stored, w uint8 [N, row_bytes]: y = x @ W.T for few
-// rows of x float32 [M, K], activations quantized to int8 per 32; W as float32 [N, K]. quant_linear and
-// quant_packed_dequantize: the same on a type's packed layout (buffers a, b, c; c empty for a type with two).
-// quant_types: the table's rows (name, id, block size, block bytes, has a packed kernel, has a packed dequantizer).
+// rows of x float32 [M, K], activations quantized to int8 per 32; W as float32 [N, K]. quant_linear: the same on a
+// type's packed layout (buffers a, b, c; c empty for a type with two). quant_types: the table's rows (name, id,
+// block size, block bytes, has a packed kernel).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type);
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K);
 at::Tensor quant_linear(const at::Tensor& x, int64_t type, const at::Tensor& a, const at::Tensor& b,
                         const at::Tensor& c, int64_t N);
-at::Tensor quant_packed_dequantize(int64_t type, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
-std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> quant_types();
+std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool>> quant_types();
 // GGUF types without a kernel, as the file stores them, w uint8 [N, K / 256 * block_bytes], rewritten into types
 // with one (requantize.cpp says how): Q3_K into Q6_K rows uint8 [N, K / 256 * 210], the same values; Q2_K or IQ4_XS
 // (requantized_types(), GGML ids) requantized into Q8_0 rows uint8 [N, K / 32 * 34].
@@ -194,9 +193,6 @@ std::vector<int64_t> requantized_types();
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q6_k(const at::Tensor& data);
-// q6_k_linear's packed Q6_K blocks (pack_q6_k) as float32 rows [16 P, K].
-at::Tensor q6_k_dequantize(const at::Tensor& nibbles, const at::Tensor& high_scales,
-                           const at::Tensor& supers);
 
 // How many threads at::parallel_for really runs on (1 where the build lost OpenMP).
 int64_t parallel_threads();

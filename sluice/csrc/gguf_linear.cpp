@@ -412,9 +412,8 @@ at::Tensor two_buffers(const at::Tensor& x, const at::Tensor& a, const at::Tenso
 }
 
 template <class F>
-constexpr sluice::QuantTraits row(const char* name, int64_t id, sluice::PackedLinear packed = nullptr,
-                                  sluice::PackedDequantize packed_dequantize = nullptr) {
-  return {name, id, F::kQK, F::kBytes, stored_linear<F>, stored_dequantize<F>, packed, packed_dequantize};
+constexpr sluice::QuantTraits row(const char* name, int64_t id, sluice::PackedLinear packed = nullptr) {
+  return {name, id, F::kQK, F::kBytes, stored_linear<F>, stored_dequantize<F>, packed};
 }
 
 // One row per type, by GGML id (gguf.GGMLQuantizationType's values), as quant_types.py's QUANT_TYPES.
@@ -426,7 +425,7 @@ constexpr sluice::QuantTraits kQuantTypes[] = {
     row<Q8_0>("Q8_0", 8, two_buffers<q8_0_packed_linear>),
     row<QK4<false>>("Q4_K", 12, q4_k_linear),
     row<QK4<true>>("Q5_K", 13, q5_k_linear),
-    row<Q6_K>("Q6_K", 14, q6_k_linear, q6_k_dequantize),
+    row<Q6_K>("Q6_K", 14, q6_k_linear),
     row<IQ4_NL>("IQ4_NL", 20, two_buffers<iq4_nl_linear>),
     row<IQ4_XS>("IQ4_XS", 23, iq4_xs_linear),
 };
@@ -456,16 +455,9 @@ at::Tensor quant_linear(const at::Tensor& x, int64_t type, const at::Tensor& a, 
   return t.packed_linear(x, a, b, c, N);
 }
 
-at::Tensor quant_packed_dequantize(int64_t type, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-  const sluice::QuantTraits& t = sluice::quant_traits(type);
-  TORCH_CHECK(t.packed_dequantize != nullptr, "quant_packed_dequantize: ", t.name, " has no packed dequantizer");
-  return t.packed_dequantize(a, b, c);
-}
-
-std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> quant_types() {
-  std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool>> rows;
+std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool>> quant_types() {
+  std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool>> rows;
   for (const sluice::QuantTraits& t : kQuantTypes)
-    rows.emplace_back(t.name, t.id, t.block_size, t.block_bytes, t.packed_linear != nullptr,
-                      t.packed_dequantize != nullptr);
+    rows.emplace_back(t.name, t.id, t.block_size, t.block_bytes, t.packed_linear != nullptr);
   return rows;
 }

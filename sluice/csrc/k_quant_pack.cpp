@@ -11,7 +11,7 @@
 //
 // A Q6_K block (ggml's block_q6_K, 210 bytes): ql[128], qh[64], scales[16] (int8, one per 16 weights), d (float16);
 // weight 128 n + 32 i + l has its low nibble in ql[64 n + 32 (i % 2) + l] (the high nibble where i >= 2) and its two
-// high bits at bit 2i of qh[32 n + l]. The packed layout is q6_k_dequantize.cpp's.
+// high bits at bit 2i of qh[32 n + l]. The packed layout is int4_linear.cpp's (Q6_KScales).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>

@@ -15,18 +15,16 @@ inline constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -
 using StoredLinear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w);
 using StoredDequantize = at::Tensor (*)(const at::Tensor& w, int64_t K);
 // On a weight regrouped 16 output rows together for int4_linear.cpp (the type's pack_* in gguf_blocks.py): its
-// buffers a, b, c (c empty for a type with two), N outputs; and those packs as float32 rows [16 P, K].
+// buffers a, b, c (c empty for a type with two), N outputs.
 using PackedLinear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                                     const at::Tensor& c, int64_t N);
-using PackedDequantize = at::Tensor (*)(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
 
 struct QuantTraits {
   const char* name;
   int64_t id, block_size, block_bytes;
   StoredLinear stored_linear;
   StoredDequantize stored_dequantize;
-  PackedLinear packed_linear;          // nullptr: the type is read as stored
-  PackedDequantize packed_dequantize;  // nullptr: a prefill does not dequantize the packs
+  PackedLinear packed_linear;  // nullptr: the type is read as stored
 };
 
 // The row of GGML type `id`; an error naming it where there is none.

@@ -3,10 +3,10 @@ checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). 
 
 `GgufMethod` keeps a weight in one of two layouts. A type the table gives a `Packing` is regrouped at load (where the
 extension is built), 16 output rows together, for csrc/int4_linear.cpp's packed kernel, every bit kept: calls of up
-to the type's `max_rows` rows run that kernel, the activations rounded to int8 per 32 inputs as llama.cpp rounds
-them; larger calls (a type whose `prefill` is FLOAT) multiply float tiles dequantized from the packs. Any other type
-keeps its rows as stored: calls of up to STORED_MAX_ROWS rows run csrc/gguf_linear.cpp's GEMV on them (int8
-activations), larger ones float tiles. Without the extension every call multiplies tiles dequantized in torch. The
+to PACKED_MAX_ROWS rows (every prefill chunk) run that kernel, the activations rounded to int8 per 32 inputs as
+llama.cpp rounds them; larger calls multiply float tiles dequantized from the packs. Any other type keeps its rows
+as stored: calls of up to STORED_MAX_ROWS rows run csrc/gguf_linear.cpp's GEMV on them (int8 activations), larger
+ones float tiles. Without the extension every call multiplies tiles dequantized in torch. The
 C++ side finds each type's kernels by its id (csrc/gguf_linear.cpp's kQuantTypes), never by name.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,7 +33,6 @@ from sluice.service.executor.layers.linear import (
 from sluice.service.executor.layers.quant_types import (
     PACKED_MAX_ROWS,
     STORED_MAX_ROWS,
-    Prefill,
     dequantize,
     quant_type,
 )
@@ -47,12 +45,10 @@ TILE_ELEMENTS = 1 << 18  # a prefill tile's float scratch: 1 MiB
 class GgufMethod(LinearMethod):
     """A weight's GGUF blocks of one quant type (`quant`, its table row), computed in float32. `kernel`: the built
     extension, or None (torch dequantize for every call); `repack=False` keeps a packed type's rows as stored (bench/
-    packed_linears.py times the two); `head`: an output head, whose rows are the sampled ones, one per sequence, so a
-    packed type's kernel takes its calls of every size whatever the type's prefill (the logits of a row do not depend
-    on the batch; llama.cpp too rounds a Q6_K head's activations)."""
+    packed_linears.py times the two)."""
 
-    def __init__(self, kernel=None, repack: bool = True, head: bool = False) -> None:
-        self.kernel, self.repack, self.head = kernel, repack, head
+    def __init__(self, kernel=None, repack: bool = True) -> None:
+        self.kernel, self.repack = kernel, repack
 
     def __deepcopy__(self, memo: dict) -> GgufMethod:
         return copy.copy(self)  # no tensors here (the layer holds them); the extension module is shared
@@ -72,7 +68,7 @@ class GgufMethod(LinearMethod):
             layer.register_buffer("blocks", blocks.data)
         set_bias(layer, None if bias is None else bias.float())
         if self.kernel is not None:
-            self.max_rows = (PACKED_MAX_ROWS if self.head else quant.max_rows) if self.packed else STORED_MAX_ROWS
+            self.max_rows = PACKED_MAX_ROWS if self.packed else STORED_MAX_ROWS
         self.tile_rows = max(PACK_ROWS, TILE_ELEMENTS // k // PACK_ROWS * PACK_ROWS)
         return n, k
 
@@ -106,22 +102,14 @@ class GgufMethod(LinearMethod):
         stop = layer.out_features if stop is None else min(stop, layer.out_features)
         if not self.packed:
             return layer.blocks[start:stop]
-        return self._from_packs(layer, start, stop, self.quant.packing.unpack)
+        first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)  # the packs of 16 rows holding them
+        rows = self.quant.packing.unpack(*(t[first:last] for t in self.packs(layer)), (last - first) * PACK_ROWS)
+        return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
     def float_rows(self, layer: Linear, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the weight as float32 [rows, K]: a prefill tile."""
         stop = min(stop, layer.out_features)
-        if self.packed and self.quant.prefill is Prefill.FLOAT:
-            empty = torch.empty(0)
-            return self._from_packs(layer, start, stop, lambda *packs: self.kernel.quant_packed_dequantize(
-                self.quant.type_id, *[*packs[:-1], empty][:3]))
         return dequantize(self.stored_rows(layer, start, stop), self.qtype, layer.in_features, self.kernel)
-
-    def _from_packs(self, layer: Linear, start: int, stop: int, convert: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """Rows [start, stop) of convert(*the packed buffers of the packs holding them, those packs' row count)."""
-        first, last = start // PACK_ROWS, -(-stop // PACK_ROWS)
-        rows = convert(*(t[first:last] for t in self.packs(layer)), (last - first) * PACK_ROWS)
-        return rows[start - first * PACK_ROWS:stop - first * PACK_ROWS]
 
     def rows_at(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` (int64 [n]) as GGUF stores them, uint8 [n, row_bytes]: an embedding's lookup."""
@@ -152,9 +140,9 @@ class GgufMethod(LinearMethod):
 class GgufLinear(Linear):
     """A Linear on GGUF blocks (GgufMethod)."""
 
-    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None, repack: bool = True,
-                 head: bool = False) -> None:
-        super().__init__(GgufMethod(kernel, repack, head), blocks, bias)
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None = None, kernel=None,
+                 repack: bool = True) -> None:
+        super().__init__(GgufMethod(kernel, repack), blocks, bias)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] the blocks stand for (service/bench's name for dense_weight)."""
@@ -163,12 +151,12 @@ class GgufLinear(Linear):
 
 class GgufEmbedding(nn.Module):
     """Token embeddings in GGUF blocks: only the looked-up rows are dequantized, into `dtype`. The blocks are a
-    GgufLinear's (`table`, packed where its type is, built as a head), which a tied head runs: one copy of the bytes."""
+    GgufLinear's (`table`, packed where its type is), which a tied head runs: one copy of the bytes."""
 
     def __init__(self, blocks: GgufBlocks, dtype: torch.dtype, kernel=None) -> None:
         super().__init__()
         self.qtype, self.embedding_dim, self.dtype, self.kernel = blocks.qtype, blocks.in_features, dtype, kernel
-        self.table = GgufLinear(blocks, None, kernel, head=True)
+        self.table = GgufLinear(blocks, None, kernel)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] → [..., E]."""
@@ -235,8 +223,7 @@ class GgufFormat(WeightFormat):
             return PlainLinear(weight.to(dtype), None if bias is None else bias.to(dtype), pad=True)
         self.made[kinds[0]] += 1
         data = torch.cat([w.data for w in weights]) if len(weights) > 1 else weights[0].data
-        return GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel,
-                          head=parts == ["lm_head"])
+        return GgufLinear(GgufBlocks(data, kinds[0], weights[0].in_features), bias, self.kernel)
 
     def embedding(self, weight, device, dtype):
         if isinstance(weight, GgufBlocks):
@@ -274,10 +261,9 @@ class QuantizeFormat(WeightFormat):
         if weight.shape[1] % GROUP:
             self.made["F32"] += 1
             return PlainLinear(weight.float(), None if bias is None else bias.float(), pad=True)
-        head = parts == ["lm_head"]
-        qtype = "Q8_0" if head else self.qtype
+        qtype = "Q8_0" if parts == ["lm_head"] else self.qtype
         self.made[qtype] += 1
-        return GgufLinear(GgufBlocks(quantize(weight, qtype), qtype, weight.shape[1]), bias, self.kernel, head=head)
+        return GgufLinear(GgufBlocks(quantize(weight, qtype), qtype, weight.shape[1]), bias, self.kernel)
 
     def embedding(self, weight, device, dtype):
         if weight.shape[1] % GROUP:

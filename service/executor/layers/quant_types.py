@@ -1,6 +1,6 @@
 """The one table of the GGUF quant types Sluice serves, as llama.cpp keeps its `type_traits[]`: a row per type with
-its GGML id, block size and bytes, its torch dequantizer, its regrouping for csrc/int4_linear.cpp's packed kernel
-(if it has one), where calls past the kernel's row limit go, and that limit.
+its GGML id, block size and bytes, its torch dequantizer and its regrouping for csrc/int4_linear.cpp's packed kernel
+(if it has one).
 
 csrc/gguf_linear.cpp's `kQuantTypes` mirrors this table row for row, by the same ids (each row there names the type's
 kernels: the GEMV and dequantizer on blocks as stored, the packed kernel); the extension's `quant_types()` lists it
@@ -10,7 +10,6 @@ unpacker and row there, and its test.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,18 +43,11 @@ from sluice.service.executor.layers.gguf_blocks import (
     unpack_q8_0,
 )
 
-# The row limits a type's kernel takes. The GEMV on blocks as stored unpacks every block once per few input rows,
+# The row limits of the kernels. The GEMV on blocks as stored unpacks every block once per few input rows,
 # dequantized tiles once per call, so past a few dozen rows the tiles + GEMM win; a packed kernel reads 16 output
-# rows' blocks together and takes whole prefill chunks.
+# rows' blocks together and takes whole prefill chunks (activations rounded to int8 per 32, as llama.cpp's).
 STORED_MAX_ROWS = 32
 PACKED_MAX_ROWS = 4096
-
-
-class Prefill(enum.Enum):
-    """Where a packed type's calls past its kernel's `max_rows` go."""
-
-    KERNEL = "kernel"  # nowhere: the packed kernel (int8-rounded activations) takes calls of every size
-    FLOAT = "float"  # dequantized float tiles times float activations (a head stays on the kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +78,6 @@ class QuantType:
     block_bytes: int
     dequantize: Callable[[torch.Tensor], torch.Tensor]
     packing: Packing | None = None
-    prefill: Prefill = Prefill.KERNEL
-    max_rows: int = STORED_MAX_ROWS  # the most rows a call may have on the packed kernel
 
     def row_bytes(self, in_features: int) -> int:
         """Bytes of one row of `in_features` inputs; ValueError where they are not whole blocks."""
@@ -156,31 +146,20 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 
 
 QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
-    QuantType("Q4_0", 2, 32, 18, _q4_0, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0),
-              max_rows=PACKED_MAX_ROWS),
-    QuantType("Q4_1", 3, 32, 20, _q4_1, Packing(("blocks", "scale", "minimum"), pack_q4_1, unpack_q4_1),
-              max_rows=PACKED_MAX_ROWS),
-    QuantType("Q5_0", 6, 32, 22, _q5_0, Packing(("blocks", "fifth", "scale"), pack_q5_0, unpack_q5_0),
-              max_rows=PACKED_MAX_ROWS),
-    QuantType("Q5_1", 7, 32, 24, _q5_1, Packing(("blocks", "fifth", "scale_min"), pack_q5_1, unpack_q5_1),
-              max_rows=PACKED_MAX_ROWS),
-    QuantType("Q8_0", 8, 32, 34, _q8_0, Packing(("blocks", "scale"), pack_q8_0, unpack_q8_0, q8_0_rows),
-              max_rows=PACKED_MAX_ROWS),
+    QuantType("Q4_0", 2, 32, 18, _q4_0, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0)),
+    QuantType("Q4_1", 3, 32, 20, _q4_1, Packing(("blocks", "scale", "minimum"), pack_q4_1, unpack_q4_1)),
+    QuantType("Q5_0", 6, 32, 22, _q5_0, Packing(("blocks", "fifth", "scale"), pack_q5_0, unpack_q5_0)),
+    QuantType("Q5_1", 7, 32, 24, _q5_1, Packing(("blocks", "fifth", "scale_min"), pack_q5_1, unpack_q5_1)),
+    QuantType("Q8_0", 8, 32, 34, _q8_0, Packing(("blocks", "scale"), pack_q8_0, unpack_q8_0, q8_0_rows)),
     QuantType("Q4_K", 12, 256, 144, lambda b: _k4(b, five=False),
-              Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k, native_pack="pack_q4_k"),
-              max_rows=PACKED_MAX_ROWS),
+              Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k, native_pack="pack_q4_k")),
     QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True),
-              Packing(("blocks", "high_scales_mins", "supers"), pack_q5_k, unpack_q5_k, native_pack="pack_q5_k"),
-              max_rows=PACKED_MAX_ROWS),
-    # Prefill in float: SmolLM2's Q4_K_M file keeps its first layers' down projections in Q6_K, and a prefill of
-    # those on int8-rounded activations changed its greedy answers.
+              Packing(("blocks", "high_scales_mins", "supers"), pack_q5_k, unpack_q5_k, native_pack="pack_q5_k")),
     QuantType("Q6_K", 14, 256, 210, _q6_k,
-              Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k, native_pack="pack_q6_k"),
-              Prefill.FLOAT),
-    QuantType("IQ4_NL", 20, 32, 18, _iq4_nl, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0),
-              max_rows=PACKED_MAX_ROWS),  # Q4_0's block layout, levels for codes
-    QuantType("IQ4_XS", 23, 256, 136, _iq4_xs, Packing(("blocks", "scales", "supers"), pack_iq4_xs, unpack_iq4_xs),
-              max_rows=PACKED_MAX_ROWS),
+              Packing(("blocks", "high_scales", "supers"), pack_q6_k, unpack_q6_k, native_pack="pack_q6_k")),
+    # IQ4_NL: Q4_0's block layout, levels for codes
+    QuantType("IQ4_NL", 20, 32, 18, _iq4_nl, Packing(("blocks", "scale"), pack_q4_0, unpack_q4_0)),
+    QuantType("IQ4_XS", 23, 256, 136, _iq4_xs, Packing(("blocks", "scales", "supers"), pack_iq4_xs, unpack_iq4_xs)),
 )}
 BY_NAME: dict[str, QuantType] = {t.name: t for t in QUANT_TYPES.values()}
 

@@ -29,7 +29,7 @@ from sluice.service.executor.layers.gguf_blocks import (
     unpack_q8_0,
 )
 from sluice.service.executor.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear
-from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
+from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, dequantize
 from tests.support.gguf_files import random_blocks
 from tests.support.int8_rounding import int8_rounded, k_quant_reference
 from tests.support.kernels import integer_kernels, variant_isas
@@ -136,55 +136,9 @@ def test_fifth_bits_sit_where_the_kernel_reads_them():
     assert torch.equal(fifth[0, 0], want)
 
 
-WHOLE_CALLS = [q for q in PACKS if q != "Q6_K"]  # packed for calls of every size; Q6_K's prefill is float (below)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
-def test_q6_k_kernel_computes_the_int8_activation_linear(rows, kernel):
-    n, k = 40, 768
-    blocks = quantized("Q6_K", n, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    x[0, :32] = 0
-    weight = dequantize(blocks, "Q6_K", k).double()
-    got, want = kernel.q6_k_linear(x, *pack_q6_k(blocks), n).double(), int8_rounded(x).double() @ weight.T
-    scale = (x.double().abs() @ weight.abs().T).amax()
-    assert ((got - want).abs() > 1e-6 * scale).sum() <= max(1, got.numel() // 40)
-
-
-@pytest.mark.deep  # slow (builds or a long end-to-end run): `make test-deep`
-def test_packed_q6_k_decodes_on_the_kernel_and_prefills_float_tiles(kernel):
-    # Served packed, Q6_K keeps the numerics of its rows read as stored: int8 activations up to 32 rows (the
-    # GEMV's), float tiles past them (which SmolLM2's first layers' downs need, gguf_linear.py).
-    n, k = 40, 768  # 40 rows: the last pack of 16 is part padding
-    blocks = quantized("Q6_K", n, k, seed=11)
-    packed = GgufLinear(GgufBlocks(blocks, "Q6_K", k), torch.randn(n), kernel)
-    stored = GgufLinear(GgufBlocks(blocks, "Q6_K", k), packed.bias.data, kernel, repack=False)
-    assert packed.method.packed and not stored.method.packed
-    assert packed.method.max_rows == stored.method.max_rows == 32
-    assert torch.equal(kernel.q6_k_dequantize(*packs(packed))[:n], dequantize(blocks, "Q6_K", k, kernel))
-    assert torch.equal(packed.method.float_rows(packed, 16, 40), dequantize(blocks[16:], "Q6_K", k))
-    weight = dequantize(blocks, "Q6_K", k).double()
-    for rows in (1, 5, 32):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(packed(x), stored(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed(x).double(), int8_rounded(x).double() @ weight.T + packed.bias.double(),
-                                   rtol=1e-5, atol=1e-5)
-    packed.method.tile_rows = stored.method.tile_rows = 16  # several tiles, the last one partial
-    x = torch.randn(2, 17, k, generator=torch.Generator().manual_seed(2))  # 34 rows: prefill
-    torch.testing.assert_close(packed(x), stored(x), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(packed(x).double(), x.double() @ weight.T + packed.bias.double(), rtol=1e-5,
-                               atol=1e-5)
-    with pytest.raises(RuntimeError, match="high_scales uint8"):
-        nibbles, high_scales, supers = packs(packed)
-        kernel.q6_k_dequantize(nibbles, high_scales[:, :, :8].contiguous(), supers)
-    for isa in variant_isas():  # the portable loop and the AVX2 lanes unpack the same codes
-        assert torch.equal(integer_kernels(isa).q6_k_dequantize(*packs(packed)), kernel.q6_k_dequantize(
-            *packs(packed))), isa
-
-
-def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
-    # A head's rows are one per sequence: a step of 40 sequences gives each the logits it gets alone (a layer's
-    # Q6_K still multiplies float tiles past 32 rows: its prefill).
+def test_a_q6_k_head_gives_a_row_the_logits_it_gets_alone(kernel):
+    # A head's rows are one per sequence: a step of 40 sequences gives each the logits it gets alone, tied or not;
+    # a layer's Q6_K takes its prefill chunks on the kernel as well.
     n, k = 40, 512
     blocks = GgufBlocks(quantized("Q6_K", n, k, seed=4), "Q6_K", k)
     method = GgufFormat(torch.float32, kernel)
@@ -192,8 +146,7 @@ def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
     tied = method.tied_head(method.embedding(blocks, cpu, torch.float32))
     untied, layer = (method.make_parts([blocks], [None], [name], cpu, torch.float32)
                      for name in ("lm_head", "down_proj"))
-    assert tied.method.max_rows == untied.method.max_rows == PACKED_MAX_ROWS
-    assert layer.method.max_rows == STORED_MAX_ROWS
+    assert tied.method.max_rows == untied.method.max_rows == layer.method.max_rows == PACKED_MAX_ROWS
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
     logits = tied(x)
     for row in (0, 17, 39):
@@ -203,7 +156,7 @@ def test_a_q6_k_head_takes_every_batch_on_the_kernel(kernel):
     assert ((logits.double() - want).abs() > 1e-6 * scale).sum() <= max(1, logits.numel() // 40)
 
 
-@pytest.mark.parametrize("qtype", WHOLE_CALLS)
+@pytest.mark.parametrize("qtype", PACKS)
 @pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
 def test_kernel_computes_the_int8_activation_linear(qtype, rows, kernel):
     n, k = 40, 768

@@ -14,7 +14,6 @@ from sluice.service.executor.layers.gguf_linear import GgufLinear
 from sluice.service.executor.layers.quant_types import (
     QUANT_TYPES,
     STORED_MAX_ROWS,
-    Prefill,
     dequantize,
     quant_type,
 )
@@ -27,10 +26,9 @@ def test_the_cpp_table_mirrors_the_python_one(kernel):
     cpp = {row[1]: row for row in kernel.quant_types()}
     assert sorted(cpp) == sorted(QUANT_TYPES)
     for type_id, t in QUANT_TYPES.items():
-        name, _, block_size, block_bytes, packed, packed_rows = cpp[type_id]
+        name, _, block_size, block_bytes, packed = cpp[type_id]
         assert (name, block_size, block_bytes) == (t.name, t.block_size, t.block_bytes)
         assert packed == (t.packing is not None), name  # a packing here, a packed kernel there
-        assert packed_rows == (packed and t.prefill is Prefill.FLOAT), name  # float prefill tiles from the packs
 
 
 def test_the_table_agrees_with_the_gguf_package():
