@@ -7,7 +7,7 @@ and the batch within 2.5x its time alone (bench figures in the issue's note); th
 three tries, so that a neighbour taking the cores for a few seconds cannot fail it, while any return of the stall
 still does: that is 6%, in every try. The slowdown is the ratio of two single timings a few seconds apart: on a
 shared machine it spread from 1.55x to 2.68x over six runs of the same build, where a batch the target starved
-(a block every few steps) takes 8x or more.
+(a block every few steps) would take 8x or more.
 """
 
 from __future__ import annotations
