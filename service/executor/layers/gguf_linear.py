@@ -2,11 +2,11 @@
 checkpoint's quantized at load into Q8_0 / Q4_1 (`--quantization int8 | int4`). No float copy of a weight is kept.
 
 `GgufMethod` keeps a weight in one of two layouts. A type the table gives a `Packing` is regrouped at load (where the
-extension is built), 16 output rows together, for csrc/int4_linear.cpp's packed kernel, every bit kept: calls of up
-to PACKED_MAX_ROWS rows (every prefill chunk) run that kernel, the activations rounded to int8 per 32 inputs as
-llama.cpp rounds them; larger calls multiply float tiles dequantized from the packs. Any other type keeps its rows
-as stored: calls of up to STORED_MAX_ROWS rows run csrc/gguf_linear.cpp's GEMV on them (int8 activations), larger
-ones float tiles. Without the extension every call multiplies tiles dequantized in torch. The
+extension is built), 16 output rows together, for csrc/int4_linear.cpp's packed kernel, every bit kept: calls of up to
+PACKED_MAX_ROWS rows (every prefill chunk) run that kernel, the activations rounded to int8 per 32 inputs as llama.cpp
+rounds them; larger calls multiply float tiles dequantized from the packs. Rows kept as stored (`repack=False`, or a
+type the table gives no packing) run csrc/gguf_linear.cpp's GEMV for calls of up to STORED_MAX_ROWS rows (int8
+activations), float tiles for larger ones. Without the extension every call multiplies tiles dequantized in torch. The
 C++ side finds each type's kernels by its id (csrc/gguf_linear.cpp's kQuantTypes), never by name.
 """
 
@@ -108,7 +108,6 @@ class GgufMethod(LinearMethod):
 
     def float_rows(self, layer: Linear, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the weight as float32 [rows, K]: a prefill tile."""
-        stop = min(stop, layer.out_features)
         return dequantize(self.stored_rows(layer, start, stop), self.qtype, layer.in_features, self.kernel)
 
     def rows_at(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
