@@ -1,13 +1,13 @@
 """Stall-free and fair, end to end (issue 54): `sluice serve` on SmolLM2, a stream decoding while one completions
 call with 32 long prompts is prefilled, and a one-line chat sent meanwhile (`sluice bench serve --mixed`).
 
-Before the latency budget and fair shares the stream fell to ~6% of its idle rate and the chat waited for the
-whole batch (17 s at 16 x 1,024 tokens on 2 cores). The design keeps the stream at half its idle rate or better
-and the batch within 2.5x its time alone (bench figures in the issue's note); this test asks for 40% and 3x with
-three tries, so that a neighbour taking the cores for a few seconds cannot fail it, while any return of the stall
-still does: that is 6%, in every try. The slowdown is the ratio of two single timings a few seconds apart: on a
-shared machine it spread from 1.55x to 2.68x over six runs of the same build, where a batch the target starved
-(a block every few steps) would take 8x or more.
+Before the latency budget and fair shares the stream fell to ~6% of its idle rate and the chat waited for the whole
+batch (17 s at 16 x 1,024 tokens on 2 cores). The design keeps the stream at half its idle rate or better, which
+leaves the batch at most half of each step: 2x its time alone at best, against the issue's 2.5x (bench figures in
+the issue's note). This test asks for 40% and 3x with three tries, so that a neighbour taking the cores for a few
+seconds cannot fail it, while any return of the stall still does: that is 6%, in every try. The slowdown is the
+ratio of two single timings a few seconds apart: on a shared machine it spread from 1.55x to 2.68x over six runs of
+the same build, where a batch the target starved (a block every few steps) would take 8x or more.
 """
 
 from __future__ import annotations
