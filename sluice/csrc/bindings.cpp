@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "linear on GGUF blocks as stored, few rows");
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks as stored to float32 rows");
   m.def("quant_linear", &quant_linear, "linear on a GGUF type's packed layout, its kernel found by type id");
-  m.def("quant_types", &quant_types, "the quant-type table: (name, id, block size, block bytes, packed, packed rows)");
+  m.def("quant_types", &quant_types, "the quant-type table: (name, id, block size, block bytes, has a packed kernel)");
   m.def("q3_k_as_q6_k", &q3_k_as_q6_k, "Q3_K rows as Q6_K rows of the same values");
   m.def("requantize_q8_0", &requantize_q8_0, "a GGUF type without a kernel, as stored, to Q8_0 rows");
   m.def("requantized_types", &requantized_types, "the GGML type ids requantize_q8_0 reads");

@@ -182,7 +182,7 @@ at::Tensor quant_linear(const at::Tensor& x, int64_t type, const at::Tensor& a, 
                         const at::Tensor& c, int64_t N);
 std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool>> quant_types();
 // GGUF types without a kernel, as the file stores them, w uint8 [N, K / 256 * block_bytes], rewritten into types
-// with one (requantize.cpp says how): Q3_K into Q6_K rows uint8 [N, K / 256 * 210], the same values; Q2_K or IQ4_XS
+// with one (requantize.cpp says how): Q3_K into Q6_K rows uint8 [N, K / 256 * 210], the same values; Q2_K
 // (requantized_types(), GGML ids) requantized into Q8_0 rows uint8 [N, K / 32 * 34].
 at::Tensor q3_k_as_q6_k(const at::Tensor& w, int64_t K);
 at::Tensor requantize_q8_0(const at::Tensor& w, int64_t type, int64_t K);

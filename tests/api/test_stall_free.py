@@ -23,7 +23,7 @@ from tests.support.server import Server
 pytestmark = [pytest.mark.slow, pytest.mark.canary, pytest.mark.deep, pytest.mark.anyio, pytest.mark.timeout(600)]
 MIN_RATE_RATIO = 0.4  # of the stream's idle rate, per try (the design gives >= 0.5)
 CHAT_TTFT_S = 5.0  # the issue's bound on a one-line chat's first token
-MAX_SLOWDOWN = 3.0  # the batch beside the stream against alone, per try (the issue asks 2.5; the design gives it)
+MAX_SLOWDOWN = 3.0  # the batch beside the stream against alone, per try (the issue asks 2.5)
 TRIES = 3
 
 

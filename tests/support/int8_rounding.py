@@ -18,11 +18,12 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 def k_quant_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     """What q4_k_linear or q5_k_linear computes on Q4_K or Q5_K rows, in float64: the int8-rounded activations
     times d * sc * q, plus each group's minimum (-dmin * m) times the float sum of its inputs."""
+    from sluice.service.executor.layers.gguf_blocks import k4_scales
     from sluice.service.executor.layers.quant_types import BY_NAME, dequantize
 
     b = blocks.reshape(-1, BY_NAME[qtype].block_bytes)
     dmin = b[:, 2:4].contiguous().view(torch.float16).double()
-    m = torch.cat([b[:, 8:12] & 63, (b[:, 12:16] >> 4) | ((b[:, 8:12] >> 2) & 48)], dim=-1).double()  # 6-bit
+    m = k4_scales(b[:, 4:16])[1].double()  # the 6-bit minimums
     minimum = (-dmin * m).reshape(blocks.shape[0], k // 32)  # [N, G]
     codes_part = dequantize(blocks, qtype, k).double() - minimum.repeat_interleave(32, dim=1)
     sums = x.double().reshape(x.shape[0], -1, 32).sum(-1)
