@@ -276,6 +276,31 @@ struct Q6_K {
   }
 };
 
+// Q3_K: hmask[32] (input 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (its low two bits
+// at bit 2 (i % 4) of byte 32 (i / 4) + l), scales[12] (sixteen 6-bit scales: s's low nibble in byte s % 8 at bit
+// 4 (s / 8), its high two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). Element = d * (sc - 32) * q, q in
+// -4..3.
+struct Q3_K {
+  static constexpr int kQK = 256, kBytes = 110;
+  static void unpack(const uint8_t* b, Unpacked<256>& u) {
+    const uint8_t* hmask = b;
+    const uint8_t* qs = b + 32;
+    const uint8_t* sc = b + 96;
+    const float d = f16(b + 108);
+    for (int i = 0; i < 8; ++i) {
+      for (int l = 0; l < 32; ++l) {
+        const int low = (qs[32 * (i / 4) + l] >> (2 * (i % 4))) & 3, third = (hmask[l] >> i) & 1;
+        u.q[32 * i + l] = static_cast<int8_t>(low + 4 * third - 4);
+      }
+    }
+    for (int s = 0; s < 16; ++s) {
+      const int scale = ((sc[s % 8] >> (4 * (s / 8))) & 15) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4);
+      u.scale[s] = d * static_cast<float>(scale - 32);
+    }
+    for (int s = 0; s < 8; ++s) u.offset[s] = 0.f;
+  }
+};
+
 using sluice::QuantizedRows;
 using sluice::quantize_rows;
 
@@ -423,6 +448,7 @@ constexpr sluice::QuantTraits kQuantTypes[] = {
     row<Q5<false>>("Q5_0", 6, q5_0_linear),
     row<Q5<true>>("Q5_1", 7, q5_1_linear),
     row<Q8_0>("Q8_0", 8, two_buffers<q8_0_packed_linear>),
+    row<Q3_K>("Q3_K", 11, q3_k_linear),
     row<QK4<false>>("Q4_K", 12, q4_k_linear),
     row<QK4<true>>("Q5_K", 13, q5_k_linear),
     row<Q6_K>("Q6_K", 14, q6_k_linear),

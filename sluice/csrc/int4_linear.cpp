@@ -1,9 +1,9 @@
-// Weight-only int4 (and int5, int6, int8) linear (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL or IQ4_XS
+// Weight-only int3 to int8 linear (Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL or IQ4_XS
 // weights, int8 activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an
 // output row, 32 nibbles q with a float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element
 // (q - 8) d; Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's
 // element (q - 16) d; Q8_0: a byte per code, kept as q + 128; IQ4_NL and IQ4_XS: a nibble picks one of 16 levels;
-// the policies below). Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+// Q6_K and Q3_K: a scale per 16 inputs, (q - 32) and (q - 4); the policies below). Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
 // activations carry it). Q4_0, Q5_0 and Q8_0 have no minimum: their codes' offset (8, 16, 128) comes off the
@@ -12,7 +12,7 @@
 // integer dot products (u8 x s8 -> s32), so every instruction set below computes the same values; only the final
 // float sums may round in another order.
 //
-// Layout (gguf_blocks.py's pack_q4_0, pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles):
+// Layout (gguf_packs.py's pack_q4_0, pack_q4_1, pack_q4_k and pack_q5_*, a permutation of the codes' nibbles):
 // outputs in blocks of 16. For block b and group g there are 256 bytes, in four chunks c of 64: chunk c holds, for
 // each output o of the block, the Q4_1 bytes 4c..4c+3 of row 16b + o's group g. A Q4_1 byte j holds element j (low
 // nibble) and j + 16 (high nibble), so a chunk's low nibbles are inputs 4c..4c+3 of the group and its high nibbles
@@ -298,26 +298,30 @@ using Q8_0Scales = ScaleOnly<true, kSignedByteDot ? 0 : 128>;
 // Q8_0's.
 using IQ4_NLScales = ScaleOnly<false, kSignedByteDot ? 0 : 128, true>;
 
-// Q6_K: codes of 6 bits, element = d * sc * (q - 32), with a signed 8-bit sc per 16 inputs (a group's low nibbles,
-// then its high ones) and a float16 d per 256 inputs. Per group uint8 [blocks, G, 160]: the codes' bit 4 and bit 5
-// in two planes of Q5's fifth-bit order ([16, 4] each), then sc [2, 16]; d float16 [blocks, G / 8, 16]. Each half's
-// -32 q offset comes off its integer sum: 32 times the sum of that half's activation codes (`xsum`, [G, 2] a row).
-struct Q6_KScales {
-  static constexpr bool kFifthBit = true, kSixthBit = true, kHalfScales = true, kCodeSum = true, kByteCodes = false,
-                        kMinimum = false, kLevels = false;
-  static constexpr int32_t kCodeBias = 0;  // -32 per half, in the half-scale branch
-  static constexpr int64_t kGroupHigh = 160;
+// Q6_K and Q3_K: element = d * sc * (q - offset), with a signed 8-bit sc per 16 inputs (a group's low nibbles, then
+// its high ones) and a float16 d per 256 inputs; each half's offset comes off its integer sum: the offset times the
+// sum of that half's activation codes (`xsum`, [G, 2] a row). Q6_K (SixBits): codes of 6 bits less 32, per group
+// uint8 [blocks, G, 160]: the codes' bit 4 and bit 5 in two planes of Q5's fifth-bit order ([16, 4] each), then sc
+// [2, 16]. Q3_K: codes of 3 bits less 4, held in the nibbles (their fourth bit clear), per group int8 sc [2, 16].
+// d float16 [blocks, G / 8, 16].
+template <bool SixBits>
+struct HalfScales {
+  static constexpr bool kFifthBit = SixBits, kSixthBit = SixBits, kHalfScales = true, kCodeSum = true,
+                        kByteCodes = false, kMinimum = false, kLevels = false;
+  static constexpr int32_t kCodeBias = 0;  // the half offset instead, in the half-scale branch
+  static constexpr int32_t kHalfOffset = SixBits ? 32 : 4;
+  static constexpr int64_t kGroupHigh = SixBits ? 160 : 32;
   const uint8_t* high;
   const uint16_t* d;
   int64_t G;
   const uint8_t* fifth_bits(int64_t b, int64_t g) const { return high + (b * G + g) * kGroupHigh; }
   const uint8_t* sixth_bits(int64_t b, int64_t g) const { return fifth_bits(b, g) + kBlock * 4; }
   const int8_t* sub_scales(int64_t b, int64_t g, int half) const {
-    return reinterpret_cast<const int8_t*>(fifth_bits(b, g) + 2 * kBlock * 4) + half * kBlock;
+    return reinterpret_cast<const int8_t*>(fifth_bits(b, g) + (SixBits ? 2 * kBlock * 4 : 0)) + half * kBlock;
   }
   const uint16_t* super(int64_t b, int64_t g) const { return d + (b * (G / 8) + g / 8) * kBlock; }
-  void prefetch(int64_t b, int64_t g) const {  // 10 bytes where the codes take 16
-    sluice::prefetch(fifth_bits(b, g) + sluice::kPrefetchBytes / 16 * 10, kGroupHigh);
+  void prefetch(int64_t b, int64_t g) const {  // Q6_K: 10 bytes where the codes take 16; Q3_K: 2
+    sluice::prefetch(fifth_bits(b, g) + sluice::kPrefetchBytes / 16 * (kGroupHigh / 16), kGroupHigh);
   }
 #ifdef I4_LANES
   fvec half_scale(int64_t b, int64_t g, int h, int half) const {
@@ -334,6 +338,8 @@ struct Q6_KScales {
     return (fifth_bits(b, g)[o * 4 + t] >> (4 + c) & 1) | (sixth_bits(b, g)[o * 4 + t] >> (4 + c) & 1) << 1;
   }
 };
+using Q6_KScales = HalfScales<true>;
+using Q3_KScales = HalfScales<false>;
 
 // IQ4_XS: Q4_0's nibbles, each the index of a level (kLevelBytes: level + 128), element = d * sc * level with a
 // signed sc per group (int8 [blocks, G, 16], the file's 6-bit scale less 32) and a float16 d per 256 inputs
@@ -457,8 +463,9 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             for (int r = 0; r < Rows; ++r) {
               const float* offsets = xsum + at(r, g) * 2;  // this group's halves' code sums
               const fvec dxr = f_set1(dx[at(r, g)]);
-              const ivec sum_lo = i4_add(lo[r][j], i4_set1(-32 * static_cast<int32_t>(offsets[0])));
-              const ivec sum_hi = i4_add(hi[r][j], i4_set1(-32 * static_cast<int32_t>(offsets[1])));
+              constexpr int32_t kOffset = Scales::kHalfOffset;
+              const ivec sum_lo = i4_add(widen(lo[r][j]), i4_set1(-kOffset * static_cast<int32_t>(offsets[0])));
+              const ivec sum_hi = i4_add(widen(hi[r][j]), i4_set1(-kOffset * static_cast<int32_t>(offsets[1])));
               total[r][j] = f_fmadd(f_cvt(sum_lo), f_mul(d_lo, dxr), total[r][j]);
               total[r][j] = f_fmadd(f_cvt(sum_hi), f_mul(d_hi, dxr), total[r][j]);
             }
@@ -511,7 +518,7 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
           }
           if constexpr (Scales::kHalfScales) {
             for (int half = 0; half < 2; ++half) {
-              const int32_t sum = dot[half] - 32 * static_cast<int32_t>(xsum[at(r, g) * 2 + half]);
+              const int32_t sum = dot[half] - Scales::kHalfOffset * static_cast<int32_t>(xsum[at(r, g) * 2 + half]);
               total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[at(r, g)], total);
             }
           } else {
@@ -714,6 +721,19 @@ at::Tensor q6_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                 "16], contiguous");
     return Q6_KScales{high_scales.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()),
                       G};
+  });
+}
+
+at::Tensor q3_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& supers,
+                       int64_t N) {
+  return packed_linear("q3_k_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(G % 8 == 0, "q3_k_linear: K must be a multiple of 256");
+    TORCH_CHECK(has_shape(scales, at::kChar, {blocks, G, 2, kBlock}) &&
+                    has_shape(supers, at::kHalf, {blocks, G / 8, kBlock}),
+                "q3_k_linear: scales int8 [ceil(N / 16), K / 32, 2, 16], supers float16 [ceil(N / 16), K / 256, 16], "
+                "contiguous");
+    return Q3_KScales{reinterpret_cast<const uint8_t*>(scales.data_ptr<int8_t>()),
+                      reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()), G};
   });
 }
 

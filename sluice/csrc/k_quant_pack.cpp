@@ -1,5 +1,5 @@
 // Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for q4_k_linear, q5_k_linear and q6_k_linear:
-// gguf_blocks.py's pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay the reference and the
+// gguf_packs.py's pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay the reference and the
 // fallback; tests/executor/layers/test_packed_types.py holds the two to the same bytes). Rows past N read as zero
 // blocks, as the torch versions pad them.
 //

@@ -14,7 +14,7 @@ inline constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -
 // (activations rounded to int8 per 32), and W as float32 rows [N, K].
 using StoredLinear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w);
 using StoredDequantize = at::Tensor (*)(const at::Tensor& w, int64_t K);
-// On a weight regrouped 16 output rows together for int4_linear.cpp (the type's pack_* in gguf_blocks.py): its
+// On a weight regrouped 16 output rows together for int4_linear.cpp (the type's pack_* in gguf_packs.py): its
 // buffers a, b, c (c empty for a type with two), N outputs.
 using PackedLinear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                                     const at::Tensor& c, int64_t N);

@@ -1,6 +1,5 @@
-// GGUF types without a kernel here, rewritten at load into types with one (gguf_weights.py). Q3_K goes into Q6_K
-// blocks, which hold its values exactly (q3_k_as_q6_k). Q2_K is requantized into Q8_0 rows
-// (requantize_q8_0) in one pass over the file's bytes: each super-block of 256 weights is dequantized
+// GGUF types without a kernel here, rewritten at load into a type with one (gguf_weights.py): Q2_K is requantized
+// into Q8_0 rows (requantize_q8_0) in one pass over the file's bytes: each super-block of 256 weights is dequantized
 // with the float32 operations gguf's own (numpy) dequantize performs, in its order, so the values are the same bit
 // for bit; each 32 of them then become a Q8_0 block exactly as gguf_blocks.quantize rounds one: d = half(max|w| /
 // 127), q = w / d rounded half to even. tests/executor/models/test_gguf_requantize.py holds both to the slow path.
@@ -45,34 +44,6 @@ void q2_k(const uint8_t* b, float* w) {
     for (int l = 0; l < kGroup; ++l) {
       const float product = dl[l / 16] * float((bytes[l] >> (2 * (i % 4))) & 3);
       w[kGroup * i + l] = product - ml[l / 16];
-    }
-  }
-}
-
-// Q3_K, 110 bytes → Q6_K, 210 bytes, the same values: Q6_K's w = d * scale * (code - 32) with an int8 scale per 16
-// weights and d per 256 holds Q3_K's d * (sc - 32) * q exactly (scale = sc - 32, code = q + 32, q in -4..3). Q3_K's
-// layout: hmask[32] (weight 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (its low two
-// bits in bits 2 (i % 4) and up of byte 32 (i / 4) + l), scales[12] (sixteen 6-bit scales: s's low nibble in byte
-// s % 8 at bit 4 (s / 8), its high two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). Q6_K's layout (ggml's
-// block_q6_K): ql[128], qh[64], scales[16] (int8), d; weight 128 n + 32 t + l has its low nibble in
-// ql[64 n + 32 (t % 2) + l] (the high nibble where t >= 2), its two high bits at bit 2t of qh[32 n + l].
-void q3_k_as_q6_k(const uint8_t* b, uint8_t* out) {
-  const uint8_t* hmask = b;
-  const uint8_t* qs = b + 32;
-  const uint8_t* sc = b + 96;
-  uint8_t* ql = out;
-  uint8_t* qh = out + 128;
-  int8_t* scales = reinterpret_cast<int8_t*>(out + 192);
-  std::memset(out, 0, 192);
-  for (int s = 0; s < 16; ++s)
-    scales[s] = int8_t((((sc[s % 8] >> (4 * (s / 8))) & 15) | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32);
-  std::memcpy(out + 208, b + 108, 2);
-  for (int i = 0; i < kSuper / kGroup; ++i) {  // weights 32 i + l: n = i / 4, t = i % 4
-    const int n = i / 4, t = i % 4;
-    for (int l = 0; l < kGroup; ++l) {
-      const int code = ((qs[32 * n + l] >> (2 * t)) & 3) + 28 + 4 * ((hmask[l] >> i) & 1);
-      ql[64 * n + 32 * (t % 2) + l] |= uint8_t((code & 15) << (4 * (t / 2)));
-      qh[32 * n + l] |= uint8_t((code >> 4) << (2 * t));
     }
   }
 }
@@ -123,20 +94,6 @@ at::Tensor requantize_q8_0(const at::Tensor& w, int64_t type, int64_t K) {
           q8_0_block(values + g * kGroup, dst + n * out_row + (s * kSuper / kGroup + g) * kQ8Bytes);
       }
     }
-  });
-  return out;
-}
-
-at::Tensor q3_k_as_q6_k(const at::Tensor& w, int64_t K) {
-  TORCH_CHECK(K > 0 && K % kSuper == 0, "q3_k_as_q6_k: in_features ", K, " are not whole 256-weight blocks");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == K / kSuper * 110 && w.is_contiguous(),
-              "q3_k_as_q6_k: w uint8 [N, ", K / kSuper * 110, "], contiguous");
-  const int64_t N = w.size(0), blocks = K / kSuper;
-  at::Tensor out = at::empty({N, blocks * 210}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N * blocks, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) q3_k_as_q6_k(src + b * 110, dst + b * 210);
   });
   return out;
 }

@@ -58,9 +58,9 @@ MARCHES = {"portable": "-march=x86-64", "avx2": "-march=x86-64-v3"}
 def integer_kernels(isa: str):
     """The integer-weight linears (int4_linear.cpp, gguf_linear.cpp) built for `isa`
     (a key of MARCHES) as torch ops: `torch.ops.sluice_test_int_<isa>`, with int4_linear, q4_0_linear, q4_k_linear,
-    q5_k_linear, iq4_nl_linear, iq4_xs_linear, q5_0_linear, q5_1_linear, q6_k_linear, q8_0_packed_linear, isa,
-    gguf_linear, gguf_dequantize, and the load's rewrites of blocks: pack_q4_k, pack_q5_k, pack_q6_k,
-    q3_k_as_q6_k and requantize_q8_0."""
+    q5_k_linear, iq4_nl_linear, iq4_xs_linear, q5_0_linear, q5_1_linear, q6_k_linear, q3_k_linear,
+    q8_0_packed_linear, isa, gguf_linear, gguf_dequantize, and the load's rewrites of blocks: pack_q4_k, pack_q5_k,
+    pack_q6_k and requantize_q8_0."""
     binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
                f'TORCH_LIBRARY(sluice_test_int_{isa}, m) {{ m.def("int4_linear", &int4_linear); '
                'm.def("q4_0_linear", &q4_0_linear); '
@@ -68,11 +68,11 @@ def integer_kernels(isa: str):
                'm.def("q5_k_linear", &q5_k_linear); m.def("iq4_xs_linear", &iq4_xs_linear); '
                'm.def("iq4_nl_linear", &iq4_nl_linear); '
                'm.def("q5_1_linear", &q5_1_linear); m.def("q6_k_linear", &q6_k_linear); '
+               'm.def("q3_k_linear", &q3_k_linear); '
                'm.def("q8_0_packed_linear", &q8_0_packed_linear); '
                'm.def("isa", &int4_linear_isa); m.def("gguf_linear", &gguf_linear); '
                'm.def("gguf_dequantize", &gguf_dequantize); '
                'm.def("pack_q4_k", &pack_q4_k); m.def("pack_q5_k", &pack_q5_k); m.def("pack_q6_k", &pack_q6_k); '
-               'm.def("q3_k_as_q6_k", &q3_k_as_q6_k); '
                'm.def("requantize_q8_0", &requantize_q8_0); }\n')
     build_variant(f"int_{isa}", ["int4_linear.cpp", "gguf_linear.cpp", "k_quant_pack.cpp", "requantize.cpp"], binding,
                   ["-O3", MARCHES[isa]], python_module=False)

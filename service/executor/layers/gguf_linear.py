@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from sluice import native
-from sluice.service.executor.layers.gguf_blocks import GROUP, PACK_ROWS, GgufBlocks, pack_in_slices, quantize
+from sluice.service.executor.layers.gguf_blocks import GROUP, GgufBlocks, quantize
+from sluice.service.executor.layers.gguf_packs import PACK_ROWS, pack_in_slices
 from sluice.service.executor.layers.half_linear import HalfEmbedding, HalfLinear
 from sluice.service.executor.layers.linear import (
     KernelFacts,

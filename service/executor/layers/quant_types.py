@@ -21,7 +21,12 @@ from sluice.service.executor.layers.gguf_blocks import (
     iq4_xs_scales,
     k4_scales,
     k5_fifth_bits,
+    q3_k_fields,
+    split_nibbles,
+)
+from sluice.service.executor.layers.gguf_packs import (
     pack_iq4_xs,
+    pack_q3_k,
     pack_q4_0,
     pack_q4_1,
     pack_q4_k,
@@ -31,8 +36,8 @@ from sluice.service.executor.layers.gguf_blocks import (
     pack_q6_k,
     pack_q8_0,
     q8_0_rows,
-    split_nibbles,
     unpack_iq4_xs,
+    unpack_q3_k,
     unpack_q4_0,
     unpack_q4_1,
     unpack_q4_k,
@@ -130,6 +135,13 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale.repeat_interleave(16, dim=-1) * q.reshape(-1, 256)).reshape(-1, 256)
 
 
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks: sixteen groups of 16, each d * (its 6-bit scale - 32) * q, q a 3-bit code less 4."""
+    codes, scales = q3_k_fields(b)
+    scale = half_at(b, 108) * (scales.float() - 32)
+    return scale.repeat_interleave(16, dim=-1) * (codes.reshape(-1, 256).float() - 4)
+
+
 # IQ4_NL's 16 levels (llama.cpp's kvalues_iq4nl): a nibble picks one, times the block's d.
 IQ4_NL_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                              dtype=torch.float32)
@@ -151,6 +163,7 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q5_0", 6, 32, 22, _q5_0, Packing(("blocks", "fifth", "scale"), pack_q5_0, unpack_q5_0)),
     QuantType("Q5_1", 7, 32, 24, _q5_1, Packing(("blocks", "fifth", "scale_min"), pack_q5_1, unpack_q5_1)),
     QuantType("Q8_0", 8, 32, 34, _q8_0, Packing(("blocks", "scale"), pack_q8_0, unpack_q8_0, q8_0_rows)),
+    QuantType("Q3_K", 11, 256, 110, _q3_k, Packing(("blocks", "scales", "supers"), pack_q3_k, unpack_q3_k)),
     QuantType("Q4_K", 12, 256, 144, lambda b: _k4(b, five=False),
               Packing(("blocks", "scales_mins", "supers"), pack_q4_k, unpack_q4_k, native_pack="pack_q4_k")),
     QuantType("Q5_K", 13, 256, 176, lambda b: _k4(b, five=True),

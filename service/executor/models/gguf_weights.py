@@ -31,11 +31,9 @@ from sluice.service.executor.models.llama import LlamaForCausalLM
 logger = logging.getLogger("sluice.engine")
 
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # how numpy holds each
-# What a type without a kernel here is served in: Q3_K's values fit Q6_K blocks exactly (an int8 scale per 16 weights
-# and a 6-bit code hold its 6-bit scale and 3-bit code: 6.56 bits a weight for its 3.44), by the kernels' rewrite.
-# Any other, or Q3_K without the kernels, goes into Q8_0: 8.5 bits a weight, finer than any of those types (2-4.5
-# bits), so its values come back within Q8_0's rounding (half a step of max|w| / 127 per 32 inputs).
-EXACTLY_IN = {"Q3_K": "Q6_K"}
+# What a type without a kernel here (Q2_K, the IQ types but IQ4_NL and IQ4_XS) is served in: Q8_0, 8.5 bits a
+# weight, finer than any of those types (2-3.5 bits), so its values come back within Q8_0's rounding (half a step of
+# max|w| / 127 per 32 inputs).
 REQUANTIZED = "Q8_0"
 
 
@@ -48,8 +46,8 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
 
 def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensors:
     """Access by transformers name to the file's tensors: float tensors of the file's own type (float32, float16,
-    bfloat16), and quantized ones as `GgufBlocks` (a type without a kernel here in one with a kernel: Q3_K as Q6_K
-    blocks of the same values, Q2_K or another IQ type requantized into Q8_0), or as float32 where `dequantize`."""
+    bfloat16), and quantized ones as `GgufBlocks` (a type without a kernel here, Q2_K or another IQ type, requantized
+    into Q8_0), or as float32 where `dequantize`."""
     import gguf
     from gguf.quants import dequantize as dequantized
 
@@ -85,9 +83,6 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
         if qtype in BY_NAME and not dequantize:
             return GgufBlocks(torch.from_numpy(data), qtype, int(t.dims[0]))
         kind, in_features = gguf.GGMLQuantizationType[qtype], int(t.dims[0])
-        if not dequantize and kernel is not None and qtype in EXACTLY_IN:
-            blocks = kernel.q3_k_as_q6_k(torch.from_numpy(data), in_features)
-            return served_as(qtype, EXACTLY_IN[qtype], blocks, in_features)
         if not dequantize and kind.value in native_requantized:
             blocks = kernel.requantize_q8_0(torch.from_numpy(data), kind.value, in_features)
             return served_as(qtype, REQUANTIZED, blocks, in_features)
@@ -101,9 +96,8 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
 
     def served_as(qtype: str, served: str, blocks: torch.Tensor, in_features: int) -> GgufBlocks:
         if qtype not in rewritten:
-            how = "the same values" if served == EXACTLY_IN.get(qtype) else "requantized"
-            logger.info("%s: %s has no kernel here; its tensors are served in %s blocks (%s)", path.name, qtype,
-                        served, how)
+            logger.info("%s: %s has no kernel here; its tensors are served in %s blocks (requantized)", path.name,
+                        qtype, served)
             rewritten.add(qtype)
         return GgufBlocks(blocks, served, in_features)
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from sluice.scheduling.sampling_params import SamplingParams
-from sluice.service.executor.layers.gguf_blocks import GgufBlocks, pack_q4_k, unpack_q4_k
+from sluice.service.executor.layers.gguf_blocks import GgufBlocks
 from sluice.service.executor.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear, MergedLinear
+from sluice.service.executor.layers.gguf_packs import pack_q4_k, unpack_q4_k
 from sluice.service.executor.layers.linear import PlainFormat
 from sluice.service.executor.layers.quant_types import BY_NAME, PACKED_MAX_ROWS, STORED_MAX_ROWS, dequantize
 from sluice.service.executor.models import gguf_weights, weights

@@ -13,8 +13,9 @@ from torch import nn
 from sluice.scheduling.sampling_params import SamplingParams
 from sluice.service.config import SluiceConfig
 from sluice.service.engine.engine import LLMEngine
-from sluice.service.executor.layers.gguf_blocks import GgufBlocks, pack_q8_0, quantize
+from sluice.service.executor.layers.gguf_blocks import GgufBlocks, quantize
 from sluice.service.executor.layers.gguf_linear import GgufLinear
+from sluice.service.executor.layers.gguf_packs import pack_q8_0
 from sluice.service.executor.layers.quant_types import dequantize
 from tests.support import tiny
 from tests.support.int8_rounding import RoundedActivations, greedy_gaps

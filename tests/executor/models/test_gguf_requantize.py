@@ -1,6 +1,5 @@
-"""The GGUF types without a kernel, rewritten at load by csrc/requantize.cpp: Q3_K as Q6_K blocks of the same values,
-and the one-pass requantization into Q8_0 giving the same bytes as the slow path it replaces (gguf's own dequantize,
-then `quantize` into Q8_0 blocks)."""
+"""The GGUF types without a kernel, rewritten at load by csrc/requantize.cpp: the one-pass requantization into Q8_0
+giving the same bytes as the slow path it replaces (gguf's own dequantize, then `quantize` into Q8_0 blocks)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from sluice.service.executor.layers.gguf_blocks import quantize
 from tests.support.gguf_files import random_blocks, reference_dequantize
 from tests.support.kernels import integer_kernels, variant_isas
 
-REQUANTIZED = {"Q2_K": 10}  # GGML type ids (Q3_K goes into Q6_K instead)
+REQUANTIZED = {"Q2_K": 10}  # GGML type ids
 
 
 def test_the_kernels_read_the_types_the_file_names(kernel):
@@ -54,30 +53,11 @@ def test_bad_input_is_refused(kernel):
         kernel.requantize_q8_0(blocks, REQUANTIZED["Q2_K"], 512)
 
 
-@pytest.mark.parametrize("shape", [(1, 256), (37, 512), (64, 1536)])
-def test_q3_k_as_q6_k_keeps_every_value(kernel, shape):
-    for seed in range(3):
-        blocks = random_blocks("Q3_K", *shape, seed=seed)
-        q6_k = kernel.q3_k_as_q6_k(torch.from_numpy(blocks), shape[1])
-        assert q6_k.shape == (shape[0], shape[1] // 256 * 210)
-        assert torch.equal(reference_dequantize(q6_k.numpy(), "Q6_K"), reference_dequantize(blocks, "Q3_K")), seed
-
-
-def test_q3_k_as_q6_k_refuses_bad_input(kernel):
-    blocks = torch.from_numpy(random_blocks("Q3_K", 2, 256))
-    with pytest.raises(RuntimeError, match="whole 256-weight blocks"):
-        kernel.q3_k_as_q6_k(blocks, 100)
-    with pytest.raises(RuntimeError, match=r"w uint8 \[N, 220\]"):
-        kernel.q3_k_as_q6_k(blocks, 512)
-
-
 def test_every_instruction_set_rewrites_the_same(kernel):
     """The portable loops and the AVX2 build (where this CPU runs it) give the native build's bytes."""
-    blocks = {qtype: torch.from_numpy(random_blocks(qtype, 19, 512, seed=5)) for qtype in [*REQUANTIZED, "Q3_K"]}
+    blocks = {qtype: torch.from_numpy(random_blocks(qtype, 19, 512, seed=5)) for qtype in REQUANTIZED}
     want = {qtype: kernel.requantize_q8_0(blocks[qtype], type_id, 512) for qtype, type_id in REQUANTIZED.items()}
-    want_q6_k = kernel.q3_k_as_q6_k(blocks["Q3_K"], 512)
     for isa in variant_isas():
         ops = integer_kernels(isa)
         for qtype, type_id in REQUANTIZED.items():
             assert torch.equal(ops.requantize_q8_0(blocks[qtype], type_id, 512), want[qtype]), (isa, qtype)
-        assert torch.equal(ops.q3_k_as_q6_k(blocks["Q3_K"], 512), want_q6_k), isa
