@@ -54,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("requantized_types", &requantized_types, "the GGML type ids requantize_q8_0 reads");
   m.def("pack_q4_k", &pack_q4_k, "Q4_K rows regrouped for q4_k_linear");
   m.def("pack_q5_k", &pack_q5_k, "Q5_K rows regrouped for q5_k_linear");
+  m.def("pack_q3_k", &pack_q3_k, "Q3_K rows regrouped for q3_k_linear");
   m.def("pack_q6_k", &pack_q6_k, "Q6_K rows regrouped for q6_k_linear");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");
   pybind11::class_<LlamaLayerOps::Linear>(m, "LayerLinear")

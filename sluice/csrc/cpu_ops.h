@@ -190,9 +190,10 @@ std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool>> quant_type
 // [N, K / 256 * block_bytes], requantized into Q8_0 rows uint8 [N, K / 32 * 34] (requantize.cpp says how).
 at::Tensor requantize_q8_0(const at::Tensor& w, int64_t type, int64_t K);
 std::vector<int64_t> requantized_types();
-// Q4_K rows uint8 [N, K / 256 * 144], Q5_K rows [N, K / 256 * 176] and Q6_K rows [N, K / 256 * 210] → q4_k_linear's,
-// q5_k_linear's and q6_k_linear's buffers (gguf_packs.py's pack_q4_k, pack_q5_k and pack_q6_k, the same bytes;
-// k_quant_pack.cpp).
+// Q3_K rows uint8 [N, K / 256 * 110], Q4_K rows [N, K / 256 * 144], Q5_K rows [N, K / 256 * 176] and Q6_K rows
+// [N, K / 256 * 210] → q3_k_linear's, q4_k_linear's, q5_k_linear's and q6_k_linear's buffers (gguf_packs.py's
+// pack_q3_k, pack_q4_k, pack_q5_k and pack_q6_k, the same bytes; k_quant_pack.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q3_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q6_k(const at::Tensor& data);

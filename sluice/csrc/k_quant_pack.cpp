@@ -1,7 +1,7 @@
-// Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for q4_k_linear, q5_k_linear and q6_k_linear:
-// gguf_packs.py's pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay the reference and the
-// fallback; tests/executor/layers/test_packed_types.py holds the two to the same bytes). Rows past N read as zero
-// blocks, as the torch versions pad them.
+// Q3_K, Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for q3_k_linear, q4_k_linear, q5_k_linear and
+// q6_k_linear: gguf_packs.py's pack_q3_k, pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay
+// the reference and the fallback; tests/executor/layers/test_packed_types.py holds the two to the same bytes). Rows
+// past N read as zero blocks, as the torch versions pad them.
 //
 // A Q4_K block (ggml's block_q4_K, 144 bytes): d, dmin (float16), scales[12] (eight 6-bit scales and minimums, as
 // gguf_blocks.k4_scales reads them), qs[128] (weight 32 g + l in the low nibble of qs[32 (g / 2) + l] for even g, the
@@ -12,6 +12,11 @@
 // A Q6_K block (ggml's block_q6_K, 210 bytes): ql[128], qh[64], scales[16] (int8, one per 16 weights), d (float16);
 // weight 128 n + 32 i + l has its low nibble in ql[64 n + 32 (i % 2) + l] (the high nibble where i >= 2) and its two
 // high bits at bit 2i of qh[32 n + l]. The packed layout is int4_linear.cpp's (Q6_KScales).
+//
+// A Q3_K block (ggml's block_q3_K, 110 bytes): hmask[32] (bit i of hmask[l]: weight 32 i + l's third bit), qs[64]
+// (its low two bits at bit 2 (i % 4) of qs[32 (i / 4) + l]), scales[12] (sixteen 6-bit scales, gguf_blocks.q3_k_fields
+// reads them), d (float16). Packed as the codes q + 4 in int4_linear.cpp's nibbles, each 16 inputs' scale less 32 as
+// int8 [P, G, 2, 16] and d [P, nb, 16] (Q3_KScales).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -24,7 +29,7 @@
 namespace {
 
 constexpr int64_t kRows = 16, kGroup = 32, kSuper = 256, kQ6KBytes = 210, kQ4KBytes = 144, kQ5KBytes = 176,
-                  kGroupsPerSuper = 8;
+                  kQ3KBytes = 110, kGroupsPerSuper = 8;
 
 // A block's 256 six-bit codes in weight order.
 void codes_of(const uint8_t* b, uint8_t* codes) {
@@ -59,50 +64,62 @@ uint8_t plane_byte(const uint8_t* src, int bit, int t) {
   return byte;
 }
 
+// fn(o, s, b) for each row o of pack p and each super-block s of it: b its block's bytes, a zero block past row N.
+template <int64_t kBytes, class Fn>
+void for_each_block(const uint8_t* data, int64_t N, int64_t nb, int64_t p, Fn fn) {
+  static const uint8_t kZero[kBytes] = {};
+  for (int64_t o = 0; o < kRows; ++o) {
+    const int64_t row = p * kRows + o;
+    for (int64_t s = 0; s < nb; ++s) fn(o, s, row < N ? data + (row * nb + s) * kBytes : kZero);
+  }
+}
+
+// Row o's 32 codes of one group, code(j) for input j (each below 16), as int4_linear.cpp's nibbles: byte t of chunk c
+// holds input 4c + t in its low nibble and input 16 + 4c + t in its high one.
+template <class Code>
+void store_nibbles(uint8_t* nib, int64_t o, Code code) {
+  for (int chunk = 0; chunk < 4; ++chunk)
+    for (int t = 0; t < 4; ++t) {
+      const int j = 4 * chunk + t;
+      nib[(chunk * kRows + o) * 4 + t] = uint8_t(code(j) | code(16 + j) << 4);
+    }
+}
+
 // Pack p's 16 rows of Q6_K.
 void pack_q6_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* high_scales,
                     uint16_t* supers) {
   const int64_t G = nb * kGroupsPerSuper;
-  static const uint8_t kZero[kQ6KBytes] = {};
   uint8_t codes[kSuper];
-  for (int64_t o = 0; o < kRows; ++o) {
-    const int64_t row = p * kRows + o;
-    for (int64_t s = 0; s < nb; ++s) {
-      const uint8_t* b = row < N ? data + (row * nb + s) * kQ6KBytes : kZero;
-      codes_of(b, codes);
-      std::memcpy(&supers[(p * nb + s) * kRows + o], b + 208, 2);
-      for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
-        const int64_t g = s * kGroupsPerSuper + gs;
-        const uint8_t* c = codes + gs * kGroup;
-        uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
-        uint8_t* planes = high_scales + (p * G + g) * 160;     // [2 planes][16 rows][4 bytes], then [2][16] scales
+  for_each_block<kQ6KBytes>(data, N, nb, p, [&](int64_t o, int64_t s, const uint8_t* b) {
+    codes_of(b, codes);
+    std::memcpy(&supers[(p * nb + s) * kRows + o], b + 208, 2);
+    for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
+      const int64_t g = s * kGroupsPerSuper + gs;
+      const uint8_t* c = codes + gs * kGroup;
+      uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
+      uint8_t* planes = high_scales + (p * G + g) * 160;     // [2 planes][16 rows][4 bytes], then [2][16] scales
 #if defined(SLUICE_AVX2) && defined(__BMI2__)
-        // Bit 4 + plane of the 32 codes as one mask (bit k: code k), and plane byte t its bits t, t + 4, ..., t + 28.
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
-        const uint32_t masks[2] = {uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(v, 3))),
-                                   uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(v, 2)))};
-        const __m256i low = _mm256_and_si256(v, _mm256_set1_epi8(15));
-        const __m128i bytes = _mm_or_si128(_mm256_castsi256_si128(low),
-                                           _mm_slli_epi16(_mm256_extracti128_si256(low, 1), 4));
-        alignas(16) uint32_t words[4];
-        _mm_store_si128(reinterpret_cast<__m128i*>(words), bytes);
-        for (int chunk = 0; chunk < 4; ++chunk) std::memcpy(nib + (chunk * kRows + o) * 4, &words[chunk], 4);
-        for (int plane = 0; plane < 2; ++plane)
-          for (int t = 0; t < 4; ++t)
-            planes[(plane * kRows + o) * 4 + t] = uint8_t(_pext_u32(masks[plane], 0x11111111u << t));
+      // Bit 4 + plane of the 32 codes as one mask (bit k: code k), and plane byte t its bits t, t + 4, ..., t + 28.
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      const uint32_t masks[2] = {uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(v, 3))),
+                                 uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(v, 2)))};
+      const __m256i low = _mm256_and_si256(v, _mm256_set1_epi8(15));
+      const __m128i bytes = _mm_or_si128(_mm256_castsi256_si128(low),
+                                         _mm_slli_epi16(_mm256_extracti128_si256(low, 1), 4));
+      alignas(16) uint32_t words[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(words), bytes);
+      for (int chunk = 0; chunk < 4; ++chunk) std::memcpy(nib + (chunk * kRows + o) * 4, &words[chunk], 4);
+      for (int plane = 0; plane < 2; ++plane)
+        for (int t = 0; t < 4; ++t)
+          planes[(plane * kRows + o) * 4 + t] = uint8_t(_pext_u32(masks[plane], 0x11111111u << t));
 #else
-        for (int chunk = 0; chunk < 4; ++chunk)
-          for (int t = 0; t < 4; ++t) {
-            const int j = 4 * chunk + t;
-            nib[(chunk * kRows + o) * 4 + t] = uint8_t((c[j] & 15) | (c[16 + j] & 15) << 4);
-          }
-        for (int plane = 0; plane < 2; ++plane)
-          for (int t = 0; t < 4; ++t) planes[(plane * kRows + o) * 4 + t] = plane_byte(c, 4 + plane, t);
+      store_nibbles(nib, o, [&](int j) { return c[j] & 15; });
+      for (int plane = 0; plane < 2; ++plane)
+        for (int t = 0; t < 4; ++t) planes[(plane * kRows + o) * 4 + t] = plane_byte(c, 4 + plane, t);
 #endif
-        for (int half = 0; half < 2; ++half) planes[128 + half * kRows + o] = b[192 + 2 * gs + half];
-      }
+      for (int half = 0; half < 2; ++half) planes[128 + half * kRows + o] = b[192 + 2 * gs + half];
     }
-  }
+  });
 }
 
 // Pack p's 16 rows of Q4_K, or of Q5_K (Five: its fifth bits, bit gs of qh[l] for weight 32 gs + l, go ahead of each
@@ -112,34 +129,46 @@ void pack_k4_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t
                   uint16_t* supers) {
   constexpr int64_t kBytes = Five ? kQ5KBytes : kQ4KBytes, kGroupBytes = Five ? 96 : 32, kScalesAt = Five ? 64 : 0;
   const int64_t G = nb * kGroupsPerSuper;
-  static const uint8_t kZero[kBytes] = {};
-  for (int64_t o = 0; o < kRows; ++o) {
-    const int64_t row = p * kRows + o;
-    for (int64_t s = 0; s < nb; ++s) {
-      const uint8_t* b = row < N ? data + (row * nb + s) * kBytes : kZero;
-      uint16_t d, dmin;
-      std::memcpy(&d, b, 2);
-      std::memcpy(&dmin, b + 2, 2);
-      supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
-      supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
-      const uint8_t* sc = b + 4;
-      for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
-        const int64_t g = s * kGroupsPerSuper + gs;
-        uint8_t* group = per_group + (p * G + g) * kGroupBytes;
-        group[kScalesAt + o] = gs < 4 ? sc[gs] & 63 : (sc[4 + gs] & 15) | ((sc[gs - 4] >> 2) & 48);
-        group[kScalesAt + kRows + o] = gs < 4 ? sc[4 + gs] & 63 : (sc[4 + gs] >> 4) | ((sc[gs] >> 2) & 48);
-        const uint8_t* qs = b + (Five ? 48 : 16) + 32 * (gs / 2);
-        const int shift = 4 * (gs % 2);
-        uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
-        for (int chunk = 0; chunk < 4; ++chunk)
-          for (int t = 0; t < 4; ++t) {
-            const int j = 4 * chunk + t;
-            nib[(chunk * kRows + o) * 4 + t] = uint8_t((qs[j] >> shift & 15) | (qs[16 + j] >> shift & 15) << 4);
-          }
-        for (int t = 0; t < 4 && Five; ++t) group[o * 4 + t] = plane_byte(b + 16, int(gs), t);
+  for_each_block<kBytes>(data, N, nb, p, [&](int64_t o, int64_t s, const uint8_t* b) {
+    uint16_t d, dmin;
+    std::memcpy(&d, b, 2);
+    std::memcpy(&dmin, b + 2, 2);
+    supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
+    supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
+    const uint8_t* sc = b + 4;
+    for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
+      const int64_t g = s * kGroupsPerSuper + gs;
+      uint8_t* group = per_group + (p * G + g) * kGroupBytes;
+      group[kScalesAt + o] = gs < 4 ? sc[gs] & 63 : (sc[4 + gs] & 15) | ((sc[gs - 4] >> 2) & 48);
+      group[kScalesAt + kRows + o] = gs < 4 ? sc[4 + gs] & 63 : (sc[4 + gs] >> 4) | ((sc[gs] >> 2) & 48);
+      const uint8_t* qs = b + (Five ? 48 : 16) + 32 * (gs / 2);
+      const int shift = 4 * (gs % 2);
+      uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
+      store_nibbles(nib, o, [&](int j) { return qs[j] >> shift & 15; });
+      for (int t = 0; t < 4 && Five; ++t) group[o * 4 + t] = plane_byte(b + 16, int(gs), t);
+    }
+  });
+}
+
+// Pack p's 16 rows of Q3_K.
+void pack_q3_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* scales,
+                    uint16_t* supers) {
+  const int64_t G = nb * kGroupsPerSuper;
+  for_each_block<kQ3KBytes>(data, N, nb, p, [&](int64_t o, int64_t s, const uint8_t* b) {
+    const uint8_t* sc = b + 96;
+    std::memcpy(&supers[(p * nb + s) * kRows + o], b + 108, 2);
+    for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
+      const int64_t g = s * kGroupsPerSuper + gs;
+      const uint8_t* qs = b + 32 + 32 * (gs / 4);
+      uint8_t* nib = nibbles + (p * G + g) * 4 * kRows * 4;  // [4 chunks][16 rows][4 bytes]
+      store_nibbles(nib, o, [&](int l) { return (qs[l] >> (2 * (gs % 4)) & 3) | (b[l] >> gs & 1) << 2; });
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = 2 * gs + half;  // the scale of inputs 16 i .. 16 i + 15
+        const int scale = (sc[i % 8] >> (4 * (i / 8)) & 15) | (sc[8 + i % 4] >> (2 * (i / 4)) & 3) << 4;
+        scales[((p * G + g) * 2 + half) * kRows + o] = uint8_t(scale - 32);  // int8's bits
       }
     }
-  }
+  });
 }
 
 using PackRows = void (*)(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* middle,
@@ -178,6 +207,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data) {
   return packed(data, "pack_q5_k", kQ5KBytes, {96}, {2, kRows}, pack_k4_rows<true>);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q3_k(const at::Tensor& data) {
+  auto [nibbles, scales, supers] = packed(data, "pack_q3_k", kQ3KBytes, {2, kRows}, {kRows}, pack_q3_k_rows);
+  return {nibbles, scales.view(at::kChar), supers};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q6_k(const at::Tensor& data) {

@@ -105,9 +105,9 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypat
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (qtype, slice_rows)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_native_k_quant_packs_are_the_torch_ones_in_every_instruction_set(qtype, kernel):
-    """csrc/k_quant_pack.cpp, the load's pack of Q4_K, Q5_K and Q6_K rows, gives the torch packs' bytes: on
+    """csrc/k_quant_pack.cpp, the load's pack of Q3_K, Q4_K, Q5_K and Q6_K rows, gives the torch packs' bytes: on
     valid blocks of 40 rows (the last pack padded) and on any bytes (a permutation of every bit, NaN scales too)."""
     t = BY_NAME[qtype]
     raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (33, 2 * t.block_bytes), dtype=np.uint8))
