@@ -72,8 +72,9 @@ def add_bench_subcommands(subparsers) -> argparse.ArgumentParser:
                             "shapes) (default: %(default)s).")
     peers.add_argument("--formats", default="", help="Weight format pairs, by either side's name: fp32/F32, bf16/BF16, "
                        "int4/Q4_1, Q4_K/Q4_K_M (gguf), Q4_0/Q4_0, f16/F16, and only when named Q5_K/Q5_K_M, "
-                       "IQ4_XS/IQ4_XS and Q3_K/Q3_K_M (default: the float pair this CPU runs best, bf16/BF16 where it "
-                       "multiplies bf16 natively, else fp32/F32 and f16/F16; and every other quantized pair).")
+                       "IQ4_XS/IQ4_XS, Q3_K/Q3_K_M and Q2_K/Q2_K (default: the float pair this CPU runs best, "
+                       "bf16/BF16 where it multiplies bf16 natively, else fp32/F32 and f16/F16; and every other "
+                       "quantized pair).")
     peers.add_argument("--d-sizes", default="135m", help="Sizes that also run workload D (repetitive) with n-gram "
                        "speculation off and on, or 'none' (default: %(default)s; random weights accept few drafts).")
     peers.add_argument("--resume", action="store_true", help="Keep the lines --output already holds with the same "

@@ -2,8 +2,8 @@
 
 135m is SmolLM2-135M-Instruct itself; 360m and 1.7b are random models of SmolLM2's shapes (shapes.py) on its
 tokenizer and chat template. llama.cpp gets each as F32, F16 and BF16 GGUFs from its own converter and as Q4_0, Q4_1,
-Q4_K_M, Q5_K_M, IQ4_XS and Q3_K_M from its own `llama-quantize` of the F32 file (135m's Q4_1 is the GGUF the default
-model ships as).
+Q4_K_M, Q5_K_M, IQ4_XS, Q3_K_M and Q2_K from its own `llama-quantize` of the F32 file (135m's Q4_1 is the GGUF the
+default model ships as).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sluice.service.bench.llama_cpp import CONVERTED, convert, quantize
 from sluice.service.bench.shapes import RECIPE, SIZES, random_checkpoint
 from sluice.service.executor.model_loader import ensure_default_model, fetch_default_gguf
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "IQ4_XS", "Q3_K_M")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "IQ4_XS", "Q3_K_M", "Q2_K")
 
 
 def hf_dir(size: str) -> Path:

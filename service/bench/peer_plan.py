@@ -1,8 +1,8 @@
 """What `bench peers` runs: servers per size and weight format, workloads scaled per size, and how long it takes.
 
 Weight formats pair up, Sluice's against llama.cpp's: fp32/F32, f16/F16, bf16/BF16, int4/Q4_1 and Sluice's
-GGUF blocks as stored (`--quantization gguf`: "Q4_K", "Q4_0", and when named "Q5_K", "IQ4_XS", "Q3_K") on the very
-Q4_K_M, Q4_0, Q5_K_M, IQ4_XS and Q3_K_M files llama.cpp serves.
+GGUF blocks as stored (`--quantization gguf`: "Q4_K", "Q4_0", and when named "Q5_K", "IQ4_XS", "Q3_K", "Q2_K") on the
+very Q4_K_M, Q4_0, Q5_K_M, IQ4_XS, Q3_K_M and Q2_K files llama.cpp serves.
 Unless the formats are named, the float pair follows the CPU, as Sluice's `--dtype auto` does: bf16/BF16 where it
 multiplies bf16 natively, else fp32/F32 and f16/F16 (16-bit weights, the arithmetic widened: Sluice's `--quantization
 f16` in float32, llama.cpp's F16 file). Both keep K/V
@@ -28,13 +28,14 @@ from sluice.service.bench.workloads import Workload
 
 # (Sluice, llama.cpp) weight formats, compared line for line (f16: Sluice's `--quantization f16`, 16-bit weights).
 PAIRS = (("fp32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("int4", "Q4_1"), ("Q4_K", "Q4_K_M"), ("Q4_0", "Q4_0"),
-         ("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS"), ("Q3_K", "Q3_K_M"))
+         ("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS"), ("Q3_K", "Q3_K_M"), ("Q2_K", "Q2_K"))
 # Pairs a run compares only where --formats names them: more GGUF files people download, each another 10 minutes.
-NAMED_ONLY = (("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS"), ("Q3_K", "Q3_K_M"))
+NAMED_ONLY = (("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS"), ("Q3_K", "Q3_K_M"), ("Q2_K", "Q2_K"))
 # The float pairs a run compares unless --formats names them: by whether the CPU multiplies bf16 natively.
 FLOAT_PAIRS = {True: (("bf16", "BF16"),), False: (("fp32", "F32"), ("f16", "F16"))}
 # Sluice's formats served from llama.cpp's own file of that pair (`--quantization gguf`): the GGUF type it needs.
-GGUF_SERVED = {"Q4_K": "Q4_K_M", "Q4_0": "Q4_0", "Q5_K": "Q5_K_M", "IQ4_XS": "IQ4_XS", "Q3_K": "Q3_K_M"}
+GGUF_SERVED = {"Q4_K": "Q4_K_M", "Q4_0": "Q4_0", "Q5_K": "Q5_K_M", "IQ4_XS": "IQ4_XS", "Q3_K": "Q3_K_M",
+               "Q2_K": "Q2_K"}
 ALIASES = {"gguf": "Q4_K", "q4k": "Q4_K"}
 AB_SLOTS, C_SLOTS = 64, 16
 D_SLOT_CTX = 1024  # D's prompts (500-620 tokens) and its 256 output tokens
@@ -252,12 +253,14 @@ SLUICE_SPEED = {"fp32": ((0.5, 11.0), (5.5, 115.0)), "f16": ((0.6, 13.0), (4.0, 
                 "bf16": ((0.6, 5.6), (4.5, 58.0)),
                 "int4": ((0.85, 5.0), (4.7, 26.0)), "Q4_K": ((1.0, 6.0), (5.0, 30.0)),
                 "Q4_0": ((0.85, 4.7), (4.7, 24.0)), "Q5_K": ((1.0, 7.0), (5.0, 34.0)),  # Q5_K, IQ4_XS, Q3_K: guesses
-                "IQ4_XS": ((1.0, 6.0), (5.0, 30.0)), "Q3_K": ((1.0, 6.0), (5.0, 28.0))}
+                "IQ4_XS": ((1.0, 6.0), (5.0, 30.0)), "Q3_K": ((1.0, 6.0), (5.0, 28.0)),
+                "Q2_K": ((1.0, 6.0), (5.0, 26.0))}
 LLAMA_SPEED = {"F32": ((0.9, 11.1), (2.0, 115.0)), "F16": ((0.9, 12.0), (2.0, 60.0)),  # F16: a guess
                "BF16": ((0.5, 8.9), (2.0, 58.0)),
                "Q4_1": ((0.7, 21.8), (5.0, 32.0)), "Q4_K_M": ((0.8, 24.0), (5.0, 32.0)),
                "Q4_0": ((0.5, 9.0), (5.0, 30.0)), "Q5_K_M": ((0.8, 26.0), (5.0, 36.0)),  # guesses
-               "IQ4_XS": ((0.8, 24.0), (5.0, 32.0)), "Q3_K_M": ((0.8, 24.0), (5.0, 30.0))}
+               "IQ4_XS": ((0.8, 24.0), (5.0, 32.0)), "Q3_K_M": ((0.8, 24.0), (5.0, 30.0)),
+               "Q2_K": ((0.8, 24.0), (5.0, 28.0))}
 D_PROMPT = 560  # D's prompts, tokens
 
 

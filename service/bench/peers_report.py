@@ -11,7 +11,7 @@ FIELDS = {"A": ("A", "output_tok_s"), "B": ("B", "tpot_p50_ms"), "C": ("C", "ttf
 # the rest in fp32 (Sluice's f16 and llama.cpp's F16 widen 16-bit weights on a CPU without fp16 arithmetic).
 PEAK_DTYPES = {"bf16": "bfloat16", "BF16": "bfloat16", "int4": "int8", "Q4_1": "int8", "Q4_K": "int8",
                "Q4_K_M": "int8", "Q4_0": "int8", "Q5_K": "int8", "Q5_K_M": "int8", "IQ4_XS": "int8",
-               "Q3_K": "int8", "Q3_K_M": "int8"}
+               "Q3_K": "int8", "Q3_K_M": "int8", "Q2_K": "int8"}
 WORKLOADS = "ABCDE"
 
 

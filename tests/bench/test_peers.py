@@ -62,6 +62,7 @@ def test_sizes_and_formats_parse_by_either_name():
     assert parse_formats("q4_0") == (("Q4_0", "Q4_0"),)  # one name, both sides
     assert parse_formats("iq4_xs,Q5_K") == (("Q5_K", "Q5_K_M"), ("IQ4_XS", "IQ4_XS"))  # only where named
     assert parse_formats("q3_k_m") == parse_formats("Q3_K") == (("Q3_K", "Q3_K_M"),)
+    assert parse_formats("q2_k") == (("Q2_K", "Q2_K"),)
     assert not set(NAMED_ONLY) & set(default_pairs([]) + default_pairs(["avx512_bf16"]))
     with pytest.raises(ValueError, match="unknown sizes"):
         parse_sizes("7b")
@@ -115,7 +116,7 @@ def test_run_estimate_fits_the_time_budget_and_bounds_every_server_run():
     lines = plan(ALL, tuple(p for p in PAIRS if p not in NAMED_ONLY))
     total = sum(estimate_s(x) for x in lines)
     assert 40 * 60 <= total <= 75 * 60  # every pair named or not: both float pairs, Sluice fp32 and f16 each a server
-    assert sum(estimate_s(x) for x in plan(ALL, NAMED_ONLY)) <= 50 * 60  # Q5_K_M, IQ4_XS and Q3_K_M, when named
+    assert sum(estimate_s(x) for x in plan(ALL, NAMED_ONLY)) <= 60 * 60  # Q5_K_M, IQ4_XS, Q3_K_M and Q2_K, when named
     for flags in ([], ["amx_bf16"]):  # a run with the CPU's own float pairs takes about an hour
         assert 30 * 60 <= sum(estimate_s(x) for x in plan(ALL, default_pairs(flags), bf16=bool(flags))) <= 65 * 60
     assert max(workload_s(x, w) for x in lines for launch in x.launches for w in launch.workloads) <= 95
