@@ -90,7 +90,7 @@ class ModelConfig:
         "runs Q4_1; the output head int8); 'f16', 'bf16' (every weight rounded to 16 bits, widened to float32 in the "
         "kernel: half of fp32's memory and bytes per decode step, float32 arithmetic; bf16 keeps a bf16 "
         "checkpoint's weights exactly); 'gguf' (a .gguf file's blocks as stored, read in place: Q4_0 to "
-        "Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; Q2_K and the other IQ types requantized into Q8_0; "
+        "Q8_0, Q2_K to Q6_K, IQ4_NL, IQ4_XS; the other IQ types requantized into Q8_0; "
         "needs a .gguf model or the default one, whose wheel file is kept).",
         choices=QUANTIZATIONS,
     )

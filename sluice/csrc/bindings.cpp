@@ -32,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q5_0_linear", &q5_0_linear, "int4 linear on Q5_0 weights (packed codes and fifth bits)");
   m.def("q5_1_linear", &q5_1_linear, "int4 linear on Q5_1 weights (packed codes and fifth bits)");
   m.def("q6_k_linear", &q6_k_linear, "int4 linear on Q6_K weights (packed codes, their two high bits, the scales)");
+  m.def("q2_k_linear", &q2_k_linear, "int4 linear on Q2_K weights (2-bit codes, a scale and minimum per 16 inputs)");
   m.def("q3_k_linear", &q3_k_linear, "int4 linear on Q3_K weights (packed 3-bit codes, the scales per 16 inputs)");
   m.def("q8_0_packed_linear", &q8_0_packed_linear, "the int4 kernel's 8-bit sibling on packed Q8_0 weights");
   m.def("int4_linear_isa", &int4_linear_isa, "the int4 kernel's instruction set");
@@ -50,10 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks as stored to float32 rows");
   m.def("quant_linear", &quant_linear, "linear on a GGUF type's packed layout, its kernel found by type id");
   m.def("quant_types", &quant_types, "the quant-type table: (name, id, block size, block bytes, has a packed kernel)");
-  m.def("requantize_q8_0", &requantize_q8_0, "a GGUF type without a kernel, as stored, to Q8_0 rows");
-  m.def("requantized_types", &requantized_types, "the GGML type ids requantize_q8_0 reads");
   m.def("pack_q4_k", &pack_q4_k, "Q4_K rows regrouped for q4_k_linear");
   m.def("pack_q5_k", &pack_q5_k, "Q5_K rows regrouped for q5_k_linear");
+  m.def("pack_q2_k", &pack_q2_k, "Q2_K rows regrouped for q2_k_linear");
   m.def("pack_q3_k", &pack_q3_k, "Q3_K rows regrouped for q3_k_linear");
   m.def("pack_q6_k", &pack_q6_k, "Q6_K rows regrouped for q6_k_linear");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for runs on");

@@ -56,6 +56,12 @@ at::Tensor q6_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // K / 256, 16]; element = d * sc * q, q in -4..3. K a multiple of 256.
 at::Tensor q3_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& supers,
                        int64_t N);
+// The same kernel on Q2_K weights, their 2-bit codes four to a byte: qs uint8 [ceil(N / 16), K / 32, 2, 16, 4] (chunk
+// c, output o, byte t: in bits 2p, 2p + 1 the code of input 16c + 4p + t); scales_mins uint8 [ceil(N / 16), K / 32,
+// 2, 2, 16] (each 16 inputs' 4-bit scale sc, then minimum m); supers float16 [ceil(N / 16), K / 256, 2, 16] (d and
+// -dmin); element = d * sc * q - dmin * m. K a multiple of 256.
+at::Tensor q2_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
+                       const at::Tensor& supers, int64_t N);
 // The same kernel's 8-bit sibling on Q8_0 weights, a byte per code: qs uint8 [ceil(N / 16), K / 32, 8, 16, 4]
 // holding q + 128 (int4_linear.cpp, pack_q8_0), scale d float16 [ceil(N / 16), K / 32, 16]; element = q d.
 at::Tensor q8_0_packed_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale, int64_t N);
@@ -186,13 +192,10 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K);
 at::Tensor quant_linear(const at::Tensor& x, int64_t type, const at::Tensor& a, const at::Tensor& b,
                         const at::Tensor& c, int64_t N);
 std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, bool>> quant_types();
-// GGUF types without a kernel (requantized_types(), GGML ids: Q2_K), as the file stores them, w uint8
-// [N, K / 256 * block_bytes], requantized into Q8_0 rows uint8 [N, K / 32 * 34] (requantize.cpp says how).
-at::Tensor requantize_q8_0(const at::Tensor& w, int64_t type, int64_t K);
-std::vector<int64_t> requantized_types();
-// Q3_K rows uint8 [N, K / 256 * 110], Q4_K rows [N, K / 256 * 144], Q5_K rows [N, K / 256 * 176] and Q6_K rows
-// [N, K / 256 * 210] → q3_k_linear's, q4_k_linear's, q5_k_linear's and q6_k_linear's buffers (gguf_packs.py's
-// pack_q3_k, pack_q4_k, pack_q5_k and pack_q6_k, the same bytes; k_quant_pack.cpp).
+// Q2_K rows uint8 [N, K / 256 * 84], Q3_K rows [N, K / 256 * 110], Q4_K rows [N, K / 256 * 144], Q5_K rows
+// [N, K / 256 * 176] and Q6_K rows [N, K / 256 * 210] → q2_k_linear's to q6_k_linear's buffers (gguf_packs.py's
+// pack_q2_k to pack_q6_k, the same bytes; k_quant_pack.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q2_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q3_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data);

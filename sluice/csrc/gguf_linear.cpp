@@ -2,7 +2,7 @@
 // type naming its kernels, the C++ mirror of service/executor/layers/quant_types.py). A weight is uint8 [N, row_bytes],
 // each row its K / QK blocks exactly as the file stores them. Every block unpacks in registers to integer codes q
 // (int8), a scale per 16 inputs and an offset per 32, so that element i = scale[i / 16] * q[i] + offset[i / 32] for
-// every type (Q4_K: scale = d * sc, offset = -dmin * m; IQ4_NL: q a level of its table).
+// every type (Q4_K: scale = d * sc, offset = -dmin * m; IQ4_NL: q a level of its table; Q2_K: an offset per 16).
 //
 // stored_linear (few rows, decoding; the engine runs the types with a packed layout in int4_linear.cpp instead): each
 // input row is quantized per 32 inputs to int8 (qx, dx = max|x| / 127), as llama.cpp quantizes activations, so
@@ -21,6 +21,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "quant_types.h"
@@ -71,13 +72,19 @@ inline void unpack_nibbles(const uint8_t* qs, const uint8_t* high, int bias, int
 #endif
 }
 
-// One block unpacked: codes, a scale per 16 elements, an offset per 32.
+// One block unpacked: codes, a scale per 16 elements, an offset per 32 (per 16 where the type says kHalfOffsets).
 template <int QK>
 struct Unpacked {
   alignas(64) int8_t q[QK];
   float scale[QK / 16];
-  float offset[QK / 32];
+  float offset[QK / 16];
 };
+
+// Whether a type's offsets come per 16 elements (Q2_K's minimums), not per 32.
+template <class F, class = void>
+struct HalfOffsets : std::false_type {};
+template <class F>
+struct HalfOffsets<F, std::void_t<decltype(F::kHalfOffsets)>> : std::true_type {};
 
 struct Q4_0 {
   static constexpr int kQK = 32, kBytes = 18;
@@ -276,6 +283,22 @@ struct Q6_K {
   }
 };
 
+// Q2_K: scales[16] (each 16 elements' 4-bit scale in the low nibble, their minimum in the high one), qs[64] (element
+// 32 i + l's code at bit 2 (i % 4) of qs[32 (i / 4) + l]), d and dmin (float16). Element = d * sc * q - dmin * m.
+struct Q2_K {
+  static constexpr int kQK = 256, kBytes = 84;
+  static constexpr bool kHalfOffsets = true;
+  static void unpack(const uint8_t* b, Unpacked<256>& u) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    for (int i = 0; i < 8; ++i)
+      for (int l = 0; l < 32; ++l) u.q[32 * i + l] = static_cast<int8_t>(b[16 + 32 * (i / 4) + l] >> (2 * (i % 4)) & 3);
+    for (int s = 0; s < 16; ++s) {
+      u.scale[s] = d * static_cast<float>(b[s] & 15);
+      u.offset[s] = -(dmin * static_cast<float>(b[s] >> 4));
+    }
+  }
+};
+
 // Q3_K: hmask[32] (input 32 i + l's third bit in bit i of byte l; a clear bit subtracts 4), qs[64] (its low two bits
 // at bit 2 (i % 4) of byte 32 (i / 4) + l), scales[12] (sixteen 6-bit scales: s's low nibble in byte s % 8 at bit
 // 4 (s / 8), its high two bits in byte 8 + s % 4 at bit 2 (s / 4)), d (float16). Element = d * (sc - 32) * q, q in
@@ -303,6 +326,21 @@ struct Q3_K {
 
 using sluice::QuantizedRows;
 using sluice::quantize_rows;
+
+// Group s's offsets times its inputs (codes xq, scale dx; sx = dx times the codes' sum): one offset per 32, or per 16.
+template <class F, int QK>
+float offset_term(const Unpacked<QK>& u, int s, const int8_t* xq, float dx, float sx) {
+  if constexpr (HalfOffsets<F>::value) {
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < 16; ++j) {
+      lo += xq[j];
+      hi += xq[16 + j];
+    }
+    return dx * (u.offset[2 * s] * static_cast<float>(lo) + u.offset[2 * s + 1] * static_cast<float>(hi));
+  } else {
+    return u.offset[s] * sx;
+  }
+}
 
 template <class F, int Rows>
 void rows_dot(const QuantizedRows& x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
@@ -343,7 +381,7 @@ void rows_dot(const QuantizedRows& x, int64_t K, const uint8_t* w, int64_t row_b
               _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
 #endif
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv, _mm256_set1_ps(dx[r * G + g])), acc[r]);
-          offsets[r] += u.offset[s] * sx[r * G + g];
+          offsets[r] += offset_term<F>(u, s, qx + r * K + g * kGroup, dx[r * G + g], sx[r * G + g]);
         }
 #else
         const int8_t* wq = u.q + s * kGroup;
@@ -353,7 +391,7 @@ void rows_dot(const QuantizedRows& x, int64_t K, const uint8_t* w, int64_t row_b
           for (int j = 0; j < 16; ++j) lo += wq[j] * xq[j];
           for (int j = 16; j < 32; ++j) hi += wq[j] * xq[j];
           acc[r] += dx[r * G + g] * (u.scale[2 * s] * lo + u.scale[2 * s + 1] * hi);
-          offsets[r] += u.offset[s] * sx[r * G + g];
+          offsets[r] += offset_term<F>(u, s, xq, dx[r * G + g], sx[r * G + g]);
         }
 #endif
       }
@@ -379,10 +417,12 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0,
       for (int i = 0; i < F::kQK; i += 8) {
         const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + i));
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(q, _mm256_set1_ps(u.scale[i / 16]), _mm256_set1_ps(u.offset[i / 32])));
+        const float offset = u.offset[HalfOffsets<F>::value ? i / 16 : i / 32];
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(q, _mm256_set1_ps(u.scale[i / 16]), _mm256_set1_ps(offset)));
       }
 #else
-      for (int i = 0; i < F::kQK; ++i) o[i] = u.scale[i / 16] * static_cast<float>(u.q[i]) + u.offset[i / 32];
+      for (int i = 0; i < F::kQK; ++i)
+        o[i] = u.scale[i / 16] * static_cast<float>(u.q[i]) + u.offset[HalfOffsets<F>::value ? i / 16 : i / 32];
 #endif
     }
   }
@@ -448,6 +488,7 @@ constexpr sluice::QuantTraits kQuantTypes[] = {
     row<Q5<false>>("Q5_0", 6, q5_0_linear),
     row<Q5<true>>("Q5_1", 7, q5_1_linear),
     row<Q8_0>("Q8_0", 8, two_buffers<q8_0_packed_linear>),
+    row<Q2_K>("Q2_K", 10, q2_k_linear),
     row<Q3_K>("Q3_K", 11, q3_k_linear),
     row<QK4<false>>("Q4_K", 12, q4_k_linear),
     row<QK4<true>>("Q5_K", 13, q5_k_linear),

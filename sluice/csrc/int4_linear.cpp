@@ -1,9 +1,10 @@
-// Weight-only int3 to int8 linear (Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL or IQ4_XS
+// Weight-only int2 to int8 linear (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL or IQ4_XS
 // weights, int8 activations) for calls of any size, as llama.cpp runs its Q4_1 files. Weights: per 32 inputs of an
 // output row, 32 nibbles q with a float16 scale d and minimum m, element = q * d + m (Q4_0: no minimum, element
 // (q - 8) d; Q4_K: each group's scale d * sc and minimum -dmin * m; Q5_0 and Q5_1: a fifth bit per code, Q5_0's
 // element (q - 16) d; Q8_0: a byte per code, kept as q + 128; IQ4_NL and IQ4_XS: a nibble picks one of 16 levels;
-// Q6_K and Q3_K: a scale per 16 inputs, (q - 32) and (q - 4); the policies below). Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
+// Q6_K and Q3_K: a scale per 16 inputs, (q - 32) and (q - 4); Q2_K: a scale and minimum per 16, codes of 2 bits; the
+// policies below). Each input row is quantized per group of 32 to int8 (qx, scale dx = max|x| / 127), so
 //   y[r, n] = sum_g d[n, g] dx[r, g] * sum_j q[n, 32g + j] qx[r, 32g + j]  +  sum_g m[n, g] * xsum[r, g]
 // with xsum the float sum of the group's inputs (Q5_1: dx times the sum of the int8 codes, as llama.cpp's Q8_1
 // activations carry it). Q4_0, Q5_0 and Q8_0 have no minimum: their codes' offset (8, 16, 128) comes off the
@@ -68,6 +69,10 @@ inline ivec i4_bit(ivec v, int from, int to) {
   return _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(1 << to)));
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm512_or_si512(a, b); }
+// The 2-bit codes in bits 2p, 2p + 1 of every byte of v.
+inline ivec i4_crumb(ivec v, int p) {
+  return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * p)), _mm512_set1_epi8(3));
+}
 inline ivec i8_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }  // w: bytes 0..255
 // Nibbles 0..15 to kLevelBytes: one in-lane byte shuffle of the table, repeated in every 128-bit lane.
 inline ivec i4_levels(ivec nibbles) {
@@ -115,6 +120,9 @@ inline ivec i4_bit(ivec v, int from, int to) {  // as the AVX-512 one
   return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << to)));
 }
 inline ivec i4_or(ivec a, ivec b) { return _mm256_or_si256(a, b); }
+inline ivec i4_crumb(ivec v, int p) {  // as the AVX-512 one
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * p)), _mm256_set1_epi8(3));
+}
 // Bytes 0..255 against int8 would saturate pmaddubsw's pair sums (2 * 255 * 127), so the codes go back to signed
 // q = u - 128 and pmaddubsw takes |q| against x with q's sign: pair sums within 2 * 128 * 127 < 2^15 (|x| <= 127).
 // Half the instructions of summing each nibble apart. The sums come out as sum_j q qx, which vpdpbusd's sums of u
@@ -174,7 +182,7 @@ using sluice::quantize_rows;
 // Q4_1: float16 [blocks, G, 16] each.
 struct Q4_1Scales {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = false,
-                        kByteCodes = false, kMinimum = true, kLevels = false;
+                        kByteCodes = false, kMinimum = true, kLevels = false, kTwoBit = false;
   static constexpr int32_t kCodeBias = 0;
   const uint16_t* d;
   const uint16_t* m;
@@ -197,7 +205,7 @@ struct Q4_1Scales {
 template <bool Five>
 struct KScales {
   static constexpr bool kFifthBit = Five, kSixthBit = false, kHalfScales = false, kCodeSum = false,
-                        kByteCodes = false, kMinimum = true, kLevels = false;
+                        kByteCodes = false, kMinimum = true, kLevels = false, kTwoBit = false;
   static constexpr int32_t kCodeBias = 0;
   static constexpr int64_t kGroupHigh = Five ? 96 : 32;
   const uint8_t* sm;
@@ -243,7 +251,7 @@ using Q5_KScales = KScales<true>;
 template <bool WithMinimum>
 struct Q5Scales {
   static constexpr bool kFifthBit = true, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = false, kMinimum = WithMinimum, kLevels = false;
+                        kByteCodes = false, kMinimum = WithMinimum, kLevels = false, kTwoBit = false;
   static constexpr int32_t kCodeBias = WithMinimum ? 0 : 16;
   static constexpr int64_t kHalves = WithMinimum ? 2 : 1;
   const uint8_t* fifth;
@@ -273,7 +281,7 @@ struct Q5Scales {
 template <bool ByteCodes, int32_t CodeBias, bool Levels = false>
 struct ScaleOnly {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = ByteCodes, kMinimum = false, kLevels = Levels;
+                        kByteCodes = ByteCodes, kMinimum = false, kLevels = Levels, kTwoBit = false;
   static constexpr int32_t kCodeBias = CodeBias;
   const uint16_t* d;
   int64_t G;
@@ -307,7 +315,7 @@ using IQ4_NLScales = ScaleOnly<false, kSignedByteDot ? 0 : 128, true>;
 template <bool SixBits>
 struct HalfScales {
   static constexpr bool kFifthBit = SixBits, kSixthBit = SixBits, kHalfScales = true, kCodeSum = true,
-                        kByteCodes = false, kMinimum = false, kLevels = false;
+                        kByteCodes = false, kMinimum = false, kLevels = false, kTwoBit = false;
   static constexpr int32_t kCodeBias = 0;  // the half offset instead, in the half-scale branch
   static constexpr int32_t kHalfOffset = SixBits ? 32 : 4;
   static constexpr int64_t kGroupHigh = SixBits ? 160 : 32;
@@ -341,12 +349,49 @@ struct HalfScales {
 using Q6_KScales = HalfScales<true>;
 using Q3_KScales = HalfScales<false>;
 
+// Q2_K: codes of 2 bits, element = d * sc * q - dmin * m with a 4-bit sc and m per 16 inputs (a group's first 16,
+// then its last 16) and a float16 d and dmin per 256. The codes lie four to a byte: chunk c of a group (c = 0, 1)
+// holds in bits 2p, 2p + 1 of its lane's byte t the code of input 16c + 4p + t, so chunk 0 sums into the first half's
+// chain and chunk 1 into the second's. Per group uint8 [blocks, G, 2, 2, 16]: sc of each half, then m; d and -dmin
+// float16 [blocks, G / 8, 2, 16]. Each half's minimum multiplies dx times that half's activation codes' sum (`xsum`).
+struct Q2_KScales {
+  static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = true, kCodeSum = true,
+                        kByteCodes = false, kMinimum = true, kLevels = false, kTwoBit = true;
+  static constexpr int32_t kCodeBias = 0, kHalfOffset = 0;
+  const uint8_t* sm;
+  const uint16_t* super;
+  int64_t G;
+  const uint8_t* at(int64_t b, int64_t g, int which, int half) const {
+    return sm + (b * G + g) * 4 * kBlock + (2 * which + half) * kBlock;
+  }
+  const uint16_t* supers(int64_t b, int64_t g, int which) const {
+    return super + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
+  }
+  void prefetch(int64_t b, int64_t g) const {  // 4 bytes where the codes take 8
+    sluice::prefetch(at(b, g, 0, 0) + sluice::kPrefetchBytes / 2, 4 * kBlock);
+  }
+#ifdef I4_LANES
+  fvec half_scale(int64_t b, int64_t g, int h, int half) const {
+    return f_mul(f_u8(at(b, g, 0, half) + h * I4_LANES), f_half(supers(b, g, 0) + h * I4_LANES));
+  }
+  fvec half_minimum(int64_t b, int64_t g, int h, int half) const {
+    return f_mul(f_u8(at(b, g, 1, half) + h * I4_LANES), f_half(supers(b, g, 1) + h * I4_LANES));
+  }
+#endif
+  float half_scale_at(int64_t b, int64_t g, int64_t o, int half) const {
+    return static_cast<float>(at(b, g, 0, half)[o]) * half_to_float(supers(b, g, 0)[o]);
+  }
+  float half_minimum_at(int64_t b, int64_t g, int64_t o, int half) const {
+    return static_cast<float>(at(b, g, 1, half)[o]) * half_to_float(supers(b, g, 1)[o]);
+  }
+};
+
 // IQ4_XS: Q4_0's nibbles, each the index of a level (kLevelBytes: level + 128), element = d * sc * level with a
 // signed sc per group (int8 [blocks, G, 16], the file's 6-bit scale less 32) and a float16 d per 256 inputs
 // ([blocks, G / 8, 16]). The levels' 128 comes off the integer sum as Q8_0's does.
 struct IQ4_XSScales {
   static constexpr bool kFifthBit = false, kSixthBit = false, kHalfScales = false, kCodeSum = true,
-                        kByteCodes = false, kMinimum = false, kLevels = true;
+                        kByteCodes = false, kMinimum = false, kLevels = true, kTwoBit = false;
   static constexpr int32_t kCodeBias = kSignedByteDot ? 0 : 128;
   const int8_t* sc;
   const uint16_t* d;
@@ -365,10 +410,17 @@ struct IQ4_XSScales {
   }
 };
 
-// Bytes of one group of one block: 16 outputs x 16 bytes of nibbles, or 32 bytes of codes.
+// A half-scale policy's minimum of output o's half (Q2_K's); 0 for those without one, whose branch never calls it.
+template <class Scales>
+float half_minimum_of(const Scales& scales, int64_t b, int64_t g, int64_t o, int half) {
+  if constexpr (Scales::kMinimum) return scales.half_minimum_at(b, g, o, half);
+  else return 0.f;
+}
+
+// Bytes of one group of one block: 16 outputs x 16 bytes of nibbles, 32 bytes of codes, or 8 of 2-bit codes.
 template <class Scales>
 constexpr int64_t group_bytes() {
-  return Scales::kByteCodes ? 2 * kGroupBytes : kGroupBytes;
+  return Scales::kByteCodes ? 2 * kGroupBytes : Scales::kTwoBit ? kGroupBytes / 2 : kGroupBytes;
 }
 
 // Outputs of blocks [b0, b1) for Rows input rows; y rows are N apart, and the last block may reach past N. The
@@ -430,7 +482,19 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             }
           }
         }
-        for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {
+        for (int c = 0; c < 2 && Scales::kTwoBit; ++c) {  // 2-bit codes: chunk c holds inputs 16c..16c+15
+          for (int j = 0; j < kPer; ++j) {
+            const ivec v = i4_load(qblock + g * kStride + c * 64 + (h0 + j) * I4_LANES * 4);
+            for (int p = 0; p < 4; ++p) {
+              const ivec w = i4_crumb(v, p);
+              for (int r = 0; r < Rows; ++r) {
+                ivec& sum = c == 0 ? lo[r][j] : hi[r][j];
+                sum = dot(sum, w, i4_bcast(qx + at(r, g) * kGroup + 16 * c + 4 * p));
+              }
+            }
+          }
+        }
+        for (int c = 0; c < 4 && !Scales::kByteCodes && !Scales::kTwoBit; ++c) {
           for (int j = 0; j < kPer; ++j) {
             const int h = h0 + j;
             const ivec v = i4_load(qblock + g * kStride + c * 64 + h * I4_LANES * 4);
@@ -464,10 +528,17 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
               const float* offsets = xsum + at(r, g) * 2;  // this group's halves' code sums
               const fvec dxr = f_set1(dx[at(r, g)]);
               constexpr int32_t kOffset = Scales::kHalfOffset;
-              const ivec sum_lo = i4_add(widen(lo[r][j]), i4_set1(-kOffset * static_cast<int32_t>(offsets[0])));
-              const ivec sum_hi = i4_add(widen(hi[r][j]), i4_set1(-kOffset * static_cast<int32_t>(offsets[1])));
+              ivec sum_lo = widen(lo[r][j]), sum_hi = widen(hi[r][j]);
+              if constexpr (kOffset != 0) {
+                sum_lo = i4_add(sum_lo, i4_set1(-kOffset * static_cast<int32_t>(offsets[0])));
+                sum_hi = i4_add(sum_hi, i4_set1(-kOffset * static_cast<int32_t>(offsets[1])));
+              }
               total[r][j] = f_fmadd(f_cvt(sum_lo), f_mul(d_lo, dxr), total[r][j]);
               total[r][j] = f_fmadd(f_cvt(sum_hi), f_mul(d_hi, dxr), total[r][j]);
+              if constexpr (Scales::kMinimum) {  // each half's minimum times dx times its codes' sum
+                total[r][j] = f_fmadd(scales.half_minimum(b, g, h, 0), f_set1(dx[at(r, g)] * offsets[0]), total[r][j]);
+                total[r][j] = f_fmadd(scales.half_minimum(b, g, h, 1), f_set1(dx[at(r, g)] * offsets[1]), total[r][j]);
+              }
             }
           }
         } else {
@@ -500,7 +571,12 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
             for (int t = 0; t < 4; ++t) dot[c / 4] += w[t] * xg[4 * c + t];
           }
-          for (int c = 0; c < 4 && !Scales::kByteCodes; ++c) {
+          for (int c = 0; c < 2 && Scales::kTwoBit; ++c) {
+            const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
+            for (int p = 0; p < 4; ++p)
+              for (int t = 0; t < 4; ++t) dot[c] += (w[t] >> (2 * p) & 3) * xg[16 * c + 4 * p + t];
+          }
+          for (int c = 0; c < 4 && !Scales::kByteCodes && !Scales::kTwoBit; ++c) {
             const uint8_t* w = qblock + g * kStride + c * 64 + o * 4;
             for (int t = 0; t < 4; ++t) {
               int low = w[t] & 0x0F, high = w[t] >> 4;
@@ -520,6 +596,10 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             for (int half = 0; half < 2; ++half) {
               const int32_t sum = dot[half] - Scales::kHalfOffset * static_cast<int32_t>(xsum[at(r, g) * 2 + half]);
               total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[at(r, g)], total);
+            }
+            for (int half = 0; half < 2 && Scales::kMinimum; ++half) {
+              const float codes_x = dx[at(r, g)] * xsum[at(r, g) * 2 + half];
+              total = std::fma(half_minimum_of(scales, b, g, o, half), codes_x, total);
             }
           } else {
             const int32_t sum = dot[0] + dot[1] - Scales::kCodeBias * codes[at(r, g)];
@@ -734,6 +814,19 @@ at::Tensor q3_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                 "contiguous");
     return Q3_KScales{reinterpret_cast<const uint8_t*>(scales.data_ptr<int8_t>()),
                       reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()), G};
+  });
+}
+
+at::Tensor q2_k_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales_mins,
+                       const at::Tensor& supers, int64_t N) {
+  return packed_linear("q2_k_linear", x, qs, N, [&](int64_t blocks, int64_t G) {
+    TORCH_CHECK(G % 8 == 0, "q2_k_linear: K must be a multiple of 256");
+    TORCH_CHECK(has_shape(scales_mins, at::kByte, {blocks, G, 2, 2, kBlock}) &&
+                    has_shape(supers, at::kHalf, {blocks, G / 8, 2, kBlock}),
+                "q2_k_linear: scales_mins uint8 [ceil(N / 16), K / 32, 2, 2, 16], supers float16 [ceil(N / 16), "
+                "K / 256, 2, 16], contiguous");
+    return Q2_KScales{scales_mins.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()),
+                      G};
   });
 }
 

@@ -1,7 +1,7 @@
-// Q3_K, Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for q3_k_linear, q4_k_linear, q5_k_linear and
-// q6_k_linear: gguf_packs.py's pack_q3_k, pack_q4_k, pack_q5_k and pack_q6_k in one pass each (the torch versions stay
-// the reference and the fallback; tests/executor/layers/test_packed_types.py holds the two to the same bytes). Rows
-// past N read as zero blocks, as the torch versions pad them.
+// Q2_K, Q3_K, Q4_K, Q5_K and Q6_K rows as a file stores them regrouped for int4_linear.cpp's q2_k_linear to
+// q6_k_linear: gguf_packs.py's pack_q2_k to pack_q6_k in one pass each (the torch versions stay the reference and the
+// fallback; tests/executor/layers/test_packed_types.py holds the two to the same bytes). Rows past N read as zero
+// blocks, as the torch versions pad them.
 //
 // A Q4_K block (ggml's block_q4_K, 144 bytes): d, dmin (float16), scales[12] (eight 6-bit scales and minimums, as
 // gguf_blocks.k4_scales reads them), qs[128] (weight 32 g + l in the low nibble of qs[32 (g / 2) + l] for even g, the
@@ -17,6 +17,11 @@
 // (its low two bits at bit 2 (i % 4) of qs[32 (i / 4) + l]), scales[12] (sixteen 6-bit scales, gguf_blocks.q3_k_fields
 // reads them), d (float16). Packed as the codes q + 4 in int4_linear.cpp's nibbles, each 16 inputs' scale less 32 as
 // int8 [P, G, 2, 16] and d [P, nb, 16] (Q3_KScales).
+//
+// A Q2_K block (ggml's block_q2_K, 84 bytes): scales[16] (each 16 weights' 4-bit scale in the low nibble, minimum in
+// the high one), qs[64] (weight 32 i + l's code at bit 2 (i % 4) of qs[32 (i / 4) + l]), d, dmin (float16). Packed as
+// four codes a byte [P, G, 2, 16, 4], the scales and minimums [P, G, 2, 2, 16] and d, -dmin [P, nb, 2, 16]
+// (Q2_KScales).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -29,7 +34,7 @@
 namespace {
 
 constexpr int64_t kRows = 16, kGroup = 32, kSuper = 256, kQ6KBytes = 210, kQ4KBytes = 144, kQ5KBytes = 176,
-                  kQ3KBytes = 110, kGroupsPerSuper = 8;
+                  kQ3KBytes = 110, kQ2KBytes = 84, kGroupsPerSuper = 8;
 
 // A block's 256 six-bit codes in weight order.
 void codes_of(const uint8_t* b, uint8_t* codes) {
@@ -171,14 +176,43 @@ void pack_q3_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8
   });
 }
 
+// Pack p's 16 rows of Q2_K.
+void pack_q2_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* codes, uint8_t* scales_mins,
+                    uint16_t* supers) {
+  const int64_t G = nb * kGroupsPerSuper;
+  for_each_block<kQ2KBytes>(data, N, nb, p, [&](int64_t o, int64_t s, const uint8_t* b) {
+    uint16_t d, dmin;
+    std::memcpy(&d, b + 80, 2);
+    std::memcpy(&dmin, b + 82, 2);
+    supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
+    supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
+    for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
+      const int64_t g = s * kGroupsPerSuper + gs;
+      const uint8_t* qs = b + 16 + 32 * (gs / 4);
+      const int shift = 2 * (gs % 4);
+      for (int c = 0; c < 2; ++c)  // chunk c, byte t: bits 2q, 2q + 1 hold input 16c + 4q + t's code
+        for (int t = 0; t < 4; ++t) {
+          uint8_t byte = 0;
+          for (int q = 0; q < 4; ++q) byte |= uint8_t((qs[16 * c + 4 * q + t] >> shift & 3) << (2 * q));
+          codes[((p * G + g) * 2 + c) * kRows * 4 + o * 4 + t] = byte;
+        }
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t both = b[2 * gs + half];
+        scales_mins[((p * G + g) * 4 + half) * kRows + o] = both & 15;
+        scales_mins[((p * G + g) * 4 + 2 + half) * kRows + o] = both >> 4;
+      }
+    }
+  });
+}
+
 using PackRows = void (*)(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t* nibbles, uint8_t* middle,
                           uint16_t* supers);
 
-// `data`'s packs, made pack by pack on every thread: the nibbles [P, G, 4, 16, 4], the type's per-group buffer
+// `data`'s packs, made pack by pack on every thread: the codes [P, G, chunks, 16, 4], the type's per-group buffer
 // [P, G, middle...] and its float16 supers [P, nb, supers...].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> packed(const at::Tensor& data, const char* name, int64_t block_bytes,
                                                       std::vector<int64_t> middle, std::vector<int64_t> supers,
-                                                      PackRows pack_rows) {
+                                                      PackRows pack_rows, int64_t chunks = 4) {
   TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2 && data.size(1) > 0 &&
                   data.size(1) % block_bytes == 0 && data.is_contiguous(),
               name, ": data uint8 [N, whole ", block_bytes, "-byte blocks], contiguous");
@@ -186,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> packed(const at::Tensor& data, co
   const int64_t G = nb * kGroupsPerSuper;
   middle.insert(middle.begin(), {P, G});
   supers.insert(supers.begin(), {P, nb});
-  at::Tensor nibbles = at::empty({P, G, 4, kRows, 4}, data.options());
+  at::Tensor nibbles = at::empty({P, G, chunks, kRows, 4}, data.options());
   at::Tensor per_group = at::empty(middle, data.options());
   at::Tensor per_block = at::empty(supers, data.options().dtype(at::kHalf));
   const uint8_t* src = data.data_ptr<uint8_t>();
@@ -207,6 +241,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_k(const at::Tensor& data)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q5_k(const at::Tensor& data) {
   return packed(data, "pack_q5_k", kQ5KBytes, {96}, {2, kRows}, pack_k4_rows<true>);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q2_k(const at::Tensor& data) {
+  return packed(data, "pack_q2_k", kQ2KBytes, {2, 2, kRows}, {2, kRows}, pack_q2_k_rows, 2);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q3_k(const at::Tensor& data) {

@@ -59,8 +59,8 @@ def integer_kernels(isa: str):
     """The integer-weight linears (int4_linear.cpp, gguf_linear.cpp) built for `isa`
     (a key of MARCHES) as torch ops: `torch.ops.sluice_test_int_<isa>`, with int4_linear, q4_0_linear, q4_k_linear,
     q5_k_linear, iq4_nl_linear, iq4_xs_linear, q5_0_linear, q5_1_linear, q6_k_linear, q3_k_linear,
-    q8_0_packed_linear, isa, gguf_linear, gguf_dequantize, and the load's rewrites of blocks: pack_q3_k, pack_q4_k,
-    pack_q5_k, pack_q6_k and requantize_q8_0."""
+    q2_k_linear, q8_0_packed_linear, isa, gguf_linear, gguf_dequantize, and the load's packs of blocks: pack_q2_k,
+    pack_q3_k, pack_q4_k, pack_q5_k and pack_q6_k."""
     binding = ('#include <torch/library.h>\n#include "cpu_ops.h"\n'
                f'TORCH_LIBRARY(sluice_test_int_{isa}, m) {{ m.def("int4_linear", &int4_linear); '
                'm.def("q4_0_linear", &q4_0_linear); '
@@ -73,9 +73,9 @@ def integer_kernels(isa: str):
                'm.def("isa", &int4_linear_isa); m.def("gguf_linear", &gguf_linear); '
                'm.def("gguf_dequantize", &gguf_dequantize); '
                'm.def("pack_q4_k", &pack_q4_k); m.def("pack_q5_k", &pack_q5_k); m.def("pack_q6_k", &pack_q6_k); '
-               'm.def("pack_q3_k", &pack_q3_k); '
-               'm.def("requantize_q8_0", &requantize_q8_0); }\n')
-    build_variant(f"int_{isa}", ["int4_linear.cpp", "gguf_linear.cpp", "k_quant_pack.cpp", "requantize.cpp"], binding,
+               'm.def("pack_q3_k", &pack_q3_k); m.def("pack_q2_k", &pack_q2_k); '
+               'm.def("q2_k_linear", &q2_k_linear); }\n')
+    build_variant(f"int_{isa}", ["int4_linear.cpp", "gguf_linear.cpp", "k_quant_pack.cpp"], binding,
                   ["-O3", MARCHES[isa]], python_module=False)
     return getattr(torch.ops, f"sluice_test_int_{isa}")
 

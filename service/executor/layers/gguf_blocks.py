@@ -111,3 +111,11 @@ def q3_k_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = b[:, 96:108]
     high = ((sc[:, None, 8:12] >> PAIR_SHIFTS[:, None]) & 3).reshape(-1, 16)
     return low | (third << 2), torch.cat([sc[:, :8] & 15, sc[:, :8] >> 4], dim=-1) | (high << 4)
+
+
+def q2_k_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q2_K blocks [nb, 84] → their 2-bit codes uint8 [nb, 8, 32] (input 32 i + l's at bit 2 (i % 4) of
+    qs[32 (i / 4) + l], qs from byte 16) and each 16 inputs' 4-bit scale and minimum uint8 [nb, 16] (bytes 0-15: the
+    scale in the low nibble, the minimum in the high one)."""
+    codes = ((b[:, 16:80].reshape(-1, 2, 1, 32) >> PAIR_SHIFTS[:, None]) & 3).reshape(-1, 8, 32)
+    return codes, b[:, :16] & 15, b[:, :16] >> 4

@@ -14,6 +14,7 @@ from sluice.service.executor.layers.gguf_blocks import (
     iq4_xs_scales,
     k4_scales,
     k5_fifth_bits,
+    q2_k_fields,
     q3_k_fields,
     split_nibbles,
 )
@@ -349,6 +350,39 @@ def unpack_q3_k(nibbles: torch.Tensor, scales: torch.Tensor, supers: torch.Tenso
     sixbit = (_by_row(scales).reshape(-1, 16) + 32).view(torch.uint8)
     d = _by_row(supers.reshape(packs, groups // 8, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
     return torch.cat([_q3_k_bytes(codes, sixbit), d], dim=-1).reshape(-1, groups // 8 * 110)[:n]
+
+
+_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # plane p of a byte: bits 2p, 2p + 1
+
+
+def pack_q2_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q2_K rows uint8 [N, nb * 84] → q2_k_linear's blocks of 16 rows (N padded with zero rows): the 2-bit codes four
+    to a byte [N/16, G, 2, 16, 4] (chunk c, row o, byte t: in bits 2p, 2p + 1 the code of input 16c + 4p + t), each
+    16 inputs' scale and minimum uint8 [N/16, G, 2, 2, 16] (the group's two scales, then its two minimums), each 256
+    inputs' d and -dmin float16 [N/16, nb, 2, 16]. Every bit kept (unpack_q2_k), in 100 bytes per 84."""
+    n, nb = data.shape[0], data.shape[1] // 84
+    b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 84)
+    codes, scale, minimum = q2_k_fields(b)
+    crumbs = (codes.reshape(-1, 2, 4, 4) << _CRUMB_SHIFTS).sum(2, dtype=torch.uint8)  # [rows * G, c, t]
+    packed = _interleave(crumbs.reshape(-1, PACK_ROWS, nb * 8, 8))
+    per_group = torch.stack([scale.reshape(-1, nb * 8, 2), minimum.reshape(-1, nb * 8, 2)], dim=2)
+    scales_mins = _by_block(per_group.reshape(-1, nb * 8, 4)).reshape(-1, nb * 8, 2, 2, PACK_ROWS)
+    d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16) for at in (80, 82))
+    supers = _by_block(torch.cat([d, _negated(dmin)], dim=-1).reshape(-1, nb, 2))
+    return packed, scales_mins, supers
+
+
+def unpack_q2_k(packed: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q2_k: the first n rows as Q2_K blocks, uint8 [n, nb * 84]."""
+    packs, groups = packed.shape[:2]
+    crumbs = _deinterleave(packed).reshape(-1, 2, 1, 4)  # [rows * G, c, 1, t]
+    codes = ((crumbs >> _CRUMB_SHIFTS) & 3).reshape(-1, 2, 4, 32)  # [blocks, h, t, l]: input 32 (4h + t) + l
+    qs = (codes << _CRUMB_SHIFTS).sum(2, dtype=torch.uint8).reshape(-1, 64)
+    per_group = _by_row(scales_mins.reshape(packs, groups, 4, PACK_ROWS)).reshape(-1, 8, 2, 2)  # [blocks, g, sm, h]
+    scale, minimum = per_group[:, :, 0].reshape(-1, 16), per_group[:, :, 1].reshape(-1, 16)
+    d_dmin = _by_row(supers).reshape(-1, 2)
+    head = torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
+    return torch.cat([scale | (minimum << 4), qs, head], dim=-1).reshape(-1, groups // 8 * 84)[:n]
 
 
 def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

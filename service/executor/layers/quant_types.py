@@ -21,11 +21,13 @@ from sluice.service.executor.layers.gguf_blocks import (
     iq4_xs_scales,
     k4_scales,
     k5_fifth_bits,
+    q2_k_fields,
     q3_k_fields,
     split_nibbles,
 )
 from sluice.service.executor.layers.gguf_packs import (
     pack_iq4_xs,
+    pack_q2_k,
     pack_q3_k,
     pack_q4_0,
     pack_q4_1,
@@ -37,6 +39,7 @@ from sluice.service.executor.layers.gguf_packs import (
     pack_q8_0,
     q8_0_rows,
     unpack_iq4_xs,
+    unpack_q2_k,
     unpack_q3_k,
     unpack_q4_0,
     unpack_q4_1,
@@ -135,6 +138,13 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale.repeat_interleave(16, dim=-1) * q.reshape(-1, 256)).reshape(-1, 256)
 
 
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """Q2_K blocks: sixteen groups of 16, each d * scale * q - dmin * minimum, q a 2-bit code."""
+    codes, scale, minimum = q2_k_fields(b)
+    dl, ml = half_at(b, 80) * scale.float(), half_at(b, 82) * minimum.float()
+    return dl.repeat_interleave(16, dim=-1) * codes.reshape(-1, 256).float() - ml.repeat_interleave(16, dim=-1)
+
+
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
     """Q3_K blocks: sixteen groups of 16, each d * (its 6-bit scale - 32) * q, q a 3-bit code less 4."""
     codes, scales = q3_k_fields(b)
@@ -163,6 +173,8 @@ QUANT_TYPES: dict[int, QuantType] = {t.type_id: t for t in (
     QuantType("Q5_0", 6, 32, 22, _q5_0, Packing(("blocks", "fifth", "scale"), pack_q5_0, unpack_q5_0)),
     QuantType("Q5_1", 7, 32, 24, _q5_1, Packing(("blocks", "fifth", "scale_min"), pack_q5_1, unpack_q5_1)),
     QuantType("Q8_0", 8, 32, 34, _q8_0, Packing(("blocks", "scale"), pack_q8_0, unpack_q8_0, q8_0_rows)),
+    QuantType("Q2_K", 10, 256, 84, _q2_k,
+              Packing(("blocks", "scales_mins", "supers"), pack_q2_k, unpack_q2_k, native_pack="pack_q2_k")),
     QuantType("Q3_K", 11, 256, 110, _q3_k,
               Packing(("blocks", "scales", "supers"), pack_q3_k, unpack_q3_k, native_pack="pack_q3_k")),
     QuantType("Q4_K", 12, 256, 144, lambda b: _k4(b, five=False),

@@ -31,8 +31,8 @@ from sluice.service.executor.models.llama import LlamaForCausalLM
 logger = logging.getLogger("sluice.engine")
 
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # how numpy holds each
-# What a type without a kernel here (Q2_K, the IQ types but IQ4_NL and IQ4_XS) is served in: Q8_0, 8.5 bits a
-# weight, finer than any of those types (2-3.5 bits), so its values come back within Q8_0's rounding (half a step of
+# What a type without a kernel here (the IQ types but IQ4_NL and IQ4_XS) is served in: Q8_0, 8.5 bits a weight,
+# finer than any of those types (2-3.5 bits), so its values come back within Q8_0's rounding (half a step of
 # max|w| / 127 per 32 inputs).
 REQUANTIZED = "Q8_0"
 
@@ -46,8 +46,8 @@ def reverse_permute(rows: int, heads: int) -> np.ndarray:
 
 def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensors:
     """Access by transformers name to the file's tensors: float tensors of the file's own type (float32, float16,
-    bfloat16), and quantized ones as `GgufBlocks` (a type without a kernel here, Q2_K or another IQ type, requantized
-    into Q8_0), or as float32 where `dequantize`."""
+    bfloat16), and quantized ones as `GgufBlocks` (a type without a kernel here, an IQ type but IQ4_NL and IQ4_XS,
+    requantized into Q8_0), or as float32 where `dequantize`."""
     import gguf
     from gguf.quants import dequantize as dequantized
 
@@ -58,10 +58,6 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
         raise ValueError(f"{path.name}: unknown GGUF architecture {arch_name!r}")
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     rewritten: set[str] = set()
-    # The types the kernels requantize in one pass (the same bytes as gguf's dequantize and `quantize`, about 10x
-    # faster); any other goes through those two.
-    kernel = None if dequantize else native.load()
-    native_requantized = set(kernel.requantized_types()) if kernel is not None else set()
     permuted = {"attn_q": config.num_attention_heads,
                 "attn_k": config.num_key_value_heads or config.num_attention_heads} if arch_name == "llama" else {}
 
@@ -83,9 +79,6 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
         if qtype in BY_NAME and not dequantize:
             return GgufBlocks(torch.from_numpy(data), qtype, int(t.dims[0]))
         kind, in_features = gguf.GGMLQuantizationType[qtype], int(t.dims[0])
-        if not dequantize and kind.value in native_requantized:
-            blocks = kernel.requantize_q8_0(torch.from_numpy(data), kind.value, in_features)
-            return served_as(qtype, REQUANTIZED, blocks, in_features)
         try:
             values = torch.from_numpy(dequantized(data, kind))
         except NotImplementedError as error:

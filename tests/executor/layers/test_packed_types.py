@@ -1,6 +1,6 @@
-"""Q3_K, Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS regrouped for csrc/int4_linear.cpp (q3_k_linear,
-q4_0_linear, q5_0_linear, q5_1_linear, q5_k_linear, q6_k_linear, q8_0_packed_linear, iq4_nl_linear, iq4_xs_linear):
-every bit of the file kept,
+"""Q2_K, Q3_K, Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS regrouped for csrc/int4_linear.cpp
+(q2_k_linear, q3_k_linear, q4_0_linear, q5_0_linear, q5_1_linear, q5_k_linear, q6_k_linear, q8_0_packed_linear,
+iq4_nl_linear, iq4_xs_linear): every bit of the file kept,
 the kernel against the exact product of the int8-rounded activations and the file's weights, every instruction set
 the same, and the fused layer's linear on the same kernel (test_gguf_blocks runs a tiny Llama with Q4_0, Q5_0, Q5_1,
 Q5_K, Q8_0 and IQ4_XS linears through the fused layer and the Python path)."""
@@ -15,6 +15,7 @@ from sluice.service.executor.layers.gguf_blocks import GgufBlocks, quantize
 from sluice.service.executor.layers.gguf_linear import GgufEmbedding, GgufFormat, GgufLinear
 from sluice.service.executor.layers.gguf_packs import (
     pack_iq4_xs,
+    pack_q2_k,
     pack_q3_k,
     pack_q4_0,
     pack_q5_0,
@@ -23,6 +24,7 @@ from sluice.service.executor.layers.gguf_packs import (
     pack_q6_k,
     pack_q8_0,
     unpack_iq4_xs,
+    unpack_q2_k,
     unpack_q3_k,
     unpack_q4_0,
     unpack_q5_0,
@@ -36,12 +38,14 @@ from tests.support.gguf_files import random_blocks
 from tests.support.int8_rounding import int8_rounded, k_quant_reference
 from tests.support.kernels import integer_kernels, variant_isas
 
-PACKS = {"Q3_K": (pack_q3_k, unpack_q3_k, "q3_k_linear"), "Q4_0": (pack_q4_0, unpack_q4_0, "q4_0_linear"),
+PACKS = {"Q2_K": (pack_q2_k, unpack_q2_k, "q2_k_linear"), "Q3_K": (pack_q3_k, unpack_q3_k, "q3_k_linear"),
+         "Q4_0": (pack_q4_0, unpack_q4_0, "q4_0_linear"),
          "Q5_0": (pack_q5_0, unpack_q5_0, "q5_0_linear"), "Q5_1": (pack_q5_1, unpack_q5_1, "q5_1_linear"),
          "Q5_K": (pack_q5_k, unpack_q5_k, "q5_k_linear"), "Q6_K": (pack_q6_k, unpack_q6_k, "q6_k_linear"),
          "Q8_0": (pack_q8_0, unpack_q8_0, "q8_0_packed_linear"),
          "IQ4_NL": (pack_q4_0, unpack_q4_0, "iq4_nl_linear"), "IQ4_XS": (pack_iq4_xs, unpack_iq4_xs, "iq4_xs_linear")}
-SHAPES = {"Q3_K": [(3, 16, 4, 16, 4), (3, 16, 2, 16), (3, 2, 16)],  # nibbles, scales less 32 per 16, d per 256
+SHAPES = {"Q2_K": [(3, 16, 2, 16, 4), (3, 16, 2, 2, 16), (3, 2, 2, 16)],  # 2-bit codes, scales and minimums, d, -dmin
+          "Q3_K": [(3, 16, 4, 16, 4), (3, 16, 2, 16), (3, 2, 16)],  # nibbles, scales less 32 per 16, d per 256
           "Q4_0": [(3, 16, 4, 16, 4), (3, 16, 16)],  # codes (nibbles), scales
           "Q5_0": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 16)],  # codes (nibbles), fifth bits, scales
           "Q5_1": [(3, 16, 4, 16, 4), (3, 16, 16, 4), (3, 16, 2, 16)],
@@ -51,11 +55,11 @@ SHAPES = {"Q3_K": [(3, 16, 4, 16, 4), (3, 16, 2, 16), (3, 2, 16)],  # nibbles, s
           "IQ4_NL": [(3, 16, 4, 16, 4), (3, 16, 16)],  # as Q4_0's
           "IQ4_XS": [(3, 16, 4, 16, 4), (3, 16, 16), (3, 2, 16)]}  # nibbles (levels), scales less 32, d per 256
 # The packs' bytes per block of the file where they take more: the 6-bit scales (and minimums) a byte each, Q3_K's
-# 3-bit codes a nibble each.
-PACKED_BYTES = {"Q5_K": 180, "IQ4_XS": 138, "Q3_K": 146}
+# 3-bit codes a nibble each, Q2_K's 4-bit scales and minimums a byte each.
+PACKED_BYTES = {"Q5_K": 180, "IQ4_XS": 138, "Q3_K": 146, "Q2_K": 100}
 # The error naming a three-buffer type's middle buffer.
-MIDDLE = {"Q3_K": "scales int8", "Q5_0": "fifth uint8", "Q5_1": "fifth uint8", "Q5_K": "high_scales_mins uint8",
-          "Q6_K": "high_scales uint8", "IQ4_XS": "scales int8"}
+MIDDLE = {"Q2_K": "scales_mins uint8", "Q3_K": "scales int8", "Q5_0": "fifth uint8", "Q5_1": "fifth uint8",
+          "Q5_K": "high_scales_mins uint8", "Q6_K": "high_scales uint8", "IQ4_XS": "scales int8"}
 
 
 def rows_of(linear, *bounds) -> torch.Tensor:
@@ -105,9 +109,9 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_packs(qtype, monkeypat
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (qtype, slice_rows)
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_native_k_quant_packs_are_the_torch_ones_in_every_instruction_set(qtype, kernel):
-    """csrc/k_quant_pack.cpp, the load's pack of Q3_K, Q4_K, Q5_K and Q6_K rows, gives the torch packs' bytes: on
+    """csrc/k_quant_pack.cpp, the load's pack of Q2_K to Q6_K rows, gives the torch packs' bytes: on
     valid blocks of 40 rows (the last pack padded) and on any bytes (a permutation of every bit, NaN scales too)."""
     t = BY_NAME[qtype]
     raw = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (33, 2 * t.block_bytes), dtype=np.uint8))
@@ -233,18 +237,18 @@ def test_embedding_rows_come_from_the_packed_table(qtype, kernel):
 
 def extreme_blocks(qtype: str, n: int, k: int) -> torch.Tensor:
     """Rows of one block repeated: every code at its largest (Q5_0, Q5_1: 31; Q5_K: 31 at scale 63; Q3_K: 3 at
-    scale 31) with d = 1 and no minimum; IQ4_NL, IQ4_XS (at scale 31): each group's first 16 inputs level -127 and
-    its last 16 level 113."""
+    scale 31; Q2_K: 3 at scale 15) with d = 1 and no minimum; IQ4_NL, IQ4_XS (at scale 31): each group's first 16
+    inputs level -127 and its last 16 level 113."""
     block = torch.full((BY_NAME[qtype].block_bytes,), 0xFF, dtype=torch.uint8)  # fifth bits and nibbles all set
-    halves = {"Q5_1": [1.0, 0.0], "Q5_K": [1.0, 0.0]}.get(qtype, [1.0])  # d = 1 (m = dmin = 0)
-    at = 108 if qtype == "Q3_K" else 0  # where d lies
+    halves = {"Q5_1": [1.0, 0.0], "Q5_K": [1.0, 0.0], "Q2_K": [1.0, 0.0]}.get(qtype, [1.0])  # d = 1 (m = dmin = 0)
+    at = {"Q3_K": 108, "Q2_K": 80}.get(qtype, 0)  # where d lies
     block[at:at + 2 * len(halves)] = torch.tensor(halves, dtype=torch.float16).view(torch.uint8)
     if qtype in ("IQ4_NL", "IQ4_XS"):
         block[{"IQ4_NL": 2, "IQ4_XS": 8}[qtype]:] = 0xF0
     return block.repeat(n, k // BY_NAME[qtype].block_size)
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_the_largest_codes_against_the_largest_activations_sum_exactly(qtype, kernel):
     # Against every activation code +-127: the largest sums a group's products reach, exact in every instruction
     # set. 16-bit lanes, which AVX2's 4-bit sums use, would wrap on 16 five-bit products; pmaddubsw's pair sums of

@@ -142,9 +142,9 @@ def test_auto_serves_a_gguf_files_blocks_as_stored_on_cpu(tmp_path):
 
 
 def test_types_without_a_kernel_are_served_in_types_with_one(tmp_path):
-    """Q2_K and IQ3_S (a Q2_K or IQ3_S file's) have no kernel here: as stored, their values go into Q8_0 blocks, the
-    file's values quantized as --quantization int8 quantizes a float weight (Q2_K's in one native pass, IQ3_S's
-    through gguf's dequantize). A Q3_K_M file's Q3_K is served as stored."""
+    """IQ3_S (an IQ3_S file's) has no kernel here: as stored, its values go into Q8_0 blocks, the file's values
+    (through gguf's dequantize) quantized as --quantization int8 quantizes a float weight. A Q2_K or Q3_K_M file's
+    Q2_K and Q3_K are served as stored."""
     from sluice.service.executor.layers.gguf_blocks import quantize
     from sluice.service.executor.layers.gguf_linear import GgufLinear
     from sluice.service.executor.layers.quant_types import dequantize
@@ -153,7 +153,7 @@ def test_types_without_a_kernel_are_served_in_types_with_one(tmp_path):
     types = [{**LAYER_TYPES[0], "o_proj": "Q2_K", "down_proj": "Q3_K"}, {**LAYER_TYPES[1], "o_proj": "IQ3_S"}]
     path, config, floats = write_tiny_gguf(tmp_path / "k_quants.gguf", "llama", types=types)
     model, _ = load_model(str(path), "cpu", "float32")  # --quantization auto: the blocks as stored
-    for layer, name, served in ((0, "self_attn.o_proj", "Q8_0"), (0, "mlp.down_proj", "Q3_K"),
+    for layer, name, served in ((0, "self_attn.o_proj", "Q2_K"), (0, "mlp.down_proj", "Q3_K"),
                                 (1, "self_attn.o_proj", "Q8_0")):
         linear = model.layers[layer].get_submodule(name)
         weight = floats[f"model.layers.{layer}.{name}.weight"]
