@@ -482,15 +482,15 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             }
           }
         }
-        for (int c = 0; c < 2 && Scales::kTwoBit; ++c) {  // 2-bit codes: chunk c holds inputs 16c..16c+15
-          for (int j = 0; j < kPer; ++j) {
-            const ivec v = i4_load(qblock + g * kStride + c * 64 + (h0 + j) * I4_LANES * 4);
-            for (int p = 0; p < 4; ++p) {
-              const ivec w = i4_crumb(v, p);
-              for (int r = 0; r < Rows; ++r) {
-                ivec& sum = c == 0 ? lo[r][j] : hi[r][j];
-                sum = dot(sum, w, i4_bcast(qx + at(r, g) * kGroup + 16 * c + 4 * p));
-              }
+        for (int j = 0; j < kPer && Scales::kTwoBit; ++j) {  // 2-bit codes: chunk c holds inputs 16c..16c+15
+          const ivec v_lo = i4_load(qblock + g * kStride + (h0 + j) * I4_LANES * 4);
+          const ivec v_hi = i4_load(qblock + g * kStride + 64 + (h0 + j) * I4_LANES * 4);
+          for (int p = 0; p < 4; ++p) {
+            const ivec wl = i4_crumb(v_lo, p), wh = i4_crumb(v_hi, p);
+            for (int r = 0; r < Rows; ++r) {
+              const int8_t* xg = qx + at(r, g) * kGroup;
+              lo[r][j] = dot(lo[r][j], wl, i4_bcast(xg + 4 * p));
+              hi[r][j] = dot(hi[r][j], wh, i4_bcast(xg + 16 + 4 * p));
             }
           }
         }
@@ -521,24 +521,29 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
           }
         }
         if constexpr (Scales::kHalfScales) {
+          // Per row: the halves' sums at their scales (and the halves' minimums at their code sums), then dx once.
           for (int j = 0; j < kPer; ++j) {
             const int h = h0 + j;
             const fvec d_lo = scales.half_scale(b, g, h, 0), d_hi = scales.half_scale(b, g, h, 1);
+            fvec m_lo = d_lo, m_hi = d_hi;  // read only where there are minimums
+            if constexpr (Scales::kMinimum) {
+              m_lo = scales.half_minimum(b, g, h, 0);
+              m_hi = scales.half_minimum(b, g, h, 1);
+            }
             for (int r = 0; r < Rows; ++r) {
               const float* offsets = xsum + at(r, g) * 2;  // this group's halves' code sums
-              const fvec dxr = f_set1(dx[at(r, g)]);
               constexpr int32_t kOffset = Scales::kHalfOffset;
               ivec sum_lo = widen(lo[r][j]), sum_hi = widen(hi[r][j]);
               if constexpr (kOffset != 0) {
                 sum_lo = i4_add(sum_lo, i4_set1(-kOffset * static_cast<int32_t>(offsets[0])));
                 sum_hi = i4_add(sum_hi, i4_set1(-kOffset * static_cast<int32_t>(offsets[1])));
               }
-              total[r][j] = f_fmadd(f_cvt(sum_lo), f_mul(d_lo, dxr), total[r][j]);
-              total[r][j] = f_fmadd(f_cvt(sum_hi), f_mul(d_hi, dxr), total[r][j]);
-              if constexpr (Scales::kMinimum) {  // each half's minimum times dx times its codes' sum
-                total[r][j] = f_fmadd(scales.half_minimum(b, g, h, 0), f_set1(dx[at(r, g)] * offsets[0]), total[r][j]);
-                total[r][j] = f_fmadd(scales.half_minimum(b, g, h, 1), f_set1(dx[at(r, g)] * offsets[1]), total[r][j]);
+              fvec part = f_fmadd(f_cvt(sum_hi), d_hi, f_mul(f_cvt(sum_lo), d_lo));
+              if constexpr (Scales::kMinimum) {
+                part = f_fmadd(m_lo, f_set1(offsets[0]), part);
+                part = f_fmadd(m_hi, f_set1(offsets[1]), part);
               }
+              total[r][j] = f_fmadd(part, f_set1(dx[at(r, g)]), total[r][j]);
             }
           }
         } else {
@@ -593,14 +598,14 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             }
           }
           if constexpr (Scales::kHalfScales) {
-            for (int half = 0; half < 2; ++half) {
-              const int32_t sum = dot[half] - Scales::kHalfOffset * static_cast<int32_t>(xsum[at(r, g) * 2 + half]);
-              total = std::fma(static_cast<float>(sum), scales.half_scale_at(b, g, o, half) * dx[at(r, g)], total);
-            }
-            for (int half = 0; half < 2 && Scales::kMinimum; ++half) {
-              const float codes_x = dx[at(r, g)] * xsum[at(r, g) * 2 + half];
-              total = std::fma(half_minimum_of(scales, b, g, o, half), codes_x, total);
-            }
+            const float* offsets = xsum + at(r, g) * 2;
+            float sum[2];
+            for (int half = 0; half < 2; ++half)
+              sum[half] = static_cast<float>(dot[half] - Scales::kHalfOffset * static_cast<int32_t>(offsets[half]));
+            float part = std::fma(sum[1], scales.half_scale_at(b, g, o, 1), sum[0] * scales.half_scale_at(b, g, o, 0));
+            for (int half = 0; half < 2 && Scales::kMinimum; ++half)
+              part = std::fma(half_minimum_of(scales, b, g, o, half), offsets[half], part);
+            total = std::fma(part, dx[at(r, g)], total);
           } else {
             const int32_t sum = dot[0] + dot[1] - Scales::kCodeBias * codes[at(r, g)];
             total = std::fma(static_cast<float>(sum), scales.scale_at(b, g, o) * dx[at(r, g)], total);
