@@ -417,6 +417,14 @@ float half_minimum_of(const Scales& scales, int64_t b, int64_t g, int64_t o, int
   else return 0.f;
 }
 
+// Input rows a tile pass takes. The half-scale types keep two chains a row at any count: past 6 rows their sums,
+// scales and codes outgrow AVX-512's 32 registers (8 rows took 1.6-1.8x Q4_K's time on a 256-row prefill, 6 rows
+// 1.3-1.6x).
+template <class Scales>
+constexpr int tile_rows() {
+  return Scales::kHalfScales ? std::min(kRowsPerTilePass, 6) : kRowsPerTilePass;
+}
+
 // Bytes of one group of one block: 16 outputs x 16 bytes of nibbles, 32 bytes of codes, or 8 of 2-bit codes.
 template <class Scales>
 constexpr int64_t group_bytes() {
@@ -660,7 +668,8 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
   // One pass over the weights, or passes over tiles of them: the rows come interleaved per block of that path's
   // rows (rows_dot), so this one choice decides both.
   const bool one_pass = M <= kRowsPerPass;
-  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K, one_pass ? kRowsPerPass : kRowsPerTilePass);
+  constexpr int kTileRows = tile_rows<Scales>();
+  const QuantizedRows qx = quantize_rows(xc.data_ptr<float>(), M, K, one_pass ? kRowsPerPass : kTileRows);
   std::unique_ptr<float[]> half_sums;
   if constexpr (Scales::kHalfScales) half_sums = code_sums_by_half(qx.q.get(), M, K);
   const float* sums = Scales::kHalfScales ? half_sums.get() : Scales::kCodeSum ? qx.code_sum.get() : qx.sum.get();
@@ -678,7 +687,7 @@ at::Tensor packed_linear(const char* name, const at::Tensor& x, const at::Tensor
     if (one_pass) {
       sluice::with_rows<kRowsPerPass>(M, [&](auto rows) { rows_over(rows, 0, b0, b1); });
     } else {  // the weights stream from memory once, a tile at a time, and each pass reads the tile from cache
-      sluice::for_each_tile<kRowsPerTilePass>(M, b0, b1, G * group_bytes<Scales>(), rows_over);
+      sluice::for_each_tile<kTileRows>(M, b0, b1, G * group_bytes<Scales>(), rows_over);
     }
   });
   return y;
