@@ -199,6 +199,12 @@ struct Q4_1Scales {
   float minimum_at(int64_t b, int64_t g, int64_t o) const { return half_to_float(m[(b * G + g) * kBlock + o]); }
 };
 
+// Where the float16 d (which 0) or -dmin (which 1) of block b's group g lies, in supers [blocks, G / 8, 2, 16]
+// (Q4_K, Q5_K and Q2_K: one pair per 256 inputs).
+inline const uint16_t* d_dmin_at(const uint16_t* supers, int64_t b, int64_t g, int64_t G, int which) {
+  return supers + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
+}
+
 // Q4_K and Q5_K as the file has them: per group a 6-bit scale and minimum (Q4_K: uint8 [blocks, G, 2, 16]; Q5_K:
 // uint8 [blocks, G, 96], the codes' fifth bits in Q5_0's order [16, 4], then the scales and minimums [2, 16]), per
 // eight groups a float16 d and -dmin ([blocks, G / 8, 2, 16]); scale = d * sc, minimum = -dmin * m.
@@ -215,9 +221,7 @@ struct KScales {
   const uint8_t* six_bit(int64_t b, int64_t g, int which) const {
     return fifth_bits(b, g) + (Five ? 4 * kBlock : 0) + which * kBlock;
   }
-  const uint16_t* supers(int64_t b, int64_t g, int which) const {
-    return super + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
-  }
+  const uint16_t* supers(int64_t b, int64_t g, int which) const { return d_dmin_at(super, b, g, G, which); }
   void prefetch(int64_t b, int64_t g) const {  // Q4_K: 2 bytes where the codes take 16; Q5_K: 6
     sluice::prefetch(fifth_bits(b, g) + sluice::kPrefetchBytes * kGroupHigh / 256, kGroupHigh);
   }
@@ -364,9 +368,7 @@ struct Q2_KScales {
   const uint8_t* at(int64_t b, int64_t g, int which, int half) const {
     return sm + (b * G + g) * 4 * kBlock + (2 * which + half) * kBlock;
   }
-  const uint16_t* supers(int64_t b, int64_t g, int which) const {
-    return super + ((b * (G / 8) + g / 8) * 2 + which) * kBlock;
-  }
+  const uint16_t* supers(int64_t b, int64_t g, int which) const { return d_dmin_at(super, b, g, G, which); }
   void prefetch(int64_t b, int64_t g) const {  // 4 bytes where the codes take 8
     sluice::prefetch(at(b, g, 0, 0) + sluice::kPrefetchBytes / 2, 4 * kBlock);
   }
@@ -409,13 +411,6 @@ struct IQ4_XSScales {
     return static_cast<float>(sc[(b * G + g) * kBlock + o]) * half_to_float(super(b, g)[o]);
   }
 };
-
-// A half-scale policy's minimum of output o's half (Q2_K's); 0 for those without one, whose branch never calls it.
-template <class Scales>
-float half_minimum_of(const Scales& scales, int64_t b, int64_t g, int64_t o, int half) {
-  if constexpr (Scales::kMinimum) return scales.half_minimum_at(b, g, o, half);
-  else return 0.f;
-}
 
 // Input rows a tile pass takes. The half-scale types keep two chains a row at any count: past 6 rows their sums,
 // scales and codes outgrow AVX-512's 32 registers (8 rows took 1.6-1.8x Q4_K's time on a 256-row prefill, 6 rows
@@ -611,8 +606,10 @@ void rows_dot(const int8_t* qx, const float* dx, const float* xsum, const int32_
             for (int half = 0; half < 2; ++half)
               sum[half] = static_cast<float>(dot[half] - Scales::kHalfOffset * static_cast<int32_t>(offsets[half]));
             float part = std::fma(sum[1], scales.half_scale_at(b, g, o, 1), sum[0] * scales.half_scale_at(b, g, o, 0));
-            for (int half = 0; half < 2 && Scales::kMinimum; ++half)
-              part = std::fma(half_minimum_of(scales, b, g, o, half), offsets[half], part);
+            if constexpr (Scales::kMinimum) {
+              for (int half = 0; half < 2; ++half)
+                part = std::fma(scales.half_minimum_at(b, g, o, half), offsets[half], part);
+            }
             total = std::fma(part, dx[at(r, g)], total);
           } else {
             const int32_t sum = dot[0] + dot[1] - Scales::kCodeBias * codes[at(r, g)];

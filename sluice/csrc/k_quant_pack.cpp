@@ -79,6 +79,16 @@ void for_each_block(const uint8_t* data, int64_t N, int64_t nb, int64_t p, Fn fn
   }
 }
 
+// Row o's d and -dmin (float16 at d_dmin and d_dmin + 2; -dmin by its sign bit) of super-block s of pack p, in
+// supers [P, nb, 2, 16] (Q4_K, Q5_K, Q2_K).
+void store_d_dmin(uint16_t* supers, int64_t nb, int64_t p, int64_t s, int64_t o, const uint8_t* d_dmin) {
+  uint16_t d, dmin;
+  std::memcpy(&d, d_dmin, 2);
+  std::memcpy(&dmin, d_dmin + 2, 2);
+  supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
+  supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
+}
+
 // Row o's 32 codes of one group, code(j) for input j (each below 16), as int4_linear.cpp's nibbles: byte t of chunk c
 // holds input 4c + t in its low nibble and input 16 + 4c + t in its high one.
 template <class Code>
@@ -135,11 +145,7 @@ void pack_k4_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8_t
   constexpr int64_t kBytes = Five ? kQ5KBytes : kQ4KBytes, kGroupBytes = Five ? 96 : 32, kScalesAt = Five ? 64 : 0;
   const int64_t G = nb * kGroupsPerSuper;
   for_each_block<kBytes>(data, N, nb, p, [&](int64_t o, int64_t s, const uint8_t* b) {
-    uint16_t d, dmin;
-    std::memcpy(&d, b, 2);
-    std::memcpy(&dmin, b + 2, 2);
-    supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
-    supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
+    store_d_dmin(supers, nb, p, s, o, b);
     const uint8_t* sc = b + 4;
     for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
       const int64_t g = s * kGroupsPerSuper + gs;
@@ -181,11 +187,7 @@ void pack_q2_k_rows(const uint8_t* data, int64_t N, int64_t nb, int64_t p, uint8
                     uint16_t* supers) {
   const int64_t G = nb * kGroupsPerSuper;
   for_each_block<kQ2KBytes>(data, N, nb, p, [&](int64_t o, int64_t s, const uint8_t* b) {
-    uint16_t d, dmin;
-    std::memcpy(&d, b + 80, 2);
-    std::memcpy(&dmin, b + 82, 2);
-    supers[((p * nb + s) * 2 + 0) * kRows + o] = d;
-    supers[((p * nb + s) * 2 + 1) * kRows + o] = uint16_t(dmin ^ 0x8000);
+    store_d_dmin(supers, nb, p, s, o, b + 80);
     for (int64_t gs = 0; gs < kGroupsPerSuper; ++gs) {
       const int64_t g = s * kGroupsPerSuper + gs;
       const uint8_t* qs = b + 16 + 32 * (gs / 4);

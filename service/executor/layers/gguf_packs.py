@@ -117,6 +117,30 @@ def _negated(half: torch.Tensor) -> torch.Tensor:
     return (half.view(torch.int16) ^ -0x8000).view(torch.float16)
 
 
+def _supers(b: torch.Tensor, nb: int, at: int) -> torch.Tensor:
+    """Blocks [16 P * nb, bytes] → the float16 d at byte `at` of each, per 16 rows: [P, nb, 16]."""
+    return _by_block(b[:, at:at + 2].contiguous().view(torch.float16).reshape(-1, nb, 1)).reshape(-1, nb, PACK_ROWS)
+
+
+def _supers_bytes(supers: torch.Tensor) -> torch.Tensor:
+    """The inverse of _supers: each block's d as its 2 bytes, [16 P * nb, 2]."""
+    packs, nb = supers.shape[:2]
+    return _by_row(supers.reshape(packs, nb, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
+
+
+def _d_dmin_supers(b: torch.Tensor, nb: int, at: int) -> torch.Tensor:
+    """Blocks [16 P * nb, bytes] → their d and -dmin (float16 at bytes `at` and `at` + 2), per 16 rows: [P, nb, 2,
+    16]."""
+    d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16) for i in (at, at + 2))
+    return _by_block(torch.cat([d, _negated(dmin)], dim=-1).reshape(-1, nb, 2))
+
+
+def _d_dmin_bytes(supers: torch.Tensor) -> torch.Tensor:
+    """The inverse of _d_dmin_supers: each block's d and dmin as their 4 bytes, [16 P * nb, 4]."""
+    d_dmin = _by_row(supers).reshape(-1, 2)
+    return torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
+
+
 def _k4_packs(b: torch.Tensor, nb: int, qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K or Q5_K blocks [16 P * nb, bytes] and their 128 bytes of nibbles → the codes' low four bits as
     int4_linear's nibbles [P, G, 4, 16, 4], each group's 6-bit scale and minimum [P, G, 2, 16], d and -dmin [P, nb, 2,
@@ -125,9 +149,7 @@ def _k4_packs(b: torch.Tensor, nb: int, qs: torch.Tensor) -> tuple[torch.Tensor,
     nibbles = _interleave((codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, PACK_ROWS, nb * 8, 16))
     scale, minimum = k4_scales(b[:, 4:16])
     scales_mins = _by_block(torch.stack([scale, minimum], dim=-1).reshape(-1, nb * 8, 2))
-    d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16) for at in (0, 2))
-    supers = _by_block(torch.cat([d, _negated(dmin)], dim=-1).reshape(-1, nb, 2))
-    return nibbles, scales_mins, supers
+    return nibbles, scales_mins, _d_dmin_supers(b, nb, 0)
 
 
 def _k4_fields(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -137,9 +159,7 @@ def _k4_fields(nibbles: torch.Tensor, scales_mins: torch.Tensor, supers: torch.T
     codes = torch.cat([rows & 15, rows >> 4], dim=-1).reshape(-1, 4, 2, 32)  # chunk j: group 2j low, 2j+1 high
     qs = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(-1, 128)
     sm = _by_row(scales_mins).reshape(-1, 8, 2)
-    d_dmin = _by_row(supers).reshape(-1, 2)
-    head = torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
-    return torch.cat([head, _k4_scale_bytes(sm[..., 0], sm[..., 1])], dim=-1), qs
+    return torch.cat([_d_dmin_bytes(supers), _k4_scale_bytes(sm[..., 0], sm[..., 1])], dim=-1), qs
 
 
 def pack_q4_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,7 +214,7 @@ def pack_iq4_xs(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 136)
     nibbles = _interleave(b[:, 8:].reshape(-1, PACK_ROWS, nb * 8, 16))
     scales = _by_block((iq4_xs_scales(b).view(torch.int8) - 32).reshape(-1, nb * 8, 1)).reshape(-1, nb * 8, PACK_ROWS)
-    supers = _by_block(b[:, :2].contiguous().view(torch.float16).reshape(-1, nb, 1)).reshape(-1, nb, PACK_ROWS)
+    supers = _supers(b, nb, 0)
     return nibbles, scales, supers
 
 
@@ -203,7 +223,7 @@ def unpack_iq4_xs(nibbles: torch.Tensor, scales: torch.Tensor, supers: torch.Ten
     packs, groups = nibbles.shape[:2]
     qs = _deinterleave(nibbles).reshape(-1, 128)
     sixbit = (_by_row(scales.reshape(packs, groups, 1, PACK_ROWS)).reshape(-1, 8) + 32).view(torch.uint8)
-    d = _by_row(supers.reshape(packs, groups // 8, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
+    d = _supers_bytes(supers)
     return torch.cat([d, _iq4_xs_scale_bytes(sixbit), qs], dim=-1).reshape(-1, groups // 8 * 136)[:n]
 
 
@@ -298,7 +318,7 @@ def pack_q6_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     planes = torch.stack([_bit_plane((codes >> bit) & 1) for bit in (4, 5)], dim=1)  # [rows * G, 2, 4]
     planes = planes.reshape(-1, PACK_ROWS, nb * 8, 2, 4).permute(0, 2, 3, 1, 4).reshape(-1, nb * 8, 128)
     scales = _by_block(b[:, 192:208].reshape(-1, nb * 8, 2)).reshape(-1, nb * 8, 32)
-    supers = _by_block(b[:, 208:210].contiguous().view(torch.float16).reshape(-1, nb, 1)).reshape(-1, nb, PACK_ROWS)
+    supers = _supers(b, nb, 208)
     return nibbles, torch.cat([planes, scales], dim=-1).contiguous(), supers
 
 
@@ -314,7 +334,7 @@ def unpack_q6_k(nibbles: torch.Tensor, high_scales: torch.Tensor, supers: torch.
     ql = (e[:, :, 0] & 15) | ((e[:, :, 1] & 15) << 4)  # [B, 2, 64]
     qh = ((e.reshape(-1, 2, 4, 32) >> 4) << PAIR_SHIFTS[:, None]).sum(2, dtype=torch.uint8)  # [B, 2, 32]
     scales = _by_row(high_scales[..., 128:].reshape(packs, groups, 2, PACK_ROWS)).reshape(-1, 16)
-    d = _by_row(supers.reshape(packs, nb, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
+    d = _supers_bytes(supers)
     blocks = torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), scales, d], dim=-1)
     return blocks.reshape(-1, nb * 210)[:n]
 
@@ -338,7 +358,7 @@ def pack_q3_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     codes = codes.reshape(-1, 32)  # [rows * G, 32]
     nibbles = _interleave((codes[:, :16] | (codes[:, 16:] << 4)).reshape(-1, PACK_ROWS, nb * 8, 16))
     signed = _by_block((scales.view(torch.int8) - 32).reshape(-1, nb * 8, 2))
-    supers = _by_block(b[:, 108:110].contiguous().view(torch.float16).reshape(-1, nb, 1)).reshape(-1, nb, PACK_ROWS)
+    supers = _supers(b, nb, 108)
     return nibbles, signed, supers
 
 
@@ -348,11 +368,8 @@ def unpack_q3_k(nibbles: torch.Tensor, scales: torch.Tensor, supers: torch.Tenso
     rows = _deinterleave(nibbles).reshape(-1, 16)  # [rows * G, 16]
     codes = torch.cat([rows & 15, rows >> 4], dim=-1).reshape(-1, 8, 32)
     sixbit = (_by_row(scales).reshape(-1, 16) + 32).view(torch.uint8)
-    d = _by_row(supers.reshape(packs, groups // 8, 1, PACK_ROWS)).reshape(-1).view(torch.uint8).reshape(-1, 2)
+    d = _supers_bytes(supers)
     return torch.cat([_q3_k_bytes(codes, sixbit), d], dim=-1).reshape(-1, groups // 8 * 110)[:n]
-
-
-_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # plane p of a byte: bits 2p, 2p + 1
 
 
 def pack_q2_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -363,26 +380,22 @@ def pack_q2_k(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     n, nb = data.shape[0], data.shape[1] // 84
     b = F.pad(data, (0, 0, 0, -n % PACK_ROWS)).reshape(-1, 84)
     codes, scale, minimum = q2_k_fields(b)
-    crumbs = (codes.reshape(-1, 2, 4, 4) << _CRUMB_SHIFTS).sum(2, dtype=torch.uint8)  # [rows * G, c, t]
+    crumbs = (codes.reshape(-1, 2, 4, 4) << PAIR_SHIFTS[:, None]).sum(2, dtype=torch.uint8)  # [rows * G, c, t]
     packed = _interleave(crumbs.reshape(-1, PACK_ROWS, nb * 8, 8))
     per_group = torch.stack([scale.reshape(-1, nb * 8, 2), minimum.reshape(-1, nb * 8, 2)], dim=2)
     scales_mins = _by_block(per_group.reshape(-1, nb * 8, 4)).reshape(-1, nb * 8, 2, 2, PACK_ROWS)
-    d, dmin = (b[:, at:at + 2].contiguous().view(torch.float16) for at in (80, 82))
-    supers = _by_block(torch.cat([d, _negated(dmin)], dim=-1).reshape(-1, nb, 2))
-    return packed, scales_mins, supers
+    return packed, scales_mins, _d_dmin_supers(b, nb, 80)
 
 
 def unpack_q2_k(packed: torch.Tensor, scales_mins: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack_q2_k: the first n rows as Q2_K blocks, uint8 [n, nb * 84]."""
     packs, groups = packed.shape[:2]
     crumbs = _deinterleave(packed).reshape(-1, 2, 1, 4)  # [rows * G, c, 1, t]
-    codes = ((crumbs >> _CRUMB_SHIFTS) & 3).reshape(-1, 2, 4, 32)  # [blocks, h, t, l]: input 32 (4h + t) + l
-    qs = (codes << _CRUMB_SHIFTS).sum(2, dtype=torch.uint8).reshape(-1, 64)
+    codes = ((crumbs >> PAIR_SHIFTS[:, None]) & 3).reshape(-1, 2, 4, 32)  # [blocks, h, t, l]: input 32 (4h + t) + l
+    qs = (codes << PAIR_SHIFTS[:, None]).sum(2, dtype=torch.uint8).reshape(-1, 64)
     per_group = _by_row(scales_mins.reshape(packs, groups, 4, PACK_ROWS)).reshape(-1, 8, 2, 2)  # [blocks, g, sm, h]
     scale, minimum = per_group[:, :, 0].reshape(-1, 16), per_group[:, :, 1].reshape(-1, 16)
-    d_dmin = _by_row(supers).reshape(-1, 2)
-    head = torch.stack([d_dmin[:, 0], _negated(d_dmin[:, 1])], dim=-1).contiguous().view(torch.uint8)
-    return torch.cat([scale | (minimum << 4), qs, head], dim=-1).reshape(-1, groups // 8 * 84)[:n]
+    return torch.cat([scale | (minimum << 4), qs, _d_dmin_bytes(supers)], dim=-1).reshape(-1, groups // 8 * 84)[:n]
 
 
 def pack_q8_0(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,14 +85,11 @@ def read_tensors(path: Path, config, dequantize: bool = False) -> weights.Tensor
             raise ValueError(f"{path.name}: {gguf_name}.{suffix} is {qtype}, which gguf cannot dequantize") from error
         if dequantize:
             return values
-        return served_as(qtype, REQUANTIZED, quantize(values, REQUANTIZED), in_features)
-
-    def served_as(qtype: str, served: str, blocks: torch.Tensor, in_features: int) -> GgufBlocks:
         if qtype not in rewritten:
-            logger.info("%s: %s has no kernel here; its tensors are served in %s blocks (requantized)", path.name,
-                        qtype, served)
+            logger.info("%s: %s has no kernel here; its tensors are requantized into %s blocks", path.name, qtype,
+                        REQUANTIZED)
             rewritten.add(qtype)
-        return GgufBlocks(blocks, served, in_features)
+        return GgufBlocks(quantize(values, REQUANTIZED), REQUANTIZED, in_features)
 
     return tensor
 
